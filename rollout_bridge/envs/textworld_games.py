@@ -1,0 +1,194 @@
+"""Seeded, cached TextWorld game sets: the canonical task set and the warm-start set.
+
+A *game set* is a folder of TextWorld games generated offline, exactly as
+
+    tw-make custom --world-size W --nb-objects O --quest-length Q --seed S --output g.z8
+
+would make them, but through the Python API (`textworld.generator.make_game` +
+`compile_game`) in one process, which is ~1 s per game instead of ~4 s per `tw-make` call.
+Game i of a set uses seed `base_seed + i`. The folder is complete once its
+`manifest.json` is written (last, atomically); an interrupted generation is resumed, a
+complete one is reused. Each `.z8` sits next to its `.json` (TextWorld's game description,
+which carries the walkthrough).
+
+The warm-start (SFT) set must be disjoint from the training set so that the cold start
+teaches the action format and general skill, not the answers to the training tasks
+(`generate_disjoint_game_set`): games whose (objective, walkthrough) coincide with a
+training game are skipped and replaced by the next seed.
+
+ALFWorld (or any other local TextWorld games) plugs in through `list_game_files`: point
+it at a folder and it returns every playable game file under it (recursively):
+`*.z8`/`*.z5` (Inform7 / z-machine, TextWorld's own) and `*.tw-pddl` (ALFWorld's PDDL
+games, e.g. `$ALFWORLD_DATA/json_2.1.1/train/*/*/game.tw-pddl`).
+`.ulx` (Glulx) is not playable with textworld >= 1.7 and is rejected with a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+MANIFEST = "manifest.json"
+PLAYABLE_SUFFIXES = (".z8", ".z5", ".z3", ".tw-pddl")
+
+
+@dataclasses.dataclass(frozen=True)
+class GameSetSpec:
+    """What to generate: `num_games` games with seeds `base_seed .. base_seed+num_games-1`.
+
+    world_size = number of rooms, nb_objects = objects in the world, quest_length = number
+    of actions in the winning walkthrough (tw-make's `custom` options of the same names).
+    """
+
+    name: str
+    num_games: int
+    base_seed: int
+    world_size: int = 2
+    nb_objects: int = 4
+    quest_length: int = 1
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+", self.name):
+            raise ValueError(f"name must be [A-Za-z0-9_-]+, got {self.name!r}")
+        for field in ("num_games", "world_size", "nb_objects", "quest_length"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.base_seed < 0:
+            raise ValueError(f"base_seed must be >= 0, got {self.base_seed}")
+
+    @property
+    def folder_name(self) -> str:
+        return (f"{self.name}_w{self.world_size}_o{self.nb_objects}_q{self.quest_length}"
+                f"_s{self.base_seed}_n{self.num_games}")
+
+
+def _game_options(seed: int, spec: GameSetSpec, path: Path):
+    from textworld import GameOptions
+
+    options = GameOptions()
+    options.seeds = seed
+    options.nb_rooms = spec.world_size
+    options.nb_objects = spec.nb_objects
+    options.quest_length = spec.quest_length
+    options.path = str(path)
+    options.force_recompile = True
+    return options
+
+
+def generate_game(seed: int, spec: GameSetSpec, path: Path) -> dict:
+    """Generate and compile one game to `path` (.z8); return its record for the manifest."""
+    from textworld.generator import compile_game, make_game
+
+    options = _game_options(seed, spec, path)
+    game = make_game(options)
+    compiled = compile_game(game, options)
+    walkthrough = list(game.metadata.get("walkthrough") or [])
+    if not walkthrough:
+        raise RuntimeError(f"game seed {seed} has no walkthrough")
+    return {
+        "file": os.path.basename(compiled),
+        "seed": seed,
+        "objective": game.objective,
+        "walkthrough": walkthrough,
+    }
+
+
+def game_signature(record: dict) -> str:
+    """Content identity of a game: objective + walkthrough (names differ across seeds)."""
+    text = record["objective"] + "\n" + "\n".join(record["walkthrough"])
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _load_manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    tmp = folder / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp, folder / MANIFEST)
+
+
+def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
+                      exclude_signatures: Iterable[str] = (), progress=None) -> list[Path]:
+    """Make (or reuse) the game set `spec` under `data_dir`; return its .z8 paths in order.
+
+    Games whose signature is in `exclude_signatures` (or repeats an earlier game of the
+    set) are skipped and the next seed is tried, so the set always has `num_games`
+    distinct games. Deterministic: same spec and exclusions -> same games.
+    """
+    folder = Path(data_dir) / spec.folder_name
+    manifest = _load_manifest(folder)
+    if manifest is not None and manifest.get("spec") == dataclasses.asdict(spec):
+        return [folder / g["file"] for g in manifest["games"]]
+    folder.mkdir(parents=True, exist_ok=True)
+    excluded = set(exclude_signatures)
+    records: list[dict] = []
+    seed = spec.base_seed
+    max_seed = spec.base_seed + 20 * spec.num_games + 100
+    while len(records) < spec.num_games:
+        if seed >= max_seed:
+            raise RuntimeError(
+                f"could not make {spec.num_games} distinct games for {spec.name!r}; "
+                "increase world_size / nb_objects / quest_length")
+        path = folder / f"game_{seed:06d}.z8"
+        record = generate_game(seed, spec, path)
+        signature = game_signature(record)
+        if signature not in excluded:
+            excluded.add(signature)
+            records.append(record)
+        seed += 1
+        if progress is not None:
+            progress(len(records), spec.num_games)
+    _write_manifest(folder, {"spec": dataclasses.asdict(spec), "games": records})
+    return [folder / g["file"] for g in records]
+
+
+def game_set_signatures(spec: GameSetSpec, data_dir: str | os.PathLike) -> set[str]:
+    manifest = _load_manifest(Path(data_dir) / spec.folder_name)
+    if manifest is None:
+        raise FileNotFoundError(f"game set {spec.folder_name} not generated under {data_dir}")
+    return {game_signature(g) for g in manifest["games"]}
+
+
+def generate_disjoint_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
+                               disjoint_from: Sequence[GameSetSpec], progress=None) -> list[Path]:
+    """Generate `spec` with no game in common with the (already generated) `disjoint_from`."""
+    excluded: set[str] = set()
+    for other in disjoint_from:
+        excluded |= game_set_signatures(other, data_dir)
+    return generate_game_set(spec, data_dir, exclude_signatures=excluded, progress=progress)
+
+
+def list_game_files(folder: str | os.PathLike) -> list[Path]:
+    """Every playable game under `folder` (recursive, sorted): .z8/.z5/.z3 and .tw-pddl.
+
+    This is the path for user-supplied games, e.g. ALFWorld's
+    `json_2.1.1/train/<task>/<trial>/game.tw-pddl` after `alfworld-download`.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"game folder {str(root)!r} does not exist")
+    files = sorted(p for p in root.rglob("*") if p.suffix in PLAYABLE_SUFFIXES and p.is_file())
+    if not files:
+        ulx = list(root.rglob("*.ulx"))
+        hint = (" (found .ulx Glulx games, which textworld >= 1.7 cannot play; regenerate "
+                "them as .z8 or use ALFWorld's game.tw-pddl files)") if ulx else ""
+        raise FileNotFoundError(f"no playable games ({', '.join(PLAYABLE_SUFFIXES)}) under "
+                                f"{str(root)!r}{hint}")
+    return files
+
+
+def task_name_for(path: str | os.PathLike, root: str | os.PathLike) -> str:
+    """Stable task name: the game's path relative to its set's root folder."""
+    return str(Path(path).resolve().relative_to(Path(root).resolve()))
