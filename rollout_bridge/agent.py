@@ -1,0 +1,251 @@
+"""The multi-turn agent loop: token ids in, token ids out, an action mask per token.
+
+The history is NEVER decoded and re-tokenized (huggingface/trl#5224, verl#3720: that
+changes ids and breaks rollout/learner log-prob agreement). The loop keeps one token list:
+  * the chat template renders the initial prompt (``apply_chat_template``);
+  * the engine's sampled ids are appended verbatim (action mask 1, their log-probs);
+  * the template's turn-closing tokens after a reply (e.g. ``"\\n"`` after
+    ``<|im_end|>``) and each observation, rendered as a new user turn plus the generation
+    prompt, are appended with action mask 0.
+The turn-closing and observation-turn ids are derived from the tokenizer's own template by
+rendering two conversations that differ by one message and taking the text difference, so
+users' real HF tokenizers (Qwen2/Qwen3 ChatML) work the same way as the tiny one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Sequence
+
+from rollout_bridge.engine.base import RolloutEngine, SamplingParams
+from rollout_bridge.envs.base import AnyEnvironment, as_async
+from rollout_bridge.trajectory import DispatchStamp, Trajectory
+
+_MARK_USER = "U"
+_MARK_REPLY = "QzXreplyMARKqZ"
+
+
+def _as_id_list(encoded: Any) -> list[int]:
+    """``apply_chat_template(tokenize=True)`` returns a list or a BatchEncoding (v5)."""
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return [int(t) for t in encoded]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """Token-level chat pieces derived once from a tokenizer's chat template.
+
+    turn_close_ids: ids the template puts after an assistant reply's content (e.g.
+    ``<|im_end|>\\n``); its first id is the stop token the model samples.
+    stop_token_ids: ids that end a reply (turn-close stop id and the tokenizer's eos).
+    """
+
+    tokenizer: Any
+    turn_close_ids: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]
+    system_prompt: str | None = None
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, system_prompt: str | None = None, **template_kwargs) -> "ChatFormat":
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("tokenizer must have a chat_template")
+        fmt = cls(tokenizer, (), (), system_prompt, tuple(sorted(template_kwargs.items())))
+        rendered = fmt.render(
+            [{"role": "user", "content": _MARK_USER}, {"role": "assistant", "content": _MARK_REPLY}], False
+        )
+        if _MARK_REPLY not in rendered:
+            raise ValueError("chat template does not render assistant content verbatim")
+        close_text = rendered[rendered.rindex(_MARK_REPLY) + len(_MARK_REPLY):]
+        close_ids = tuple(fmt.encode(close_text))
+        stops = []
+        if close_ids and close_ids[0] in set(tokenizer.all_special_ids):
+            stops.append(close_ids[0])
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
+            stops.append(int(tokenizer.eos_token_id))
+        if not stops:
+            raise ValueError("could not determine a stop token from the chat template or eos_token")
+        return dataclasses.replace(fmt, turn_close_ids=close_ids, stop_token_ids=tuple(stops))
+
+    def _with_system(self, messages: list[dict]) -> list[dict]:
+        if self.system_prompt is None:
+            return messages
+        return [{"role": "system", "content": self.system_prompt}, *messages]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            self._with_system(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **dict(self.template_kwargs),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def prompt_ids(self, observation: str) -> list[int]:
+        """Initial prompt: the template over ``[system?, user: observation]`` + generation prompt."""
+        messages = self._with_system([{"role": "user", "content": observation}])
+        return _as_id_list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **dict(self.template_kwargs)
+            )
+        )
+
+    def observation_turn_ids(self, observation: str) -> list[int]:
+        """Ids of one more user turn carrying ``observation``, then the generation prompt."""
+        base = self.render([{"role": "user", "content": _MARK_USER}], False)
+        full = self.render(
+            [{"role": "user", "content": _MARK_USER}, {"role": "user", "content": observation}], True
+        )
+        if not full.startswith(base):
+            raise ValueError("chat template does not render an appended turn as a suffix")
+        return self.encode(full[len(base):])
+
+    def close_ids(self, reply_ids: Sequence[int]) -> list[int]:
+        """Template tokens closing the assistant turn after ``reply_ids`` (not sampled)."""
+        if reply_ids and reply_ids[-1] in self.stop_token_ids:
+            return list(self.turn_close_ids[1:])
+        return list(self.turn_close_ids)
+
+    def action_text(self, reply_ids: Sequence[int]) -> str:
+        """The reply as text for the environment (special tokens dropped)."""
+        return self.tokenizer.decode(list(reply_ids), skip_special_tokens=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Episode limits. ``max_total_tokens`` bounds prompt + all turns; the per-turn
+    ``sampling.max_new_tokens`` is lowered to fit. ``env_timeout_s`` bounds each env call
+    (None: no limit)."""
+
+    max_turns: int = 8
+    max_total_tokens: int = 2048
+    sampling: SamplingParams = SamplingParams()
+    env_timeout_s: float | None = 60.0
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+
+
+class _History:
+    """The growing token list with its mask and log-probs (append-only)."""
+
+    def __init__(self, prompt_ids: Sequence[int]):
+        self.token_ids = list(prompt_ids)
+        self.action_mask = [False] * len(self.token_ids)
+        self.rollout_logp = [0.0] * len(self.token_ids)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.token_ids += ids
+        self.action_mask += [False] * len(ids)
+        self.rollout_logp += [0.0] * len(ids)
+
+    def add_actions(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        self.token_ids += ids
+        self.action_mask += [True] * len(ids)
+        self.rollout_logp += [float(x) for x in logprobs]
+
+
+async def _env_call(awaitable, timeout_s: float | None):
+    if timeout_s is None:
+        return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)
+
+
+async def run_episode(
+    engine: RolloutEngine,
+    env: AnyEnvironment,
+    chat: ChatFormat,
+    stamp: DispatchStamp,
+    config: AgentConfig = AgentConfig(),
+) -> Trajectory:
+    """Play task ``stamp.task_id`` to the end; return its :class:`Trajectory`.
+
+    Environment exceptions and time-outs end the episode as ``failed`` (reward 0, error
+    text recorded); an engine abort ends it as ``aborted``; hitting ``max_turns`` or
+    ``max_total_tokens`` before the environment finishes ends it ``truncated`` (reward 0).
+    Cancellation (the orchestrator aborting) propagates.
+    """
+    loop = asyncio.get_running_loop()
+    env = as_async(env)
+    turn_latencies, env_latencies, events, reasons = [], [], [], []
+    history: _History | None = None
+    outcome = dict(reward=0.0, truncated=False, failed=False, aborted=False, error=None)
+
+    async def timed_env(awaitable):
+        start = loop.time()
+        try:
+            return await _env_call(awaitable, config.env_timeout_s)
+        finally:
+            env_latencies.append(loop.time() - start)
+
+    try:
+        observation = await timed_env(env.reset(stamp.task_id))
+        history = _History(chat.prompt_ids(observation))
+        for turn in range(config.max_turns):
+            budget = config.max_total_tokens - len(history.token_ids)
+            if budget < 1:
+                outcome["truncated"] = True
+                break
+            params = dataclasses.replace(
+                config.sampling,
+                max_new_tokens=min(config.sampling.max_new_tokens, budget),
+                stop_token_ids=tuple(dict.fromkeys(config.sampling.stop_token_ids + chat.stop_token_ids)),
+            )
+            start = loop.time()
+            result = await engine.generate(list(history.token_ids), params)
+            turn_latencies.append(loop.time() - start)
+            events.append(result.policy_event)
+            reasons.append(result.finish_reason)
+            if result.finish_reason == "abort":
+                outcome["aborted"] = True
+                break
+            history.add_actions(result.token_ids, result.logprobs)
+            step = await timed_env(env.step(chat.action_text(result.token_ids)))
+            if step.done:
+                outcome["reward"] = float(step.reward)
+                break
+            if turn == config.max_turns - 1:
+                outcome["truncated"] = True
+                break
+            context = chat.close_ids(result.token_ids) + chat.observation_turn_ids(step.observation)
+            if len(history.token_ids) + len(context) >= config.max_total_tokens:
+                outcome["truncated"] = True
+                break
+            history.add_context(context)
+    except asyncio.CancelledError:
+        raise
+    except asyncio.TimeoutError:
+        outcome.update(failed=True, reward=0.0, error=f"environment timed out after {config.env_timeout_s}s")
+    except Exception as exc:  # noqa: BLE001 - any env/engine failure is recorded, never fatal
+        outcome.update(failed=True, reward=0.0, error=f"{type(exc).__name__}: {exc}")
+    if history is None:
+        history = _History(())
+    if outcome["reward"] not in (0.0, 1.0):
+        outcome.update(failed=True, error=f"non-binary reward {outcome['reward']}", reward=0.0)
+    return Trajectory(
+        stamp=stamp,
+        token_ids=tuple(history.token_ids),
+        action_mask=tuple(history.action_mask),
+        rollout_logp=tuple(history.rollout_logp),
+        prompt_length=_prompt_length(history.action_mask),
+        finish_time=loop.time(),
+        turn_latencies=tuple(turn_latencies),
+        env_latencies=tuple(env_latencies),
+        turn_policy_events=tuple(events),
+        finish_reasons=tuple(reasons),
+        **outcome,
+    )
+
+
+def _prompt_length(action_mask: Sequence[bool]) -> int:
+    for i, is_action in enumerate(action_mask):
+        if is_action:
+            return i
+    return len(action_mask)
