@@ -207,6 +207,9 @@ async def run_episode(
                 outcome["aborted"] = True
                 break
             history.add_actions(result.token_ids, result.logprobs)
+            if result.finish_reason == "length" and len(history.token_ids) >= config.max_total_tokens:
+                outcome["truncated"] = True  # the reply was cut by the episode's token budget
+                break
             step = await timed_env(env.step(chat.action_text(result.token_ids)))
             if step.done:
                 outcome["reward"] = float(step.reward)
