@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from rollout_bridge.envs.base import Environment, StepResult
 from rollout_bridge.envs.textworld_env import (
     MAX_COMMAND_CHARS,
+    ObservationStyle,
     TextWorldEnv,
     TextWorldTasks,
     clean_feedback,
@@ -95,6 +96,27 @@ def test_two_step_quest_and_demonstration(data_dir):
     assert demo[1][0] != demo[0][0] and demo[1][0].startswith("Goal: ")
 
 
+def test_numbered_actions_accept_the_number(train_files):
+    tasks = TextWorldTasks(train_files, train_files[0].parent, max_turns=4,
+                           style=ObservationStyle(max_feedback_chars=80, numbered_actions=True))
+    demo = tasks.demonstration(0)
+    episode = tasks.episode(0)
+    observation = episode.reset()
+    assert observation == demo[0][0]
+    actions = observation.split("Actions: ")[1].split(" | ")
+    assert actions == [f"{i} {c}" for i, c in enumerate(episode.admissible, 1)]
+    # the demo's reply is the number of the walkthrough command in the shown list
+    number = int(demo[0][1])
+    assert episode.admissible[number - 1] == episode.walkthrough[0]
+    # an out-of-range number goes to the game as typed: an ordinary observation
+    outcome = episode.step(str(len(episode.admissible) + 1))
+    assert outcome.info["command"] == str(len(episode.admissible) + 1) and not outcome.won
+    outcome = episode.step(demo[0][1])
+    assert outcome.info["command"] == episode.walkthrough[0]
+    assert outcome.won and outcome.reward == 1.0
+    episode.close()
+
+
 def test_turn_limit_ends_episode_without_reward(tasks):
     env = TextWorldEnv(tasks)
     env.reset(0)
@@ -144,6 +166,7 @@ def test_sanitize_and_clean():
     assert sanitize_command("\n  go east  \nopen door") == "go east"
     assert sanitize_command("日本 look") == "look"
     assert sanitize_command("") == ""
+    assert sanitize_command("open \\door") == "open door"   # frotz reads "\\" as an escape
     assert clean_feedback("\nYou see.\n\n\n>   -= Room =-0/1") == "You see."
     assert clean_feedback("a" * 50, max_chars=10) == "a" * 10 + " ..."
 

@@ -45,9 +45,10 @@ _BLANK_LINES = re.compile(r"\n\s*\n+")
 
 
 def sanitize_command(text: str) -> str:
-    """The command a model's reply stands for: first non-empty line, printable ASCII."""
+    """The command a model's reply stands for: first non-empty line, printable ASCII
+    (without backslashes, which the z-machine interpreter reads as its own escapes)."""
     for line in str(text).splitlines():
-        line = "".join(ch for ch in line if 32 <= ord(ch) < 127).strip()
+        line = "".join(ch for ch in line if 32 <= ord(ch) < 127 and ch != "\\").strip()
         if line:
             return line[:MAX_COMMAND_CHARS]
     return ""
@@ -63,9 +64,21 @@ def clean_feedback(text: str, max_chars: int = MAX_FEEDBACK_CHARS) -> str:
     return text
 
 
-def format_observation(objective: str, feedback: str, admissible: Sequence[str]) -> str:
-    return (f"Goal: {objective.strip()}\n{feedback}\n"
-            f"Actions: {' | '.join(admissible)}")
+def format_observation(objective: str, feedback: str, admissible: Sequence[str],
+                       numbered: bool = False) -> str:
+    if numbered:
+        actions = " | ".join(f"{i} {command}" for i, command in enumerate(admissible, 1))
+    else:
+        actions = " | ".join(admissible)
+    return f"Goal: {objective.strip()}\n{feedback}\nActions: {actions}"
+
+
+def resolve_command(command: str, admissible: Sequence[str], numbered: bool) -> str:
+    """With numbered actions, a reply "k" (1-based) stands for the k-th admissible
+    command shown; anything else (other numbers too) is sent to the game as typed."""
+    if numbered and command.isdigit() and 1 <= int(command) <= len(admissible):
+        return admissible[int(command) - 1]
+    return command
 
 
 def _request_infos():
@@ -96,6 +109,21 @@ def start_game(path: str):
                                wrappers=_wrappers_for(path))
 
 
+@dataclasses.dataclass(frozen=True)
+class ObservationStyle:
+    """How observations are written. `max_feedback_chars` cuts the game's text (room
+    descriptions are long; a tiny model needs short prompts). `numbered_actions` numbers
+    the admissible commands ("1 go east | 2 open cabinet") and accepts the number as the
+    reply (the tiny CPU job; ALFWorld recipes keep free-text commands)."""
+
+    max_feedback_chars: int = MAX_FEEDBACK_CHARS
+    numbered_actions: bool = False
+
+    def __post_init__(self):
+        if self.max_feedback_chars < 1:
+            raise ValueError(f"max_feedback_chars must be >= 1, got {self.max_feedback_chars}")
+
+
 @dataclasses.dataclass
 class StepOutcome:
     observation: str
@@ -108,16 +136,14 @@ class StepOutcome:
 class TextWorldEpisode:
     """One running game. `reset()` then `step(text)` until `done`. Not thread-safe."""
 
-    def __init__(self, path: str, max_turns: int, max_feedback_chars: int = MAX_FEEDBACK_CHARS):
+    def __init__(self, path: str, max_turns: int, style: ObservationStyle = ObservationStyle()):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        if max_feedback_chars < 1:
-            raise ValueError(f"max_feedback_chars must be >= 1, got {max_feedback_chars}")
         self.path = str(path)
         self.max_turns = max_turns
-        self.max_feedback_chars = max_feedback_chars
+        self.style = style
         self._env = None
-        self._commands: list[str] = []
+        self.commands: list[str] = []
         self.objective = ""
         self.walkthrough: list[str] = []
         self.admissible: list[str] = []
@@ -125,22 +151,31 @@ class TextWorldEpisode:
         self.done = False
         self.won = False
 
+    def _observation(self, feedback: str) -> str:
+        return format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
+                                  self.admissible, self.style.numbered_actions)
+
     def reset(self) -> str:
         self.close()
         self._env = start_game(self.path)
         state = self._env.reset()
-        self._commands, self.turns, self.done, self.won = [], 0, False, False
+        self.commands, self.turns, self.done, self.won = [], 0, False, False
         self.objective = state["objective"] or ""
         self.walkthrough = list(state.get("extra.walkthrough") or [])
         self.admissible = list(state["admissible_commands"] or [])
-        feedback = clean_feedback(state["description"] or state.feedback, self.max_feedback_chars)
-        return format_observation(self.objective, feedback, self.admissible)
+        return self._observation(state["description"] or state.feedback)
+
+    def reply_for(self, command: str) -> str:
+        """What the policy should type to issue `command` now (its number if numbered)."""
+        if self.style.numbered_actions and command in self.admissible:
+            return str(self.admissible.index(command) + 1)
+        return command
 
     def _replay(self) -> None:
         self.close()
         self._env = start_game(self.path)
         self._env.reset()
-        for command in self._commands:
+        for command in self.commands:
             self._env.step(command)
 
     def step(self, text: str) -> StepOutcome:
@@ -148,13 +183,14 @@ class TextWorldEpisode:
             raise RuntimeError("call reset() before step()")
         if self.done:
             raise RuntimeError("episode is over; call reset()")
-        command = sanitize_command(text)
+        command = resolve_command(sanitize_command(text), self.admissible,
+                                  self.style.numbered_actions)
         self.turns += 1
         error = None
         try:
             state, _, game_over = self._env.step(command)
-            feedback = clean_feedback(state.feedback, self.max_feedback_chars)
-            self._commands.append(command)
+            feedback = state.feedback
+            self.commands.append(command)
             self.admissible = list(state["admissible_commands"] or [])
             self.won = bool(state["won"])
             lost = bool(state["lost"])
@@ -164,11 +200,10 @@ class TextWorldEpisode:
             feedback, game_over, lost = "Nothing happens.", False, False
         self.done = bool(self.won or lost or game_over or self.turns >= self.max_turns)
         reward = 1.0 if self.won else 0.0
-        observation = format_observation(self.objective, feedback, self.admissible)
         info = {"command": command, "turns": self.turns, "lost": lost}
         if error is not None:
             info["error"] = error
-        return StepOutcome(observation, reward, self.done, self.won, info)
+        return StepOutcome(self._observation(feedback), reward, self.done, self.won, info)
 
     def close(self) -> None:
         if self._env is not None:
@@ -183,14 +218,14 @@ class TextWorldTasks:
     sorted order, where a game's name is its path relative to `root`; stable across runs."""
 
     def __init__(self, game_files: Sequence[str | os.PathLike], root: str | os.PathLike,
-                 max_turns: int = 8, max_feedback_chars: int = MAX_FEEDBACK_CHARS):
+                 max_turns: int = 8, style: ObservationStyle = ObservationStyle()):
         if not game_files:
             raise ValueError("game_files is empty")
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.root = Path(root)
         self.max_turns = max_turns
-        self.max_feedback_chars = max_feedback_chars
+        self.style = style
         files = {task_name_for(p, root): str(p) for p in game_files}
         self.task_names: list[str] = sorted(files)
         self.game_files: list[str] = [files[name] for name in self.task_names]
@@ -201,28 +236,30 @@ class TextWorldTasks:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, max_turns: int = 8,
-                    max_feedback_chars: int = MAX_FEEDBACK_CHARS) -> "TextWorldTasks":
+                    style: ObservationStyle = ObservationStyle()) -> "TextWorldTasks":
         """Every playable game under `folder` (generated sets, ALFWorld's game.tw-pddl)."""
-        return cls(list_game_files(folder), folder, max_turns, max_feedback_chars)
+        return cls(list_game_files(folder), folder, max_turns, style)
 
     def episode(self, task_id: int) -> TextWorldEpisode:
         task_id = check_task_id(task_id, self.num_tasks)
-        return TextWorldEpisode(self.game_files[task_id], self.max_turns, self.max_feedback_chars)
+        return TextWorldEpisode(self.game_files[task_id], self.max_turns, self.style)
 
     def demonstration(self, task_id: int) -> list[tuple[str, str]]:
-        """Teacher demonstration: (observation, walkthrough command) per turn, to a win."""
+        """Teacher demonstration: (observation, reply) per turn of the walkthrough, to a
+        win; the reply is the walkthrough command (its number with numbered actions)."""
         episode = self.episode(task_id)
         observation = episode.reset()
         pairs = []
         try:
             for command in episode.walkthrough:
-                pairs.append((observation, command))
-                outcome = episode.step(command)
+                reply = episode.reply_for(command)
+                pairs.append((observation, reply))
+                outcome = episode.step(reply)
                 observation = outcome.observation
                 if outcome.done:
                     break
             if not episode.won:
-                raise RuntimeError(f"walkthrough of {task_id!r} does not win within "
+                raise RuntimeError(f"walkthrough of task {task_id} does not win within "
                                    f"max_turns={self.max_turns}")
         finally:
             episode.close()
