@@ -1,0 +1,163 @@
+"""`ModelConfig`: the static description of a Qwen3 / Qwen2 decoder, read from a HF config.
+
+The config is a frozen (hashable) dataclass so that it can live as static metadata on the
+NNX module and inside `jax.jit` closures. `hf_config` keeps the original HF `config.json`
+dict so that `save_pretrained` writes back exactly what was read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_LAYER_TYPES = ("full_attention",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static hyper-parameters of the decoder (names follow transformers' Qwen3Config)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = True
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] = ()
+    model_type: str = "qwen3"
+    # Original HF config as a sorted tuple of (key, json string) pairs: hashable and exact.
+    hf_config_items: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                    f"{self.num_hidden_layers}")
+        for layer_type in self.layer_types:
+            if layer_type not in SUPPORTED_LAYER_TYPES:
+                raise NotImplementedError(f"layer type {layer_type!r} is not implemented "
+                                                                    f"(supported: {SUPPORTED_LAYER_TYPES})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(f"rope_type {self.rope_type!r} is not implemented "
+                                                                f"(supported: {SUPPORTED_ROPE_TYPES})")
+        if self.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {self.hidden_act!r} (only 'silu')")
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        """The HF config.json contents (a fresh dict)."""
+        if self.hf_config_items:
+            return {k: json.loads(v) for k, v in self.hf_config_items}
+        return self._synthesized_hf_config()
+
+    @classmethod
+    def from_hf(cls, path_or_hf_config: Any) -> "ModelConfig":
+        """Builds the config from a checkpoint folder, a `config.json` path, a dict, or a
+        transformers `PretrainedConfig` (Qwen3Config / Qwen2Config)."""
+        hf = _as_config_dict(path_or_hf_config)
+        model_type = hf.get("model_type", "qwen3")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(f"model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+        is_qwen3 = model_type == "qwen3"
+        num_heads = int(hf["num_attention_heads"])
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope_theta, rope_type, rope_factor = _rope_settings(hf)
+        if hf.get("use_sliding_window", False):
+            raise NotImplementedError("use_sliding_window=True is not implemented")
+        attention_bias = bool(hf.get("attention_bias", False))
+        layer_types = tuple(hf.get("layer_types") or ())
+        return cls(
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=int(hf["hidden_size"]),
+                intermediate_size=int(hf["intermediate_size"]),
+                num_hidden_layers=int(hf["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_key_value_heads=num_kv_heads,
+                head_dim=int(head_dim),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_type=rope_type,
+                rope_factor=rope_factor,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=attention_bias if is_qwen3 else True,
+                o_bias=attention_bias if is_qwen3 else False,
+                qk_norm=is_qwen3,
+                hidden_act=hf.get("hidden_act", "silu"),
+                layer_types=layer_types,
+                model_type=model_type,
+                hf_config_items=tuple(sorted((k, json.dumps(v)) for k, v in hf.items())),
+        )
+
+    def _synthesized_hf_config(self) -> dict[str, Any]:
+        return {
+                "architectures": ["Qwen3ForCausalLM" if self.model_type == "qwen3" else "Qwen2ForCausalLM"],
+                "model_type": self.model_type,
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim,
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_parameters": _rope_parameters(self),
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "attention_bias": self.qkv_bias if self.model_type == "qwen3" else False,
+                "hidden_act": self.hidden_act,
+                "layer_types": list(self.layer_types),
+        }
+
+
+def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
+    if config.rope_type == "linear":
+        params["factor"] = config.rope_factor
+    return params
+
+
+def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, str, float]:
+    """(rope_theta, rope_type, factor). transformers 5 keeps them in `rope_parameters`;
+    older config.json files have `rope_theta` and `rope_scaling` at the top level."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy_scaling = dict(hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = (params.get("rope_type") or params.get("type") or legacy_scaling.get("rope_type")
+                              or legacy_scaling.get("type") or "default")
+    factor = params.get("factor", legacy_scaling.get("factor", 1.0))
+    return float(theta), str(rope_type), float(factor)
+
+
+def _as_config_dict(source: Any) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            return json.load(f)
+    if hasattr(source, "to_dict"):  # transformers PretrainedConfig
+        return source.to_dict()
+    raise TypeError(f"path_or_hf_config: cannot read a config from {type(source).__name__}")

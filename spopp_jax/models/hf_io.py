@@ -1,0 +1,234 @@
+"""Hugging Face checkpoints in and out: config.json + (sharded) safetensors.
+
+Name mapping (our nnx path -> HF tensor name):
+  <prefix>.kernel    -> <prefix>.weight, transposed ([in, out] here, [out, in] in HF)
+  <prefix>.embedding -> <prefix>.weight
+  <prefix>.scale     -> <prefix>.weight
+  <prefix>.bias      -> <prefix>.bias
+With tied embeddings there is no `lm_head` parameter; a stored `lm_head.weight` is ignored.
+
+Loading never materialises the model on one device: each parameter is built with
+`jax.make_array_from_callback` for its target sharding, and the callback reads only the
+requested slice of the tensor from disk (`safetensors.safe_open(...).get_slice`).
+Saving gathers one tensor at a time to the host and writes shard by shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors' numpy API)
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from spopp_jax.models.config import ModelConfig
+from spopp_jax.models.partitioning import parameter_shardings, path_name
+from spopp_jax.models.qwen3 import Qwen3ForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Tensors some checkpoints carry that the model does not use.
+_IGNORABLE = re.compile(r"(rotary_emb\.inv_freq$)")
+
+
+def hf_tensor_name(param_name: str) -> tuple[str, bool]:
+    """(HF tensor name, transposed?) for a dotted parameter name of our model."""
+    prefix, _, leaf = param_name.rpartition(".")
+    if leaf == "kernel":
+        return f"{prefix}.weight", True
+    if leaf in ("embedding", "scale"):
+        return f"{prefix}.weight", False
+    if leaf == "bias":
+        return f"{prefix}.bias", False
+    raise ValueError(f"no HF name for parameter {param_name!r}")
+
+
+def abstract_model(config: ModelConfig, dtype="float32") -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) without allocating any parameter."""
+    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file path, for a single or sharded checkpoint."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"neither {INDEX_FILE} nor {SINGLE_FILE} in {path}")
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+def _slice_reader(tensor_slice, transposed: bool, dtype: np.dtype):
+    """Callback for make_array_from_callback: index (of our layout) -> host numpy block."""
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        if transposed:
+            block = tensor_slice[index[1], index[0]].T
+        else:
+            block = tensor_slice[index]
+        return np.ascontiguousarray(block.astype(dtype))
+    return read
+
+
+def load_parameters(path: str, config: ModelConfig, dtype="float32",
+                    mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, parameter state) read from an HF checkpoint folder.
+
+    Each array gets the partition rules' sharding on `mesh` (default: first device).
+    Raises KeyError for a parameter missing from the checkpoint, ValueError for a shape
+    mismatch or an unexpected checkpoint tensor.
+    """
+    graphdef, abstract_state = abstract_model(config, dtype)
+    files = _checkpoint_files(path)
+    shardings = (parameter_shardings(abstract_state, mesh) if mesh is not None else
+                 jax.tree_util.tree_map(lambda _: SingleDeviceSharding(jax.devices()[0]),
+                                        abstract_state))
+    used: set[str] = set()
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def load(key_path, leaf, sharding):
+            name, transposed = hf_tensor_name(path_name(key_path))
+            if name not in files:
+                raise KeyError(f"checkpoint {path} has no tensor {name!r}")
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+            tensor_slice = handles[file].get_slice(name)
+            stored_shape = tuple(tensor_slice.get_shape())
+            expected = tuple(reversed(leaf.shape)) if transposed else tuple(leaf.shape)
+            if stored_shape != expected:
+                raise ValueError(f"{name}: checkpoint shape {stored_shape}, model expects "
+                                 f"{expected}")
+            used.add(name)
+            return jax.make_array_from_callback(
+                leaf.shape, sharding, _slice_reader(tensor_slice, transposed, leaf.dtype))
+
+        state = jax.tree_util.tree_map_with_path(load, abstract_state, shardings)
+    unexpected = [n for n in files if n not in used and not _ignorable(n, config)]
+    if unexpected:
+        raise ValueError(f"checkpoint tensors with no model parameter: {sorted(unexpected)[:8]}")
+    return graphdef, state
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    return bool(_IGNORABLE.search(name)) or (config.tie_word_embeddings
+                                             and name == "lm_head.weight")
+
+
+def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None) -> Qwen3ForCausalLM:
+    """The model of a local HF checkpoint folder (config.json + safetensors), with
+    parameters in `dtype` ("float32" / "bfloat16") and, given `mesh`, sharded by the
+    partition rules."""
+    config = ModelConfig.from_hf(path)
+    graphdef, state = load_parameters(path, config, dtype, mesh)
+    return nnx.merge(graphdef, state)
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[str(dtype)]
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    if not array.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        array = multihost_utils.process_allgather(array, tiled=True)
+    return np.asarray(jax.device_get(array))
+
+
+def hf_tensors(model: Qwen3ForCausalLM) -> Iterator[tuple[str, Any, bool]]:
+    """(HF name, array in our layout, transposed?) for every parameter, in state order."""
+    state = nnx.state(model, nnx.Param)
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name, transposed = hf_tensor_name(path_name(key_path))
+        yield name, leaf, transposed
+
+
+def _plan_shards(tensors: list[tuple[str, Any, bool]], max_shard_bytes: int) -> list[list[int]]:
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, array, _) in enumerate(tensors):
+        nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def save_pretrained(model: Qwen3ForCausalLM, path: str,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Writes config.json and safetensors in HF layout (sharded with an index file when
+    larger than `max_shard_size`, bytes or e.g. "2GB"), loadable by transformers / vLLM.
+    On multi-host runs every process must call it; only process 0 writes."""
+    max_bytes = _parse_size(max_shard_size)
+    tensors = list(hf_tensors(model))
+    dtype = _dtype_name(model.dtype)
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        config = model.config.hf_config
+        config["dtype"] = dtype
+        if "torch_dtype" in config:
+            config["torch_dtype"] = dtype
+        config["tie_word_embeddings"] = model.config.tie_word_embeddings
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+    shards = _plan_shards(tensors, max_bytes)
+    weight_map, total_size = {}, 0
+    for shard_number, members in enumerate(shards, start=1):
+        file = (SINGLE_FILE if len(shards) == 1 else
+                f"model-{shard_number:05d}-of-{len(shards):05d}.safetensors")
+        block = {}
+        for i in members:
+            name, array, transposed = tensors[i]
+            host = _to_host(array)
+            block[name] = np.ascontiguousarray(host.T if transposed else host)
+            weight_map[name] = file
+            total_size += block[name].nbytes
+        if writer:
+            save_file(block, os.path.join(path, file), metadata={"format": "pt"})
+        del block
+    if not writer:
+        return
+    if len(shards) > 1:
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
+                      indent=2, sort_keys=True)
+    # A stale file of the other layout would shadow (or contradict) the one just written.
+    stale = INDEX_FILE if len(shards) == 1 else SINGLE_FILE
+    if os.path.exists(os.path.join(path, stale)):
+        os.remove(os.path.join(path, stale))
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size: cannot parse {size!r} (e.g. 5GB, 200MB, 1024)")
+    scale = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[match.group(2)]
+    return int(float(match.group(1)) * scale)
+
+
+def param_count(model: Qwen3ForCausalLM) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(
+        nnx.state(model, nnx.Param)))
+
+
+__all__ = ["from_pretrained", "save_pretrained", "load_parameters", "hf_tensor_name",
+           "abstract_model", "hf_tensors", "param_count"]

@@ -1,0 +1,153 @@
+"""Building blocks of the decoder: parameter-holding NNX modules and pure functions.
+
+Parameter layouts (the HF <-> JAX mapping in `hf_io.py` relies on them):
+  Linear.kernel  [in, out]   (HF nn.Linear.weight is [out, in]: transposed on load/save)
+  Linear.bias    [out]
+  Embed.embedding [vocab, hidden]
+  RMSNorm.scale  [dim]
+
+Compute dtype = parameter dtype; norms, rotary angles and softmax run in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Finite "minus infinity" for masked attention scores: a fully masked row (padding) gives a
+# uniform softmax instead of NaN, and no 0 * inf is ever formed.
+MASKED_SCORE = -1e30
+
+
+def _normal_init(rngs: nnx.Rngs, shape, dtype, stddev: float = 0.02) -> jax.Array:
+    return (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out]."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal_init(rngs, (in_features, out_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        y = jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, hidden]; `attend` gives tied-embedding logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_normal_init(rngs, (vocab_size, hidden_size), dtype))
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], input_ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """float32 logits = x @ embedding.T."""
+        table = self.embedding[...]
+        return jnp.einsum("...h,vh->...v", x.astype(table.dtype), table,
+                          preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """y = scale * (x / sqrt(mean(x^2) + eps)), statistics in float32, result in x.dtype."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis: scale * x / sqrt(mean(x^2) + eps).
+
+    Matches transformers' Qwen3RMSNorm: normalise in float32, cast back to x.dtype, then
+    multiply by the scale (in the promoted dtype of scale and x).
+    """
+    if scale.shape != x.shape[-1:]:
+        raise ValueError(f"scale: shape {scale.shape} does not match x's last axis {x.shape}")
+    x32 = x.astype(jnp.float32)
+    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
+    return (scale * normed).astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, rope_theta: float, rope_type: str = "default",
+                             rope_factor: float = 1.0) -> jax.Array:
+    """inv_freq[i] = 1 / theta^(2i / head_dim), i < head_dim / 2 (float32).
+
+    rope_type "linear" divides the frequencies by `rope_factor` (position interpolation).
+    """
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (jnp.float32(rope_theta) ** exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_factor
+    elif rope_type != "default":
+        raise NotImplementedError(f"rope_type {rope_type!r}")
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, "rotate half" layout (as transformers' Qwen3).
+
+    x: [B, T, heads, D]; positions: [B, T] int; inv_freq: [D/2].
+    angle = position * inv_freq;  with x = (x1, x2) the two halves of the head dim:
+    out = (x1 cos - x2 sin, x2 cos + x1 sin). Angles and products in float32.
+    """
+    if x.ndim != 4 or positions.shape != x.shape[:2]:
+        raise ValueError(f"x must be [B, T, heads, D] and positions [B, T]; got {x.shape}, "
+                         f"{positions.shape}")
+    if inv_freq.shape != (x.shape[-1] // 2,):
+        raise ValueError(f"inv_freq: shape {inv_freq.shape}, head_dim {x.shape[-1]}")
+    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                            mask: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(D) masked) v, with K key/value heads shared by G query heads.
+
+    query: [B, T, K, G, D] (query head h = k * G + g, as transformers' repeat_kv),
+    key, value: [B, S, K, D]; mask: [B, T, S] bool (True = may attend).
+    Scores and softmax in float32; returns [B, T, K, G, D] in value.dtype.
+    """
+    if query.ndim != 5 or key.ndim != 4 or key.shape != value.shape:
+        raise ValueError(f"query [B,T,K,G,D], key/value [B,S,K,D]; got {query.shape}, "
+                         f"{key.shape}, {value.shape}")
+    batch, time, kv_heads, _, head_dim = query.shape
+    if key.shape[0] != batch or key.shape[2] != kv_heads or key.shape[3] != head_dim:
+        raise ValueError(f"key {key.shape} does not match query {query.shape}")
+    if mask.shape != (batch, time, key.shape[1]):
+        raise ValueError(f"mask: expected {(batch, time, key.shape[1])}, got {mask.shape}")
+    scores = jnp.einsum("btkgd,bskd->bkgts", query, key, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASKED_SCORE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, value)
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden_size, intermediate_size, use_bias=False, dtype=dtype,
+                                rngs=rngs)
+        self.up_proj = Linear(hidden_size, intermediate_size, use_bias=False, dtype=dtype,
+                              rngs=rngs)
+        self.down_proj = Linear(intermediate_size, hidden_size, use_bias=False, dtype=dtype,
+                                rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

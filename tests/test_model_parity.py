@@ -1,0 +1,214 @@
+"""Logits parity with transformers' PyTorch Qwen3 / Qwen2 (tiny random models, fp32), plus
+NumPy float64 references for RMSNorm and rotary embeddings."""
+
+import numpy as np
+import pytest
+import torch
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+from spopp_jax.models import ModelConfig, from_pretrained, init_model
+from spopp_jax.models.layers import apply_rope, rms_norm, rope_inverse_frequencies
+from spopp_jax.models.testing import random_hf_model, tiny_hf_config
+
+TOL = 1e-4
+
+
+def hf_logits(hf_model, input_ids, attention_mask=None, position_ids=None):
+    with torch.no_grad():
+        out = hf_model(
+            input_ids=torch.as_tensor(np.array(input_ids), dtype=torch.long),
+            attention_mask=None if attention_mask is None else torch.as_tensor(
+                np.asarray(attention_mask), dtype=torch.long),
+            position_ids=None if position_ids is None else torch.as_tensor(
+                np.asarray(position_ids), dtype=torch.long))
+    return out.logits.float().numpy()
+
+
+def load_pair(tmp_path, model_type="qwen3", seed=0, **config_kwargs):
+    hf_config = tiny_hf_config(model_type, **config_kwargs)
+    hf_model = random_hf_model(hf_config, seed=seed)
+    hf_model.save_pretrained(tmp_path)
+    return hf_model, from_pretrained(str(tmp_path), dtype="float32")
+
+
+CASES = [
+    # (model_type, rope_theta, tied, num_heads, num_kv_heads)
+    ("qwen3", 1e4, True, 4, 2),
+    ("qwen3", 1e6, False, 4, 2),
+    ("qwen3", 1e6, True, 4, 1),
+    ("qwen3", 1e4, False, 4, 4),
+    ("qwen2", 1e4, False, 4, 2),
+    ("qwen2", 1e6, True, 4, 2),
+]
+
+
+@pytest.mark.parametrize("model_type,rope_theta,tied,heads,kv_heads", CASES)
+def test_logits_match_transformers(tmp_path, model_type, rope_theta, tied, heads, kv_heads):
+    hf_model, model = load_pair(tmp_path, model_type, rope_theta=rope_theta,
+                                tie_word_embeddings=tied, num_attention_heads=heads,
+                                num_key_value_heads=kv_heads)
+    assert model.config.rope_theta == rope_theta
+    assert (model.lm_head is None) == tied
+    input_ids = np.random.default_rng(1).integers(0, 128, size=(2, 40))
+    expected = hf_logits(hf_model, input_ids)
+    got = model(jnp.asarray(input_ids))
+    assert got.dtype == jnp.float32 and got.shape == (2, 40, 128)
+    np.testing.assert_allclose(np.asarray(got), expected, atol=TOL, rtol=0)
+    jitted = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(input_ids))
+    np.testing.assert_allclose(np.asarray(jitted), expected, atol=TOL, rtol=0)
+
+
+def test_rope_theta_changes_logits(tmp_path):
+    """The theta-sensitivity that the parity cases rely on: same weights, other theta."""
+    hf_model, model = load_pair(tmp_path, rope_theta=1e4)
+    other = ModelConfig.from_hf({**model.config.hf_config,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    graphdef, state = nnx.split(model)
+    model_other = nnx.merge(graphdef, state)
+    model_other.config = other
+    for layer in model_other.model.layers:
+        layer.self_attn.rope = (1e6, "default", 1.0)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, size=(1, 64)))
+    assert float(jnp.max(jnp.abs(model(ids) - model_other(ids)))) > 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_matches_transformers(tmp_path, model_type, side):
+    hf_model, model = load_pair(tmp_path, model_type, seed=3, rope_theta=1e6)
+    rng = np.random.default_rng(2)
+    lengths = [24, 17, 5]
+    total = 24
+    input_ids = np.zeros((3, total), np.int64)
+    mask = np.zeros((3, total), np.int64)
+    for row, length in enumerate(lengths):
+        cols = slice(total - length, total) if side == "left" else slice(0, length)
+        input_ids[row, cols] = rng.integers(1, 128, size=length)
+        mask[row, cols] = 1
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    got = np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(mask)))
+    assert np.all(np.isfinite(got))
+    for row, length in enumerate(lengths):
+        # Reference: each sequence alone, unpadded.
+        real = mask[row].astype(bool)
+        alone = hf_logits(hf_model, input_ids[row:row + 1, real])[0]
+        np.testing.assert_allclose(got[row, real], alone, atol=TOL, rtol=0)
+    # And transformers' own padded forward with explicit positions.
+    padded = hf_logits(hf_model, input_ids, mask, positions)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], padded[real], atol=TOL, rtol=0)
+
+
+def test_packed_segments_match_separate_sequences(tmp_path):
+    hf_model, model = load_pair(tmp_path, seed=4, rope_theta=1e6)
+    rng = np.random.default_rng(5)
+    lengths = [7, 11, 6]  # + 4 padding tokens at the end
+    total = sum(lengths) + 4
+    input_ids = np.zeros((1, total), np.int64)
+    segment_ids = np.zeros((1, total), np.int64)
+    mask = np.zeros((1, total), np.int64)
+    start = 0
+    for segment, length in enumerate(lengths):
+        input_ids[0, start:start + length] = rng.integers(0, 128, size=length)
+        segment_ids[0, start:start + length] = segment + 1
+        mask[0, start:start + length] = 1
+        start += length
+    got = np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(mask),
+                           segment_ids=jnp.asarray(segment_ids)))
+    start = 0
+    for length in lengths:
+        alone = hf_logits(hf_model, input_ids[:, start:start + length])[0]
+        np.testing.assert_allclose(got[0, start:start + length], alone, atol=TOL, rtol=0)
+        start += length
+
+
+def test_bfloat16_params_close_to_float32(tmp_path):
+    hf_model, model = load_pair(tmp_path, seed=6)
+    model_bf16 = from_pretrained(str(tmp_path), dtype="bfloat16")
+    leaves = jax.tree_util.tree_leaves(nnx.state(model_bf16, nnx.Param))
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, size=(2, 16)))
+    logits_bf16 = model_bf16(ids)
+    assert logits_bf16.dtype == jnp.float32
+    expected = hf_logits(hf_model, ids)
+    error = np.abs(np.asarray(logits_bf16) - expected).max()
+    assert error < 0.05 * np.abs(expected).max(), error
+
+
+# ---- NumPy float64 references for the building blocks -------------------------------
+
+def test_rms_norm_against_float64():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 5, 8)) * 3.0
+    scale = rng.uniform(0.5, 1.5, size=8)
+    eps = 1e-6
+    expected = scale * x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
+    got = rms_norm(jnp.asarray(x, jnp.float32), jnp.asarray(scale, jnp.float32), eps)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("theta", [1e4, 1e6])
+def test_rope_against_float64(theta):
+    """Rotate-half RoPE: pair (i, i + D/2) rotated by angle pos * theta^(-2i/D)."""
+    rng = np.random.default_rng(1)
+    batch, time, heads, dim = 2, 6, 3, 8
+    x = rng.normal(size=(batch, time, heads, dim))
+    positions = rng.integers(0, 1000, size=(batch, time))
+    expected = np.empty_like(x)
+    half = dim // 2
+    for i in range(half):
+        angle = positions * theta ** (-2.0 * i / dim)  # [B, T]
+        c, s = np.cos(angle)[..., None], np.sin(angle)[..., None]  # [B, T, 1] over heads
+        a, b = x[..., i], x[..., i + half]
+        expected[..., i] = a * c - b * s
+        expected[..., i + half] = b * c + a * s
+    inv_freq = rope_inverse_frequencies(dim, theta)
+    got = apply_rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions), inv_freq)
+    np.testing.assert_allclose(np.asarray(got), expected, atol=2e-4)
+
+
+def test_rope_theta_read_from_both_config_places():
+    base = tiny_hf_config().to_dict()
+    new_style = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    legacy = {k: v for k, v in base.items() if k != "rope_parameters"}
+    legacy["rope_theta"] = 2.5e5
+    assert ModelConfig.from_hf(new_style).rope_theta == 5e5
+    assert ModelConfig.from_hf(legacy).rope_theta == 2.5e5
+
+
+def test_unsupported_config_fails_loudly():
+    base = tiny_hf_config().to_dict()
+    with pytest.raises(NotImplementedError):
+        ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
+                                                         "factor": 4.0}})
+    with pytest.raises(NotImplementedError):
+        ModelConfig.from_hf({**base, "model_type": "llama"})
+
+
+# ---- properties --------------------------------------------------------------------
+
+_PROPERTY_MODEL = init_model(
+    ModelConfig.from_hf(tiny_hf_config(rope_theta=1e6)), seed=7)
+_PROPERTY_FORWARD = nnx.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
+
+
+@settings(max_examples=15, deadline=None)
+@given(length=st.integers(1, 12), left_pad=st.integers(0, 5), right_pad=st.integers(0, 5),
+       pad_token=st.integers(0, 127), seed=st.integers(0, 2**16))
+def test_padding_does_not_change_real_logits(length, left_pad, right_pad, pad_token, seed):
+    """Logits of real tokens do not depend on how much padding surrounds them or on the
+    padding tokens' ids."""
+    ids = np.random.default_rng(seed).integers(0, 128, size=length)
+    alone = _PROPERTY_FORWARD(_PROPERTY_MODEL, jnp.asarray(ids[None]),
+                              jnp.ones((1, length), bool))
+    total = left_pad + length + right_pad
+    padded = np.full((1, total), pad_token)
+    padded[0, left_pad:left_pad + length] = ids
+    mask = np.zeros((1, total), bool)
+    mask[0, left_pad:left_pad + length] = True
+    got = _PROPERTY_FORWARD(_PROPERTY_MODEL, jnp.asarray(padded), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got[0, left_pad:left_pad + length]),
+                               np.asarray(alone[0]), atol=1e-5)
