@@ -132,39 +132,39 @@ def length_advantage_cov(action_lengths: jax.Array, advantages: jax.Array) -> ja
 
 
 def _segment_table(advantages, segment_ids, action_mask, num_segments):
-    """Per-segment (A_i, L_i, present_i) from a flat token stream (padding: id < 0)."""
+    """Per-segment (A_i, L_i, present_i) from a flat token stream (padding: id < 0).
+
+    L_i is a segment sum; A_i is read with a scatter-*set* (one value of the segment, so
+    no averaging round-off, and much cheaper than a scatter-add on CPU).
+    """
     valid = (segment_ids >= 0) & (segment_ids < num_segments)
-    ids = jnp.where(valid, segment_ids, num_segments)  # padding -> an extra bucket
     action = valid & (action_mask != 0)
-    adv = jnp.where(valid, advantages.astype(jnp.float32), 0.0)
-    n = num_segments + 1
+    adv = advantages.astype(jnp.float32)
+    n = num_segments + 1  # the last bucket swallows padding / ignored tokens
+    all_ids = jnp.where(valid, segment_ids, num_segments)
+    action_ids = jnp.where(action, segment_ids, num_segments)
 
-    def seg_sum(x):
-        return jax.ops.segment_sum(x, ids, num_segments=n)[:num_segments]
+    lengths = jax.ops.segment_sum(action.astype(jnp.float32), action_ids, num_segments=n)
+    lengths = lengths[:num_segments]
+    present = jnp.zeros(n, bool).at[all_ids].set(True)[:num_segments]
+    # A_i from its action tokens when it has any, else from any of its tokens.
+    from_all = jnp.zeros(n, jnp.float32).at[all_ids].set(adv)[:num_segments]
+    from_actions = jnp.zeros(n, jnp.float32).at[action_ids].set(adv)[:num_segments]
+    seg_adv = jnp.where(lengths > 0, from_actions, jnp.where(present, from_all, 0.0))
 
-    lengths = seg_sum(action.astype(jnp.float32))
-    tokens = seg_sum(valid.astype(jnp.float32))
+    def consistent(seg_adv, ids, act, val, a):
+        has_action = np.zeros(num_segments, bool)
+        has_action[ids[act]] = True
+        read = act | (val & ~has_action[np.where(val, ids, 0)])
+        return np.all(a[read] == seg_adv[ids[read]])
 
-    def seg_max(x, where):
-        return jax.ops.segment_max(jnp.where(where, x, -jnp.inf), ids, num_segments=n)[
-            :num_segments
-        ]
-
-    # A_i is read (exactly, no averaging round-off) from the action tokens when there are
-    # any, else from all its tokens; max and min agree when A_i is really broadcast.
-    seg_adv = jnp.where(lengths > 0, seg_max(adv, action), seg_max(adv, valid))
-    seg_min = -jnp.where(lengths > 0, seg_max(-adv, action), seg_max(-adv, valid))
-    present = tokens > 0
-    seg_adv = jnp.where(present, seg_adv, 0.0)
     _checks.check_values(
-        lambda hi, lo, p: np.all((hi == lo) | ~p),
+        consistent,
         "`advantages` must be constant over each trajectory's action tokens "
         "(over all its tokens when it has none)",
-        seg_adv,
-        jnp.where(present, seg_min, 0.0),
-        present,
+        seg_adv, segment_ids, action, valid, adv,
     )
-    return seg_adv, lengths, present, ids, valid
+    return seg_adv, lengths, present, all_ids, valid
 
 
 def whiten_tokens(
