@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spopp_jax import advantages, tracker
+from spopp_jax import advantages, losses, tracker
 
 
 def _cpu_model() -> str:
@@ -77,10 +77,20 @@ def np_observe(alpha, beta, z_ref, ids, z, rew, n_tasks):
     return keep * alpha + succ, keep * beta + fail, z_new
 
 
+def np_policy_loss_and_grad(logp, old, rollout, adv, mask, low=0.2, high=0.28, c=2.0, cap=2.0):
+    lr = np.clip(np.where(mask, logp - old, 0.0), -20, 20)
+    r = np.exp(lr)
+    s = np.minimum(r * adv, np.clip(r, 1 - low, 1 + high) * adv)
+    s = np.where(adv < 0, np.maximum(s, c * adv), s)
+    w = np.minimum(np.exp(np.clip(np.where(mask, old - rollout, 0.0), -20, 20)), cap)
+    active = (s == r * adv) & mask
+    return np.sum(np.where(mask, -w * s, 0.0)), np.where(active, -w * r * adv, 0.0)
+
+
 def _row(name, t_jax, t_np, nbytes):
     (jm, jmin), (nm, nmin) = t_jax, t_np
     print(
-        f"{name:<34} jax {jm * 1e3:9.3f} ms (min {jmin * 1e3:8.3f})  "
+        f"{name:<38} jax {jm * 1e3:9.3f} ms (min {jmin * 1e3:8.3f})  "
         f"numpy {nm * 1e3:9.3f} ms (min {nmin * 1e3:8.3f})  "
         f"numpy/jax {nm / jm:6.2f}x  jax {nbytes / jm / 1e9:6.2f} GB/s  numpy {nbytes / nm / 1e9:6.2f} GB/s"
     )
@@ -134,6 +144,21 @@ def main() -> None:
     t_np = _time(lambda: np_whiten_tokens(tok_adv, ids, mask, n_traj), args.repeats)
     np.testing.assert_allclose(f_stream(ta, ti, tm), np_whiten_tokens(tok_adv, ids, mask, n_traj), rtol=1e-3, atol=1e-4)
     _row(f"whiten_tokens, {n_tok} tokens", t_jax, t_np, n_tok * (4 + 4 + 1 + 4))
+
+    # --- policy_loss: value and gradient over [B, T] = tokens ---
+    b_rows = 64
+    shape = (b_rows, n_tok // b_rows)
+    old = rng.uniform(-6, 0, shape).astype(np.float32)
+    logp = (old + rng.normal(0, 0.3, shape)).astype(np.float32)
+    rollout = (old - rng.normal(0, 0.3, shape)).astype(np.float32)
+    padv = rng.normal(0, 1, shape).astype(np.float32)
+    pmask = rng.random(shape) < 0.6
+    jl = [jnp.asarray(x) for x in (logp, old, rollout, padv, pmask)]
+    f_loss = jax.jit(jax.value_and_grad(lambda lp, *r: losses.policy_loss(lp, *r)[0]))
+    t_jax = _time(lambda: f_loss(*jl), args.repeats)
+    t_np = _time(lambda: np_policy_loss_and_grad(logp, old, rollout, padv, pmask), args.repeats)
+    np.testing.assert_allclose(f_loss(*jl)[1], np_policy_loss_and_grad(logp, old, rollout, padv, pmask)[1], rtol=1e-4, atol=1e-6)
+    _row(f"policy_loss value+grad, {n_tok} tok", t_jax, t_np, n_tok * (4 * 4 + 1 + 4))
 
     # --- tracker observe of a batch of results ---
     n_res, n_tasks = args.results, args.tasks
