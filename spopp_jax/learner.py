@@ -41,6 +41,8 @@ __all__ = [
     "token_logprobs",
     "split_micro_batches",
     "make_compute_logprobs",
+    "loss_and_grads",
+    "make_loss_and_grad",
     "make_train_step",
     "make_sft_step",
 ]
@@ -341,46 +343,8 @@ def _accumulate_grads(
     return loss, grads, count, metrics
 
 
-def _apply_update(optimizer, state: TrainState, grads: Params) -> tuple[TrainState, jax.Array]:
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
-    return new_state, grad_norm
-
-
-def _jit_step(step_fn, state_sharding, batch_sharding):
-    if state_sharding is None and batch_sharding is None:
-        return jax.jit(step_fn, donate_argnums=0)
-    return jax.jit(
-        step_fn,
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, None),
-        donate_argnums=0,
-    )
-
-
-def make_train_step(
-    model_def: ModelDef,
-    config: LearnerConfig,
-    state_sharding: Any = None,
-    batch_sharding: Any = None,
-) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
-    """Jitted SPO++ `train_step(state, batch) -> (state, metrics)` (SPEC 5).
-
-    loss = Σ_{all action tokens of the batch} w·(−s) / N (global token-mean, see module doc),
-    gradient accumulated over `config.num_micro_batches` with `lax.scan`, clipped to global
-    norm `config.max_grad_norm`, AdamW update. The state argument is donated.
-
-    The ratio is taken against ``batch.old_logp`` when given, else per
-    `config.old_logp_source`. Metrics: ``loss``, ``grad_norm`` (before clipping),
-    ``tokens`` (global action-token count) and the `policy_loss` metrics aggregated over
-    the whole batch (fractions / means per action token, ``ratio_max``).
-
-    `state_sharding` / `batch_sharding` (pytrees of `Sharding`, e.g. from
-    `spopp_jax.sharding`) pin the layouts; without them the inputs' shardings propagate.
-    """
-    optimizer = make_optimizer(config)
+def _policy_token_loss(config: LearnerConfig) -> TokenLossFn:
+    """SPEC 5 per-micro-batch loss sum via `spopp_jax.losses.policy_loss`."""
 
     def token_loss(logp, micro: TrainBatch):
         if micro.old_logp is not None:
@@ -401,22 +365,97 @@ def make_train_step(
             is_cap=config.is_cap,
         )
 
-    def train_step(state: TrainState, batch: TrainBatch):
-        _check_batch(batch)
-        loss, grads, tokens, loss_metrics = _accumulate_grads(
-            model_def,
-            state.params,
-            batch,
-            config.num_micro_batches,
-            token_loss,
-            combine_loss_metrics,
-        )
-        new_state, grad_norm = _apply_update(optimizer, state, grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": tokens}
-        metrics.update(loss_metric_means(loss_metrics, tokens))
-        return new_state, metrics
+    return token_loss
 
-    return _jit_step(train_step, state_sharding, batch_sharding)
+
+def _sft_token_loss(logp, micro: TrainBatch):
+    """Negative log-likelihood summed over action tokens."""
+    mask = micro.action_mask != 0
+    nll_sum = -jnp.sum(jnp.where(mask, logp, 0.0))
+    return nll_sum, jnp.sum(mask, dtype=jnp.int32), {}
+
+
+def loss_and_grads(
+    model_def: ModelDef, params: Params, batch: TrainBatch, config: LearnerConfig, objective: str
+) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
+    """(loss, grads, metrics) of one batch, global token-mean over micro-batches/devices.
+
+    ``objective="policy"``: loss = Σ_{action tokens} w·(−s) / N (SPEC 5, `policy_loss`);
+    ``objective="sft"``: loss = −Σ_{action tokens} log p(x_t | x_<t) / N;
+    N = action tokens of the whole batch. Metrics: ``loss``, ``tokens`` (= N) and, for
+    "policy", the `policy_loss` metrics aggregated over the batch (`loss_metric_means`).
+    Pure; call inside jit (see `make_loss_and_grad`).
+    """
+    _check_batch(batch)
+    if objective == "policy":
+        token_loss, combine = _policy_token_loss(config), combine_loss_metrics
+    elif objective == "sft":
+        token_loss, combine = _sft_token_loss, lambda a, b: {}
+    else:
+        raise ValueError(f"objective must be 'policy' or 'sft', got {objective!r}")
+    loss, grads, tokens, sums = _accumulate_grads(
+        model_def, params, batch, config.num_micro_batches, token_loss, combine
+    )
+    metrics = {"loss": loss, "tokens": tokens}
+    if objective == "policy":
+        metrics.update(loss_metric_means(sums, tokens))
+    return loss, grads, metrics
+
+
+def make_loss_and_grad(model_def: ModelDef, config: LearnerConfig, objective: str = "policy"):
+    """Jitted `(params, batch) -> (loss, grads, metrics)`; see `loss_and_grads`."""
+    return jax.jit(
+        lambda params, batch: loss_and_grads(model_def, params, batch, config, objective)
+    )
+
+
+def _apply_update(optimizer, state: TrainState, grads: Params) -> tuple[TrainState, jax.Array]:
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
+    return new_state, grad_norm
+
+
+def _make_step(model_def, config, objective, state_sharding, batch_sharding):
+    optimizer = make_optimizer(config)
+
+    def step(state: TrainState, batch: TrainBatch):
+        _, grads, metrics = loss_and_grads(model_def, state.params, batch, config, objective)
+        new_state, grad_norm = _apply_update(optimizer, state, grads)
+        return new_state, {**metrics, "grad_norm": grad_norm}
+
+    if state_sharding is None and batch_sharding is None:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, None),
+        donate_argnums=0,
+    )
+
+
+def make_train_step(
+    model_def: ModelDef,
+    config: LearnerConfig,
+    state_sharding: Any = None,
+    batch_sharding: Any = None,
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Jitted SPO++ `train_step(state, batch) -> (state, metrics)` (SPEC 5).
+
+    loss = Σ_{all action tokens of the batch} w·(−s) / N (global token-mean, see module doc),
+    gradient accumulated over `config.num_micro_batches` with `lax.scan`, clipped to global
+    norm `config.max_grad_norm`, AdamW update; ``step`` += 1. The state argument is donated.
+
+    The ratio is taken against ``batch.old_logp`` when given, else per
+    `config.old_logp_source`. Metrics: ``loss``, ``grad_norm`` (before clipping),
+    ``tokens`` (global action-token count) and the `policy_loss` metrics aggregated over
+    the whole batch (fractions / means per action token, ``ratio_max``).
+
+    `state_sharding` / `batch_sharding` (pytrees of `Sharding`, e.g. from
+    `spopp_jax.sharding`) pin the layouts; without them the inputs' shardings propagate.
+    """
+    return _make_step(model_def, config, "policy", state_sharding, batch_sharding)
 
 
 def make_sft_step(
@@ -429,27 +468,8 @@ def make_sft_step(
 
     loss = −Σ_{b,t} action_mask·log p(x_t | x_<t) / Σ action_mask over the whole batch
     (SPEC 6 cold start: "loss on the final assistant message only" = its action mask).
-    ``rollout_logp`` / ``advantages`` / ``old_logp`` are ignored. Same optimizer, micro-
-    batching and donation as `make_train_step`. Metrics: ``loss``, ``grad_norm``, ``tokens``.
+    ``rollout_logp`` / ``advantages`` / ``old_logp`` are ignored (pass zeros). Same
+    optimizer, micro-batching and donation as `make_train_step`. Metrics: ``loss``,
+    ``grad_norm``, ``tokens``.
     """
-    optimizer = make_optimizer(config)
-
-    def token_loss(logp, micro: TrainBatch):
-        mask = micro.action_mask != 0
-        nll_sum = -jnp.sum(jnp.where(mask, logp, 0.0))
-        return nll_sum, jnp.sum(mask, dtype=jnp.int32), {}
-
-    def sft_step(state: TrainState, batch: TrainBatch):
-        _check_batch(batch)
-        loss, grads, tokens, _ = _accumulate_grads(
-            model_def,
-            state.params,
-            batch,
-            config.num_micro_batches,
-            token_loss,
-            lambda a, b: {},
-        )
-        new_state, grad_norm = _apply_update(optimizer, state, grads)
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "tokens": tokens}
-
-    return _jit_step(sft_step, state_sharding, batch_sharding)
+    return _make_step(model_def, config, "sft", state_sharding, batch_sharding)

@@ -1,0 +1,466 @@
+"""Learner step (SPEC 5): log-prob gather, GLOBAL token-mean over micro-batches, AdamW with
+global-norm clipping, old-policy sources, SFT step; references in NumPy float64 written here
+from the SPEC formulas, and transformers' PyTorch Qwen3 for the gradients."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from spopp_jax import learner
+from spopp_jax.models import from_pretrained, init_model
+from spopp_jax.models.testing import random_hf_model, tiny_config, tiny_hf_config
+
+VOCAB = 128
+B, T = 8, 28
+# Action tokens per row: with 4 strided micro-batches (rows m, m+4) the micro-batches hold
+# 1+3, 5+20, 11+2, 0+7 = 4, 25, 13, 7 action tokens -- very unequal on purpose.
+ACTION_LENGTHS = (1, 5, 11, 0, 3, 20, 2, 7)
+
+
+def make_batch(seed=0, lengths=ACTION_LENGTHS, batch=B, length=T, vocab=VOCAB, logp_noise=0.8):
+    """Rows: prompt (2-4 tokens), then `lengths[b]` action tokens interleaved with one
+    observation token in the middle, then right padding. rollout_logp is filled later."""
+    rng = np.random.default_rng(seed)
+    input_ids = rng.integers(0, vocab, size=(batch, length)).astype(np.int32)
+    attention_mask = np.zeros((batch, length), bool)
+    action_mask = np.zeros((batch, length), bool)
+    for b, n_act in enumerate(lengths):
+        prompt = 2 + b % 3
+        pos = prompt
+        for i in range(n_act):
+            if i == n_act // 2 and n_act > 2:
+                pos += 1  # an environment observation token inside the trajectory
+            action_mask[b, pos] = True
+            pos += 1
+        attention_mask[b, :pos] = True
+    advantages = np.repeat(rng.normal(size=(batch, 1)), length, axis=1).astype(np.float32)
+    noise = rng.normal(scale=logp_noise, size=(batch, length)).astype(np.float32)
+    return (
+        learner.TrainBatch(
+            input_ids=jnp.asarray(input_ids),
+            attention_mask=jnp.asarray(attention_mask),
+            action_mask=jnp.asarray(action_mask),
+            rollout_logp=jnp.zeros((batch, length), jnp.float32),
+            advantages=jnp.asarray(advantages),
+        ),
+        noise,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model_def, params) of a tiny random Qwen3 and a batch whose rollout log-probs are
+    the current policy's log-probs plus noise (so the IS weight varies and truncates)."""
+    model = init_model(tiny_config("qwen3", vocab_size=VOCAB), seed=0)
+    model_def, params = learner.split_model(model)
+    batch, noise = make_batch()
+    logp = learner.make_compute_logprobs(model_def)(params, batch)
+    rollout = np.where(np.asarray(batch.action_mask), np.asarray(logp) + noise, 0.0)
+    batch = dataclasses.replace(batch, rollout_logp=jnp.asarray(rollout, jnp.float32))
+    return model_def, params, batch, np.asarray(logp, np.float64)
+
+
+def copy_tree(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def assert_trees_close(a, b, rtol, atol):
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def max_tree_diff(a, b):
+    return max(
+        float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+# ----------------------------------------------------------------------------- numpy references
+
+
+def np_log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def np_policy_token_loss(logp, old_logp, rollout_logp, adv, clip_low, clip_high, dual_clip, is_cap):
+    """SPEC 5 per-token loss w·(−s), float64."""
+    ratio = np.exp(logp - old_logp)
+    surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - clip_low, 1 + clip_high) * adv)
+    if dual_clip is not None:
+        surrogate = np.where(adv < 0, np.maximum(surrogate, dual_clip * adv), surrogate)
+    weight = np.minimum(np.exp(old_logp - rollout_logp), is_cap)
+    return weight * -surrogate
+
+
+# ----------------------------------------------------------------------------- token_logprobs
+
+
+def test_token_logprobs_matches_float64_log_softmax(maybe_jit, np_rng):
+    logits = np_rng.normal(scale=5.0, size=(3, 7, 11)).astype(np.float32)
+    logits[0, 2, 4] = 1e4  # huge logit: lse must stay finite
+    ids = np_rng.integers(0, 11, size=(3, 7)).astype(np.int32)
+    got = np.asarray(maybe_jit(learner.token_logprobs)(jnp.asarray(logits), jnp.asarray(ids)))
+    ref = np.zeros((3, 7))
+    lsm = np_log_softmax(logits)
+    for b in range(3):
+        for t in range(1, 7):
+            ref[b, t] = lsm[b, t - 1, ids[b, t]]
+    assert got.dtype == np.float32 and got.shape == (3, 7)
+    assert np.all(got[:, 0] == 0.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_token_logprobs_checks_shapes():
+    with pytest.raises(ValueError, match="input_ids"):
+        learner.token_logprobs(jnp.zeros((2, 5, 7)), jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match="logits"):
+        learner.token_logprobs(jnp.zeros((2, 5)), jnp.zeros((2, 5), jnp.int32))
+    with pytest.raises(ValueError, match="input_ids"):
+        learner.token_logprobs(jnp.zeros((2, 5, 7)), jnp.zeros((2, 5), jnp.float32))
+
+
+def test_compute_logprobs_matches_transformers(tmp_path):
+    """The learner's log-probs of the sampled tokens equal transformers' Qwen3 log_softmax."""
+    hf_model = random_hf_model(tiny_hf_config("qwen3", vocab_size=VOCAB), seed=3)
+    hf_model.save_pretrained(tmp_path)
+    model_def, params = learner.split_model(from_pretrained(str(tmp_path)))
+    batch, _ = make_batch(seed=4)
+    got = np.asarray(learner.make_compute_logprobs(model_def)(params, batch))
+    with torch.no_grad():
+        logits = hf_model(
+            input_ids=torch.as_tensor(np.asarray(batch.input_ids), dtype=torch.long),
+            attention_mask=torch.as_tensor(np.asarray(batch.attention_mask), dtype=torch.long),
+        ).logits.double()
+    lsm = torch.log_softmax(logits, -1).numpy()
+    ids = np.asarray(batch.input_ids)
+    ref = np.zeros(ids.shape)
+    ref[:, 1:] = np.take_along_axis(lsm[:, :-1], ids[:, 1:, None], -1)[..., 0]
+    ref = np.where(np.asarray(batch.action_mask), ref, 0.0)
+    np.testing.assert_allclose(got, ref, atol=2e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- global token-mean
+
+
+def test_loss_is_global_token_mean_of_spec_formula(tiny):
+    """Default config, old = current policy (r = 1): loss = −Σ w·Â / N over ALL action tokens."""
+    model_def, params, batch, logp = tiny
+    config = learner.LearnerConfig(num_micro_batches=4)
+    loss, _, metrics = learner.make_loss_and_grad(model_def, config)(params, batch)
+    mask = np.asarray(batch.action_mask)
+    per_token = np_policy_token_loss(
+        logp,
+        logp,
+        np.asarray(batch.rollout_logp, np.float64),
+        np.asarray(batch.advantages),
+        0.2,
+        0.28,
+        2.0,
+        2.0,
+    )
+    expected = per_token[mask].sum() / mask.sum()
+    assert int(metrics["tokens"]) == sum(ACTION_LENGTHS)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=1e-6)
+    # IS weight metrics aggregated over the whole batch, not per micro-batch.
+    weight = np.minimum(np.exp(logp - np.asarray(batch.rollout_logp, np.float64)), 2.0)[mask]
+    np.testing.assert_allclose(float(metrics["importance_weight_mean"]), weight.mean(), rtol=1e-5)
+    raw = np.exp(logp - np.asarray(batch.rollout_logp, np.float64))[mask]
+    np.testing.assert_allclose(float(metrics["is_truncated_frac"]), (raw > 2.0).mean(), rtol=1e-6)
+    assert 0 < (raw > 2.0).sum() < mask.sum()  # the batch exercises truncation
+
+
+def buggy_per_micro_batch_mean(model_def, params, batch, num_micro_batches):
+    """The verl PR #906 bug: mean over micro-batches of each micro-batch's token-mean."""
+    micro_batches = learner.split_micro_batches(batch, num_micro_batches)
+
+    def loss_fn(p):
+        total = 0.0
+        for m in range(num_micro_batches):
+            micro = jax.tree.map(lambda x: x[m], micro_batches)
+            logits = model_def.apply(p, micro.input_ids, micro.attention_mask)
+            logp = learner.token_logprobs(logits, micro.input_ids)
+            weight = jnp.minimum(jnp.exp(jax.lax.stop_gradient(logp) - micro.rollout_logp), 2.0)
+            mask = micro.action_mask
+            per_token = jnp.where(
+                mask, -weight * jnp.exp(logp - jax.lax.stop_gradient(logp)) * micro.advantages, 0.0
+            )
+            total += per_token.sum() / jnp.maximum(mask.sum(), 1)
+        return total / num_micro_batches
+
+    return jax.jit(jax.value_and_grad(loss_fn))(params)
+
+
+def test_micro_batches_of_unequal_token_counts_give_the_full_batch_gradient(tiny):
+    """1 vs 4 micro-batches with 4/25/13/7 action tokens: same loss and gradients; the
+    per-micro-batch mean (verl PR #906) gives a clearly different loss and gradient."""
+    model_def, params, batch, _ = tiny
+    one = learner.make_loss_and_grad(model_def, learner.LearnerConfig(num_micro_batches=1))
+    four = learner.make_loss_and_grad(model_def, learner.LearnerConfig(num_micro_batches=4))
+    loss1, grads1, m1 = one(params, batch)
+    loss4, grads4, m4 = four(params, batch)
+    np.testing.assert_allclose(float(loss4), float(loss1), rtol=1e-5, atol=1e-7)
+    assert_trees_close(grads4, grads1, rtol=1e-4, atol=1e-7)
+    for key in m1:
+        np.testing.assert_allclose(
+            float(m4[key]), float(m1[key]), rtol=1e-5, atol=1e-7, err_msg=key
+        )
+
+    counts = np.asarray(learner.split_micro_batches(batch, 4).action_mask).sum(axis=(1, 2))
+    assert sorted(counts.tolist()) == [4, 7, 13, 25]
+    bug_loss, bug_grads = buggy_per_micro_batch_mean(model_def, params, batch, 4)
+    scale = max(abs(float(loss1)), 1e-3)
+    assert abs(float(bug_loss) - float(loss1)) > 0.05 * scale
+    grad_scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads1))
+    assert max_tree_diff(bug_grads, grads1) > 0.05 * grad_scale
+    # Sanity of the bug reference itself: with one micro-batch it IS the global mean.
+    bug1_loss, bug1_grads = buggy_per_micro_batch_mean(model_def, params, batch, 1)
+    np.testing.assert_allclose(float(bug1_loss), float(loss1), rtol=1e-5, atol=1e-7)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 18), min_size=B, max_size=B).filter(lambda v: sum(v) > 0),
+    num_micro_batches=st.sampled_from([2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_micro_batching_never_changes_loss_or_grads(
+    tiny, lengths, num_micro_batches, seed
+):
+    model_def, params, _, _ = tiny
+    batch, noise = make_batch(seed=seed, lengths=lengths)
+    batch = dataclasses.replace(batch, rollout_logp=jnp.asarray(noise) * batch.action_mask)
+    loss1, grads1, _ = _cached_loss_and_grad(model_def, 1)(params, batch)
+    lossm, gradsm, _ = _cached_loss_and_grad(model_def, num_micro_batches)(params, batch)
+    np.testing.assert_allclose(float(lossm), float(loss1), rtol=1e-5, atol=1e-6)
+    assert_trees_close(gradsm, grads1, rtol=1e-4, atol=1e-6)
+
+
+_LOSS_AND_GRAD_CACHE = {}
+
+
+def _cached_loss_and_grad(model_def, num_micro_batches, objective="policy"):
+    key = (id(model_def), num_micro_batches, objective)
+    if key not in _LOSS_AND_GRAD_CACHE:
+        config = learner.LearnerConfig(num_micro_batches=num_micro_batches)
+        _LOSS_AND_GRAD_CACHE[key] = learner.make_loss_and_grad(model_def, config, objective)
+    return _LOSS_AND_GRAD_CACHE[key]
+
+
+# ----------------------------------------------------------------------------- old-policy sources
+
+
+def test_recomputed_old_logp_equals_current_source(tiny):
+    """old_logp = compute_logprobs(params) (one extra forward) == the free "current" source."""
+    model_def, params, batch, _ = tiny
+    config = learner.LearnerConfig(num_micro_batches=2)
+    old_logp = learner.make_compute_logprobs(model_def)(params, batch)
+    recomputed = dataclasses.replace(batch, old_logp=old_logp)
+    loss_a, grads_a, _ = learner.make_loss_and_grad(model_def, config)(params, recomputed)
+    loss_b, grads_b, _ = learner.make_loss_and_grad(model_def, config)(params, batch)
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
+    assert_trees_close(grads_a, grads_b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("source", ["given", "rollout"])
+def test_clip_and_dual_clip_config_reach_the_loss(tiny, source):
+    """Off-policy ratios hit both clips and the dual clip; the loss equals the SPEC formula
+    with the configured (non-default) constants."""
+    model_def, params, batch, logp = tiny
+    mask = np.asarray(batch.action_mask)
+    shift = np.random.default_rng(7).uniform(-1.5, 1.5, size=mask.shape)
+    old = np.where(mask, logp + shift, 0.0)
+    if source == "given":
+        batch = dataclasses.replace(batch, old_logp=jnp.asarray(old, jnp.float32))
+        rollout = np.asarray(batch.rollout_logp, np.float64)
+    else:
+        batch = dataclasses.replace(batch, rollout_logp=jnp.asarray(old, jnp.float32))
+        rollout = old
+    config = learner.LearnerConfig(
+        num_micro_batches=4,
+        clip_low=0.1,
+        clip_high=0.15,
+        dual_clip=3.0,
+        is_cap=1.5,
+        old_logp_source="rollout",
+    )
+    loss, _, metrics = learner.make_loss_and_grad(model_def, config)(params, batch)
+    per_token = np_policy_token_loss(
+        logp, old, rollout, np.asarray(batch.advantages), 0.1, 0.15, 3.0, 1.5
+    )
+    np.testing.assert_allclose(
+        float(loss), per_token[mask].sum() / mask.sum(), rtol=1e-4, atol=1e-6
+    )
+    ratio = np.exp(logp - old)[mask]
+    adv = np.asarray(batch.advantages)[mask]
+    expected_upper = ((adv > 0) & (ratio > 1.15)).mean()
+    np.testing.assert_allclose(float(metrics["clip_upper_frac"]), expected_upper, rtol=1e-6)
+    assert float(metrics["dual_clip_frac"]) > 0
+    assert float(metrics["clip_upper_frac"]) > 0
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def test_train_step_is_clipped_adamw_of_the_gradient(tiny):
+    """One step: p' = p − lr·(m̂/(√v̂+ε) + wd·p) with g scaled by min(1, c/‖g‖) (hand-derived)."""
+    model_def, params, batch, _ = tiny
+    config = learner.LearnerConfig(
+        learning_rate=1e-2, weight_decay=0.1, max_grad_norm=1e-3, num_micro_batches=2
+    )
+    _, grads, _ = learner.make_loss_and_grad(model_def, config)(params, batch)
+    norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+    assert norm > 1e-3  # clipping binds
+    model = init_model(tiny_config("qwen3", vocab_size=VOCAB), seed=0)
+    _, state = learner.init_train_state(model, config, policy_event=5)
+    new_state, metrics = learner.make_train_step(model_def, config)(state, batch)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), norm, rtol=1e-5)
+    assert int(new_state.step) == 1 and int(new_state.policy_event) == 5
+    b1, b2, eps = config.adam_b1, config.adam_b2, config.adam_eps
+    for (path, p), g, p_new in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0],
+        jax.tree.leaves(grads),
+        jax.tree.leaves(new_state.params),
+    ):
+        p = np.asarray(p, np.float64)
+        g = np.asarray(g, np.float64) * (1e-3 / norm)
+        m_hat = (1 - b1) * g / (1 - b1)
+        v_hat = (1 - b2) * g**2 / (1 - b2)
+        expected = p - 1e-2 * (m_hat / (np.sqrt(v_hat) + eps) + 0.1 * p)
+        np.testing.assert_allclose(
+            np.asarray(p_new), expected, rtol=1e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def test_train_step_donates_state_and_keeps_training(tiny):
+    model_def, _, batch, _ = tiny
+    config = learner.LearnerConfig(learning_rate=1e-3)
+    _, state = learner.init_train_state(init_model(tiny_config("qwen3", vocab_size=VOCAB)), config)
+    step = learner.make_train_step(model_def, config)
+    first_leaf = jax.tree.leaves(state.params)[0]
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert first_leaf.is_deleted()  # the input buffers were donated
+    assert int(state.step) == 3
+    assert losses[2] < losses[0]  # minimising the surrogate on a fixed batch
+
+
+# ----------------------------------------------------------------------------- SFT
+
+
+def test_sft_step_is_token_mean_cross_entropy_over_action_tokens(tiny):
+    model_def, params, batch, logp = tiny
+    mask = np.asarray(batch.action_mask)
+    expected = -logp[mask].sum() / mask.sum()
+    loss1, grads1, m1 = _cached_loss_and_grad(model_def, 1, "sft")(params, batch)
+    loss4, grads4, m4 = _cached_loss_and_grad(model_def, 4, "sft")(params, batch)
+    np.testing.assert_allclose(float(loss1), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(loss4), expected, rtol=1e-5)
+    assert_trees_close(grads4, grads1, rtol=1e-4, atol=1e-7)
+    assert int(m4["tokens"]) == mask.sum()
+    config = learner.LearnerConfig(learning_rate=1e-3, num_micro_batches=4)
+    _, state = learner.init_train_state(init_model(tiny_config("qwen3", vocab_size=VOCAB)), config)
+    state, metrics = learner.make_sft_step(model_def, config)(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+    after_loss = jax.jit(lambda p: learner.loss_and_grads(model_def, p, batch, config, "sft")[0])(
+        state.params
+    )
+    assert float(after_loss) < expected
+
+
+# ----------------------------------------------------------------------------- vs transformers
+
+
+def _hf_name(path):
+    """Our param path -> transformers parameter name and whether it is transposed."""
+    name = ".".join(path)
+    if name.endswith(".kernel"):
+        return name[: -len("kernel")] + "weight", True
+    return name.rsplit(".", 1)[0] + ".weight", False
+
+
+def test_policy_and_sft_gradients_match_transformers_torch(tmp_path):
+    """Our loss/grads vs the SPEC 5 loss written in torch on transformers' Qwen3 (same weights)."""
+    hf_model = random_hf_model(tiny_hf_config("qwen3", vocab_size=VOCAB), seed=1)
+    hf_model.save_pretrained(tmp_path)
+    model_def, params = learner.split_model(from_pretrained(str(tmp_path)))
+    batch, noise = make_batch(seed=2)
+    mask_np = np.asarray(batch.action_mask)
+    shift = np.random.default_rng(3).uniform(-0.6, 0.6, size=mask_np.shape)
+    logp0 = np.asarray(learner.make_compute_logprobs(model_def)(params, batch), np.float64)
+    old = np.where(mask_np, logp0 + shift, 0.0).astype(np.float32)
+    rollout = np.where(mask_np, old + noise, 0.0).astype(np.float32)
+    batch = dataclasses.replace(batch, old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout))
+    config = learner.LearnerConfig(num_micro_batches=2)
+    loss, grads, _ = learner.make_loss_and_grad(model_def, config)(params, batch)
+    sft_loss, sft_grads, _ = learner.make_loss_and_grad(model_def, config, "sft")(params, batch)
+
+    ids = torch.as_tensor(np.asarray(batch.input_ids), dtype=torch.long)
+    logits = hf_model(
+        input_ids=ids,
+        attention_mask=torch.as_tensor(np.asarray(batch.attention_mask), dtype=torch.long),
+    ).logits
+    logp = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    mask = torch.as_tensor(mask_np[:, 1:])
+    old_t, roll_t = torch.as_tensor(old[:, 1:]).double(), torch.as_tensor(rollout[:, 1:]).double()
+    adv = torch.as_tensor(np.asarray(batch.advantages)[:, 1:]).double()
+    ratio = torch.exp(logp - old_t)
+    surr = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.28) * adv)
+    surr = torch.where(adv < 0, torch.maximum(surr, 2.0 * adv), surr)
+    weight = torch.clamp(torch.exp(old_t - roll_t), max=2.0)
+    torch_loss = (weight * -surr)[mask].sum() / mask.sum()
+    torch_sft = -logp[mask].sum() / mask.sum()
+    named = dict(hf_model.named_parameters())
+    torch_grads = torch.autograd.grad(torch_loss, list(named.values()), retain_graph=True)
+    torch_sft_grads = torch.autograd.grad(torch_sft, list(named.values()))
+    by_name = dict(zip(named, torch_grads))
+    sft_by_name = dict(zip(named, torch_sft_grads))
+
+    np.testing.assert_allclose(float(loss), float(torch_loss), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(float(sft_loss), float(torch_sft), rtol=1e-5)
+    flat = learner._flatten_pure(grads)
+    sft_flat = dict(learner._flatten_pure(sft_grads))
+    assert len(flat) == len(named)
+    for path, g in flat:
+        name, transposed = _hf_name(path)
+        for ours, ref in ((g, by_name[name]), (sft_flat[path], sft_by_name[name])):
+            ref = ref.numpy().T if transposed else ref.numpy()
+            scale = np.abs(ref).max() + 1e-12
+            np.testing.assert_allclose(
+                np.asarray(ours), ref, atol=2e-4 * scale, rtol=0, err_msg=name
+            )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_config_and_batch_validation(tiny):
+    model_def, params, batch, _ = tiny
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        learner.LearnerConfig(num_micro_batches=0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        learner.LearnerConfig(max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="old_logp_source"):
+        learner.LearnerConfig(old_logp_source="engine")
+    with pytest.raises(ValueError, match="num_micro_batches=3"):
+        learner.make_loss_and_grad(model_def, learner.LearnerConfig(num_micro_batches=3))(
+            params, batch
+        )
+    bad = dataclasses.replace(batch, advantages=batch.advantages[:, :-1])
+    with pytest.raises(ValueError, match="advantages"):
+        learner.make_loss_and_grad(model_def, learner.LearnerConfig())(params, bad)
+    bad = dataclasses.replace(batch, rollout_logp=batch.action_mask)
+    with pytest.raises(ValueError, match="rollout_logp"):
+        learner.make_loss_and_grad(model_def, learner.LearnerConfig())(params, bad)
+    with pytest.raises(ValueError, match="objective"):
+        learner.make_loss_and_grad(model_def, learner.LearnerConfig(), "dpo")(params, batch)
