@@ -1,0 +1,87 @@
+"""Advantages for a consumed batch under the three matched methods (SPEC 2, 4).
+
+* SPO++ and SPO (single stream): A_i = R_i − v̂_i with v̂_i the baseline FROZEN at
+  dispatch (SPEC 2); then whitening under the configured measure (SPEC 4).
+* GRPO: A_i = R_i − mean_{j in group(i)} R_j (group-relative), then the same whitening.
+
+Also the SPEC-4 batch diagnostics and SPO's divergence D (SPEC 2, "Baseline").
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from rollout_bridge.trajectory import Trajectory
+from spopp_jax import advantages as adv_lib
+
+
+def action_lengths(trajectories: Sequence[Trajectory]) -> np.ndarray:
+    """L_i of SPEC 4: number of policy-generated tokens of each trajectory."""
+    return np.array([t.num_action_tokens for t in trajectories], dtype=np.float32)
+
+
+def frozen_baseline_advantages(trajectories: Sequence[Trajectory]) -> np.ndarray:
+    """A_i = R_i − v̂_i, v̂_i read at dispatch (SPEC 2). float32 [n]."""
+    rewards = np.array([t.reward for t in trajectories], dtype=np.float32)
+    frozen = np.array([t.frozen_baseline for t in trajectories], dtype=np.float32)
+    if not np.all(np.isfinite(frozen)):
+        raise ValueError("trajectories must carry a finite frozen_baseline")
+    return rewards - frozen
+
+
+def group_relative_advantages(trajectories: Sequence[Trajectory]) -> np.ndarray:
+    """GRPO: A_i = R_i − mean of R over trajectory i's group (``stamp.group_id``). float32 [n]."""
+    rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
+    groups = np.array([t.stamp.group_id for t in trajectories])
+    if np.any(groups < 0):
+        raise ValueError("GRPO trajectories must carry a group_id >= 0")
+    advantages = np.empty_like(rewards)
+    for group in np.unique(groups):
+        members = groups == group
+        advantages[members] = rewards[members] - rewards[members].mean()
+    return advantages.astype(np.float32)
+
+
+def whiten(raw_advantages: np.ndarray, lengths: np.ndarray, measure: str) -> np.ndarray:
+    """Ã = (A − μ)/(σ + 1e−8) under the "token" or "trajectory" measure (SPEC 4)."""
+    return np.asarray(adv_lib.whiten(raw_advantages, lengths, measure=measure), dtype=np.float32)
+
+
+def batch_diagnostics(raw_advantages: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
+    """SPEC-4 per-batch log (``spopp_jax.advantages.batch_stats``: Cov_n(L, A), the
+    loss-weighted centers after both whitenings, length quantiles) as Python floats."""
+    stats = adv_lib.batch_stats(np.asarray(raw_advantages, np.float32), np.asarray(lengths, np.float32))
+    out = {name: float(value) for name, value in stats.items()}
+    out["advantage_mean"] = float(np.mean(raw_advantages)) if len(raw_advantages) else 0.0
+    return out
+
+
+def token_mean_abs_log_ratio(action_mask, logp_then, logp_now) -> float:
+    """SPO's D: mean over action tokens of |log π_then − log π_now| (0 if no actions)."""
+    action_mask = np.asarray(action_mask, dtype=bool)
+    logp_then = np.asarray(logp_then, dtype=np.float64)
+    logp_now = np.asarray(logp_now, dtype=np.float64)
+    if not (action_mask.shape == logp_then.shape == logp_now.shape):
+        raise ValueError(
+            f"action_mask, logp_then, logp_now must share a shape, got "
+            f"{action_mask.shape}, {logp_then.shape}, {logp_now.shape}"
+        )
+    count = action_mask.sum()
+    if count == 0:
+        return 0.0
+    diff = np.where(action_mask, np.abs(logp_then - logp_now), 0.0)
+    return float(diff.sum() / count)
+
+
+def spo_divergences(num_trajectories: int, divergence: Sequence[float | None] | None) -> np.ndarray:
+    """D_i for each consumed trajectory in arrival order; None (first visit) gives 0."""
+    if divergence is None:
+        return np.zeros(num_trajectories, dtype=np.float32)
+    if len(divergence) != num_trajectories:
+        raise ValueError(f"divergence must have {num_trajectories} entries, got {len(divergence)}")
+    values = np.array([0.0 if d is None else float(d) for d in divergence], dtype=np.float32)
+    if not np.all(np.isfinite(values) & (values >= 0)):
+        raise ValueError("divergence must be finite and >= 0")
+    return values

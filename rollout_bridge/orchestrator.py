@@ -1,0 +1,492 @@
+"""The asynchronous rollout orchestrator: the semantics of SPEC sections 2-3 in one place.
+
+Single stream (SPO++ "spopp", and the original SPO "spo"):
+  * dispatch: sample an idle task (none in flight) with weight sqrt(v̂(1−v̂) + 0.05)
+    (``spopp_jax.sampling.sample_idle_tasks``), read and FREEZE v̂_q from the tracker,
+    stamp z_q = z_0 + k·(−ln ρ) of the current policy event k; at most one in-flight
+    request per task.
+  * receipt (first finished first): "spopp" adds (x, z_i, R_i) to the event-time tracker at
+    once, so later dispatches see it; the trajectory joins the ready buffer.
+  * consumption: the first N ready trajectories form a batch; A_i = R_i − v̂_i (frozen),
+    whitened under the configured measure (SPEC 4), packed into a ``TrainBatch``. The
+    learner trains in a thread (or as a coroutine) while rollouts continue.
+  * "spo": after the actor update, α ← ρ_i α + R_i, β ← ρ_i β + (1−R_i) in arrival order,
+    ρ_i = clip(2^{−D/D_half}, ρ_min, ρ_max) with D returned by the learner per task.
+  * publish every K updates. Drain "finish": stop dispatching, let old-policy requests
+    finish (they keep their z and join the next batch), then publish. Drain "abort":
+    ``engine.abort_all``, drop the in-flight trajectories and free their tasks, publish.
+GRPO ("grpo"): G rollouts of one task per group, a group barrier (a group joins the ready
+buffer only when all its members finished), A_i = R_i − mean(group), same whitening.
+
+Failures (environment exception / time-out) are recorded and counted; by default they are
+neither evidence for the tracker nor training samples (``train_on_failed``). Nothing stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rollout_bridge import baselines
+from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
+from rollout_bridge.engine.base import RolloutEngine
+from rollout_bridge.envs.base import EnvFactory
+from rollout_bridge.trajectory import DispatchStamp, Trajectory, pack_train_batch
+from spopp_jax import sampling, tracker
+
+METHODS = ("spopp", "spo", "grpo")
+
+# Jitted once per shape: the per-request tracker / sampler calls stay cheap on the host.
+_all_baselines = jax.jit(lambda state: tracker.baseline(state, jnp.arange(state.alpha.shape[0])))
+_observe = jax.jit(tracker.observe)
+_sample_idle = jax.jit(sampling.sample_idle_tasks, static_argnames=("k", "floor", "form"))
+DRAINS = ("finish", "abort")
+MEASURES = ("token", "trajectory")
+
+
+@dataclasses.dataclass(frozen=True)
+class OrchestratorConfig:
+    """Orchestration knobs (SPEC 2-4, 6 defaults). Every constant is configurable."""
+
+    method: str = "spopp"  # "spopp" | "spo" | "grpo"
+    measure: str = "token"  # whitening measure, SPEC 4
+    batch_size: int = 128  # N trajectories per update
+    publish_every: int = 1  # K: publish after every K updates
+    drain: str = "finish"  # "finish" | "abort"
+    max_in_flight: int = 128  # concurrent trajectories
+    max_buffered_batches: int = 2  # dispatch only while ready + in-flight < this x batch_size
+    group_size: int = 8  # GRPO G
+    rho: float = 0.875
+    z0: float = 0.0
+    sampler_form: str = "inside_sqrt"  # SPO++ sqrt(v(1-v)+floor); "outside_sqrt": SPO's sqrt(v(1-v))+floor
+    sampler_floor: float = 0.05
+    spo_d_half: float = 0.06
+    spo_rho_min: float = 0.875
+    spo_rho_max: float = 0.96
+    train_on_failed: bool = False
+    pad_to_multiple: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        for name, value, allowed in (
+            ("method", self.method, METHODS),
+            ("drain", self.drain, DRAINS),
+            ("measure", self.measure, MEASURES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        for name in ("batch_size", "publish_every", "max_in_flight", "max_buffered_batches", "group_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.method == "grpo":
+            if self.batch_size % self.group_size:
+                raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
+            if self.max_in_flight < self.group_size:
+                raise ValueError("max_in_flight must be >= group_size for GRPO")
+
+
+class LearnerInput(NamedTuple):
+    """What the learner callable receives for one update.
+
+    batch: the packed ``TrainBatch``; trajectories: the batch in arrival order;
+    previous: SPO only (else all None), aligned with ``trajectories``: the previous
+    trajectory y′ of the same task (possibly earlier in this batch), whose
+    ``rollout_logp`` is π_then; None on a task's first visit. The learner scores y′ after
+    its update (π_now) and returns D_i = token-mean |π_then − π_now|
+    (``baselines.token_mean_abs_log_ratio``).
+    """
+
+    batch: Any
+    trajectories: tuple[Trajectory, ...]
+    previous: tuple[Trajectory | None, ...]
+
+
+class LearnerOutput(NamedTuple):
+    """The learner's answer: weights to publish (None: nothing to publish), scalar metrics,
+    and for SPO the divergence D_i aligned with the batch (None, or a None entry: D = 0)."""
+
+    weights: Any
+    metrics: Mapping[str, float] = {}
+    divergence: Sequence[float | None] | None = None
+
+
+Learner = Callable[[LearnerInput], Union[LearnerOutput, Awaitable[LearnerOutput]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRecord:
+    """One consumed batch: SPEC-4 diagnostics, policy lags and the learner's metrics."""
+
+    update: int
+    policy_event: int  # the newest published event when the batch was consumed
+    trajectories: tuple[Trajectory, ...]
+    raw_advantages: np.ndarray
+    advantages: np.ndarray
+    policy_lag: np.ndarray  # policy_event − trajectory.policy_event
+    diagnostics: Mapping[str, float]
+    learner_metrics: Mapping[str, float]
+    start_time: float
+    end_time: float
+
+
+@dataclasses.dataclass
+class _Group:
+    expected: int
+    members: list
+
+
+class Orchestrator:
+    """Runs rollouts and updates; ``await run(num_updates)``; ``await close()`` at the end.
+
+    ``events`` is the processing log in order: ("dispatch", DispatchStamp),
+    ("receive", Trajectory), ("drop", DispatchStamp), ("publish", int), ("consume",
+    UpdateRecord). Checkpoint with :meth:`state_dict` / :meth:`load_state_dict`.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        env_factory: EnvFactory,
+        chat: ChatFormat,
+        learner: Learner,
+        num_tasks: int,
+        config: OrchestratorConfig = OrchestratorConfig(),
+        agent_config: AgentConfig = AgentConfig(),
+        prior_alpha: Sequence[float] | None = None,
+        prior_beta: Sequence[float] | None = None,
+        on_update: Callable[[UpdateRecord], None] | None = None,
+    ):
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        self.engine, self.env_factory, self.chat, self.learner = engine, env_factory, chat, learner
+        self.num_tasks, self.config, self.agent_config, self.on_update = num_tasks, config, agent_config, on_update
+        alpha = np.full(num_tasks, 0.5, np.float32) if prior_alpha is None else np.asarray(prior_alpha, np.float32)
+        beta = np.full(num_tasks, 0.5, np.float32) if prior_beta is None else np.asarray(prior_beta, np.float32)
+        self.tracker = tracker.init(alpha, beta, z0=config.z0)
+        self.rng_key = jax.random.key_data(jax.random.key(config.seed))
+        self.policy_event = int(engine.policy_event)
+        self.updates = self.dispatched = self.consumed = self.failed = self.aborted = 0
+        self.events: list[tuple[str, Any]] = []
+        self.records: list[UpdateRecord] = []
+        self._busy = np.zeros(num_tasks, dtype=np.int64)
+        self._in_flight: dict[asyncio.Task, DispatchStamp] = {}
+        self._ready: list[Trajectory] = []
+        self._groups: dict[int, _Group] = {}
+        self._next_group = 0
+        self._spo_previous: dict[int, Trajectory] = {}
+        self._learner_task: asyncio.Task | None = None
+        self._learner_pending: tuple | None = None
+        self._publish_pending: Any = None
+        self._has_publish_pending = False
+        self._target = 0
+        self._z_cache: dict[int, float] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """Everything that must survive a crash, as a pytree of arrays."""
+        counters = dict(
+            policy_event=self.policy_event, updates=self.updates, dispatched=self.dispatched,
+            consumed=self.consumed, failed=self.failed, aborted=self.aborted,
+        )
+        return {
+            "tracker": self.tracker,
+            "rng_key": np.asarray(self.rng_key),
+            "counters": {k: np.asarray(v, np.int64) for k, v in counters.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (the engine must already serve that event)."""
+        restored = state["tracker"]
+        self.tracker = tracker.TrackerState(
+            alpha=jnp.asarray(restored.alpha), beta=jnp.asarray(restored.beta), z_ref=jnp.asarray(restored.z_ref)
+        )
+        if self.tracker.num_tasks != self.num_tasks:
+            raise ValueError(f"state tracker has {self.tracker.num_tasks} tasks, expected {self.num_tasks}")
+        self.rng_key = jnp.asarray(state["rng_key"])
+        for name, value in state["counters"].items():
+            setattr(self, name, int(value))
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self, num_updates: int) -> list[UpdateRecord]:
+        """Collect and train until ``num_updates`` more updates are done (and published)."""
+        if self.engine.policy_event != self.policy_event:
+            raise ValueError(
+                f"engine serves policy event {self.engine.policy_event}, orchestrator is at {self.policy_event}"
+            )
+        start = len(self.records)
+        self._target = self.updates + num_updates
+        while True:
+            await self._maybe_publish()
+            if self.updates >= self._target and not self._has_publish_pending:
+                break
+            self._maybe_start_update()
+            self._dispatch()
+            waitables = set(self._in_flight)
+            if self._learner_task is not None:
+                waitables.add(self._learner_task)
+            if not waitables:
+                if self._has_publish_pending:
+                    continue
+                raise RuntimeError("orchestrator stalled: nothing in flight and no batch to train")
+            done, _ = await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
+            finished = sorted((t for t in done if t in self._in_flight), key=self._arrival_key)
+            for task in finished:
+                self._receive(task)
+            if self._learner_task is not None and self._learner_task in done:
+                await self._finish_update()
+        return self.records[start:]
+
+    async def close(self) -> None:
+        """Abort in-flight work, wait for the learner, release the learner thread."""
+        await self._abort_in_flight()
+        if self._learner_task is not None:
+            await asyncio.gather(self._learner_task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ dispatch
+    def _capacity(self) -> int:
+        """How many more trajectories may be dispatched now."""
+        if self._has_publish_pending or self.updates >= self._target:
+            return 0
+        n = self.config.batch_size
+        started = self.updates + (self._learner_task is not None)
+        still_needed = (self._target - started) * n - len(self._ready) - self._grouped_count()
+        outstanding = len(self._ready) + self._grouped_count() + len(self._in_flight)
+        room = self.config.max_buffered_batches * n - outstanding
+        return max(0, min(self.config.max_in_flight - len(self._in_flight), still_needed - len(self._in_flight), room))
+
+    def _grouped_count(self) -> int:
+        return sum(len(g.members) for g in self._groups.values())
+
+    def _next_key(self) -> jax.Array:
+        key, sub = jax.random.split(jax.random.wrap_key_data(jnp.asarray(self.rng_key)))
+        self.rng_key = jax.random.key_data(key)
+        return sub
+
+    def _dispatch(self) -> None:
+        capacity = self._capacity()
+        idle = self._busy == 0
+        if self.config.method == "grpo":
+            capacity //= self.config.group_size
+        count = int(min(capacity, idle.sum()))
+        if count <= 0:
+            return
+        if self.config.method == "grpo":
+            ids = np.flatnonzero(idle)
+            chosen = np.asarray(jax.random.choice(self._next_key(), ids, (count,), replace=False))
+            for task_id in chosen:
+                self._start_group(int(task_id))
+            return
+        v_hat = np.asarray(_all_baselines(self.tracker))
+        # Gumbel top-k draws are sequential draws without replacement, so the first
+        # `count` of a full-length draw have the law of a `count` draw (one compile).
+        order = _sample_idle(
+            self._next_key(), jnp.asarray(v_hat), jnp.asarray(~idle), k=self.num_tasks,
+            floor=self.config.sampler_floor, form=self.config.sampler_form,
+        )
+        chosen = np.asarray(order)[:count]
+        if np.any(chosen < 0) or np.any(~idle[chosen]):
+            raise RuntimeError("sampler returned a busy task")
+        for task_id in chosen:
+            self._launch(int(task_id), float(v_hat[int(task_id)]), group_id=-1)
+
+    def _start_group(self, task_id: int) -> None:
+        group_id = self._next_group
+        self._next_group += 1
+        self._groups[group_id] = _Group(expected=self.config.group_size, members=[])
+        for _ in range(self.config.group_size):
+            self._launch(task_id, float("nan"), group_id)
+
+    def _coordinate(self, policy_event: int) -> float:
+        """z_k = z_0 + k·(−ln ρ), cached per event."""
+        if policy_event not in self._z_cache:
+            z = tracker.policy_coordinate(policy_event, self.config.rho, self.config.z0)
+            self._z_cache[policy_event] = float(z)
+        return self._z_cache[policy_event]
+
+    def _launch(self, task_id: int, frozen_baseline: float, group_id: int) -> None:
+        if self.config.method != "grpo" and self._busy[task_id] != 0:
+            raise RuntimeError(f"task {task_id} already has a request in flight")
+        loop = asyncio.get_running_loop()
+        stamp = DispatchStamp(
+            request_id=self.dispatched,
+            task_id=task_id,
+            policy_event=self.policy_event,
+            z=self._coordinate(self.policy_event),
+            frozen_baseline=frozen_baseline,
+            dispatch_time=loop.time(),
+            group_id=group_id,
+        )
+        self.dispatched += 1
+        self._busy[task_id] += 1
+        episode = run_episode(self.engine, self.env_factory(), self.chat, stamp, self.agent_config)
+        self._in_flight[asyncio.ensure_future(episode)] = stamp
+        self.events.append(("dispatch", stamp))
+
+    # ------------------------------------------------------------------ receipt
+    def _arrival_key(self, task: asyncio.Task):
+        stamp = self._in_flight[task]
+        if task.cancelled() or task.exception() is not None:
+            return (float("inf"), stamp.request_id)
+        return (task.result().finish_time, stamp.request_id)
+
+    def _receive(self, task: asyncio.Task) -> None:
+        stamp = self._in_flight.pop(task)
+        self._busy[stamp.task_id] -= 1
+        traj: Trajectory = task.result()  # run_episode records env/engine errors itself
+        self.events.append(("receive", traj))
+        if traj.aborted:
+            self.aborted += 1
+            self._shrink_group(stamp)
+            return
+        if traj.failed:
+            self.failed += 1
+            if not self.config.train_on_failed:
+                self._shrink_group(stamp)
+                return
+        if self.config.method == "spopp":  # evidence visible to later dispatches at once
+            self.tracker = _observe(self.tracker, np.array([traj.task_id], np.int32),
+                                    np.array([traj.z], np.float32), np.array([traj.reward], np.float32))
+        if self.config.method == "grpo":
+            group = self._groups[stamp.group_id]
+            group.members.append(traj)
+            self._maybe_close_group(stamp.group_id)
+        else:
+            self._ready.append(traj)
+
+    def _shrink_group(self, stamp: DispatchStamp) -> None:
+        if stamp.group_id >= 0:
+            self._groups[stamp.group_id].expected -= 1
+            self._maybe_close_group(stamp.group_id)
+
+    def _maybe_close_group(self, group_id: int) -> None:
+        """The GRPO barrier: a group is ready only when every member has finished."""
+        group = self._groups[group_id]
+        if len(group.members) == group.expected:
+            del self._groups[group_id]
+            self._ready.extend(group.members)
+
+    async def _abort_in_flight(self) -> None:
+        """Drain "abort": finished work is received normally; the rest is dropped."""
+        done = sorted((t for t in self._in_flight if t.done() and not t.cancelled()), key=self._arrival_key)
+        for task in done:
+            self._receive(task)
+        await self.engine.abort_all()
+        pending = list(self._in_flight)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in pending:
+            stamp = self._in_flight.pop(task)
+            self._busy[stamp.task_id] -= 1
+            self.aborted += 1
+            self.events.append(("drop", stamp))
+            self._shrink_group(stamp)
+
+    # ------------------------------------------------------------------ consumption
+    def _maybe_start_update(self) -> None:
+        n = self.config.batch_size
+        if self._learner_task is not None or self._has_publish_pending or self.updates >= self._target:
+            return
+        if self.config.method == "grpo":
+            n = (n // self.config.group_size) * self.config.group_size
+        if len(self._ready) < n:
+            return
+        trajectories = tuple(self._ready[:n])
+        del self._ready[:n]
+        lengths = baselines.action_lengths(trajectories)
+        if self.config.method == "grpo":
+            raw = baselines.group_relative_advantages(trajectories)
+        else:
+            raw = baselines.frozen_baseline_advantages(trajectories)
+        whitened = baselines.whiten(raw, lengths, self.config.measure)
+        batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple)
+        learner_input = LearnerInput(batch, trajectories, self._previous_responses(trajectories))
+        lag = np.array([self.policy_event - t.policy_event for t in trajectories], dtype=np.int64)
+        diagnostics = baselines.batch_diagnostics(raw, lengths)
+        diagnostics.update(
+            reward_mean=float(np.mean([t.reward for t in trajectories])),
+            policy_lag_mean=float(lag.mean()),
+            policy_lag_max=float(lag.max()),
+            failed_total=float(self.failed),
+            aborted_total=float(self.aborted),
+        )
+        start = asyncio.get_running_loop().time()
+        self._learner_pending = (trajectories, raw, whitened, lag, diagnostics, start, self.policy_event)
+        self._learner_task = asyncio.ensure_future(self._call_learner(learner_input))
+
+    async def _call_learner(self, learner_input: LearnerInput) -> LearnerOutput:
+        if inspect.iscoroutinefunction(self.learner) or inspect.iscoroutinefunction(
+            getattr(self.learner, "__call__", None)
+        ):
+            output = await self.learner(learner_input)
+        else:
+            loop = asyncio.get_running_loop()
+            output = await loop.run_in_executor(self._executor, self.learner, learner_input)
+        if not isinstance(output, LearnerOutput):
+            raise TypeError(f"learner must return LearnerOutput, got {type(output).__name__}")
+        return output
+
+    async def _finish_update(self) -> None:
+        task, self._learner_task = self._learner_task, None
+        output: LearnerOutput = task.result()  # a learner crash propagates (restore from checkpoint)
+        trajectories, raw, whitened, lag, diagnostics, start, event = self._learner_pending
+        self._learner_pending = None
+        if self.config.method == "spo":
+            self._spo_update(trajectories, output.divergence)
+        self.updates += 1
+        self.consumed += len(trajectories)
+        record = UpdateRecord(
+            update=self.updates, policy_event=event, trajectories=trajectories, raw_advantages=raw,
+            advantages=whitened, policy_lag=lag, diagnostics=diagnostics,
+            learner_metrics=dict(output.metrics), start_time=start,
+            end_time=asyncio.get_running_loop().time(),
+        )
+        self.records.append(record)
+        self.events.append(("consume", record))
+        if self.on_update is not None:
+            self.on_update(record)
+        if self.updates % self.config.publish_every == 0 and output.weights is not None:
+            self._publish_pending, self._has_publish_pending = output.weights, True
+            if self.config.drain == "abort":
+                await self._abort_in_flight()
+
+    def _previous_responses(self, trajectories: Sequence[Trajectory]) -> tuple[Trajectory | None, ...]:
+        """SPO: y′ of each trajectory (the task's previous consumed response), else None."""
+        if self.config.method != "spo":
+            return (None,) * len(trajectories)
+        latest, previous = dict(self._spo_previous), []
+        for traj in trajectories:
+            previous.append(latest.get(traj.task_id))
+            latest[traj.task_id] = traj
+        return tuple(previous)
+
+    def _spo_update(self, trajectories: Sequence[Trajectory], divergence) -> None:
+        """SPO receipt-order tracker, applied after the actor update in arrival order."""
+        divergence = baselines.spo_divergences(len(trajectories), divergence)
+        rho = tracker.spo_retention(
+            jnp.asarray(divergence), self.config.spo_d_half, self.config.spo_rho_min, self.config.spo_rho_max
+        )
+        self.tracker = tracker.spo_observe(
+            self.tracker, np.array([t.task_id for t in trajectories]),
+            np.array([t.reward for t in trajectories], np.float32), rho,
+        )
+        for traj in trajectories:
+            self._spo_previous[traj.task_id] = traj
+
+    async def _maybe_publish(self) -> None:
+        """Publish once the drain is complete (nothing from the old policy in flight)."""
+        if not self._has_publish_pending or self._in_flight:
+            return
+        weights, self._publish_pending, self._has_publish_pending = self._publish_pending, None, False
+        await self.engine.publish(weights, self.policy_event + 1)
+        self.policy_event += 1
+        self.events.append(("publish", self.policy_event))

@@ -1,0 +1,435 @@
+"""Orchestrator semantics (SPEC 2-4) with the scripted engine under virtual time.
+
+Every test replays the orchestrator's event log against a hand-maintained model of the
+SPEC: visible histories, the event-time formula in float64, one request per task, drains.
+"""
+
+import asyncio
+import math
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_bridge.agent import AgentConfig, ChatFormat
+from rollout_bridge.engine.fake import FakeEngine, ScriptedReply, run_virtual
+from rollout_bridge.envs.base import AsyncEnvironment, StepResult
+from rollout_bridge.orchestrator import LearnerOutput, Orchestrator, OrchestratorConfig
+from rollout_bridge.tokenizer import build_tiny_tokenizer
+
+RHO = 0.875
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    tokenizer = build_tiny_tokenizer(["task visit 0123456789 ok"] * 20, tmp_path_factory.mktemp("tok"), 300)
+    return ChatFormat.from_tokenizer(tokenizer)
+
+
+class ScriptedEnv(AsyncEnvironment):
+    """One-turn env: observation "task X visit V"; reward, latency and faults scripted."""
+
+    def __init__(self, world):
+        self.world, self.num_tasks = world, world.num_tasks
+
+    async def reset(self, task_id):
+        visit = self.world.visits.setdefault(task_id, 0)
+        self.world.visits[task_id] += 1
+        self.task, self.visit = task_id, visit
+        delay = self.world.env_latency(task_id, visit)
+        if delay:
+            await asyncio.sleep(delay)
+        if self.world.fault(task_id, visit):
+            raise RuntimeError(f"scripted fault task {task_id} visit {visit}")
+        return f"task {task_id} visit {visit}"
+
+    async def step(self, action_text):
+        return StepResult("done", float(self.world.reward(self.task, self.visit)), True)
+
+
+class World:
+    """Scripted rewards / latencies keyed by (task, visit); builds env + engine."""
+
+    def __init__(self, chat, num_tasks, reward, latency, env_latency=None, fault=None):
+        self.chat, self.num_tasks, self.visits = chat, num_tasks, {}
+        self.reward, self.latency = reward, latency
+        self.env_latency = env_latency or (lambda task, visit: 0.0)
+        self.fault = fault or (lambda task, visit: False)
+        self.engine = FakeEngine(self.script)
+
+    def script(self, request):
+        text = self.chat.tokenizer.decode(list(request.prompt_ids))
+        words = text.split("task ", 1)[1].split()
+        task, visit = int(words[0]), int(words[2].split("<")[0])
+        ok = self.chat.tokenizer.convert_tokens_to_ids("o")
+        length = 1 + (task % 3) + (visit % 2)  # L_i varies with task and visit
+        return ScriptedReply((ok,) * length + (self.chat.stop_token_ids[0],), latency=self.latency(task, visit))
+
+    def env(self):
+        return ScriptedEnv(self)
+
+
+class FakeLearner:
+    """Async learner taking ``latency`` virtual seconds; weights named by update count."""
+
+    def __init__(self, latency=0.0, divergence=None):
+        self.latency, self.divergence, self.inputs = latency, divergence, []
+
+    async def __call__(self, learner_input):
+        self.inputs.append(learner_input)
+        if self.latency:
+            await asyncio.sleep(self.latency)
+        n = len(self.inputs)
+        d = self.divergence(learner_input) if self.divergence else None
+        return LearnerOutput(weights=f"w{n}", metrics={"update": float(n)}, divergence=d)
+
+
+def run_orchestrator(world, config, num_updates, learner=None, prior=None, agent_config=AgentConfig()):
+    learner = learner or FakeLearner()
+    prior_alpha, prior_beta = prior if prior is not None else (None, None)
+
+    async def main():
+        orch = Orchestrator(world.engine, world.env, world.chat, learner, world.num_tasks, config,
+                            agent_config, prior_alpha, prior_beta)
+        try:
+            await orch.run(num_updates)
+        finally:
+            await orch.close()
+        return orch
+
+    return run_virtual(main())
+
+
+def jeffreys(num_tasks):
+    successes = np.arange(num_tasks) % 9
+    alpha = 8 * (successes + 0.5) / 9
+    beta = 8 * (8 - successes + 0.5) / 9
+    return alpha, beta
+
+
+def spec_baseline(alpha0, beta0, z0, z_q, history):
+    """SPEC 2 in float64: α_q = e^{−(z_q−z0)}α0 + Σ e^{−(z_q−z_i)}R_i, same for β."""
+    a = math.exp(-(z_q - z0)) * alpha0 + sum(math.exp(-(z_q - z)) * r for z, r in history)
+    b = math.exp(-(z_q - z0)) * beta0 + sum(math.exp(-(z_q - z)) * (1 - r) for z, r in history)
+    return a / (a + b)
+
+
+def replay_check_event_time(orch, alpha0, beta0, z0=0.0):
+    """Check every dispatch against the visible-history recomputation; return stats."""
+    history = {x: [] for x in range(orch.num_tasks)}
+    in_flight, publishes, checked_nonempty = set(), 0, 0
+    for kind, item in orch.events:
+        if kind == "dispatch":
+            assert item.task_id not in in_flight, "two in-flight requests for one task"
+            in_flight.add(item.task_id)
+            assert item.policy_event == publishes
+            assert item.z == pytest.approx(z0 + publishes * -math.log(RHO), rel=1e-6)
+            expected = spec_baseline(alpha0[item.task_id], beta0[item.task_id], z0, item.z, history[item.task_id])
+            assert item.frozen_baseline == pytest.approx(expected, abs=2e-6)
+            checked_nonempty += bool(history[item.task_id])
+        elif kind == "receive":
+            in_flight.discard(item.task_id)
+            if item.usable:
+                history[item.task_id].append((item.z, item.reward))
+        elif kind == "drop":
+            in_flight.discard(item.task_id)
+        elif kind == "publish":
+            publishes += 1
+            assert item == publishes
+    return checked_nonempty
+
+
+def uneven_latency(seed):
+    rng = np.random.default_rng(seed)
+    table = rng.choice([0.5, 1.0, 3.0, 9.0, 27.0], size=(64, 64))
+    return lambda task, visit: float(table[task, visit])
+
+
+def reward_table(seed):
+    table = np.random.default_rng(seed + 100).integers(0, 2, size=(64, 64))
+    return lambda task, visit: int(table[task, visit])
+
+
+@pytest.mark.parametrize("drain", ["finish", "abort"])
+def test_frozen_baseline_equals_visible_history_formula(chat, drain):
+    world = World(chat, 6, reward_table(0), uneven_latency(0))
+    prior = jeffreys(6)
+    config = OrchestratorConfig(batch_size=4, max_in_flight=5, drain=drain, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, num_updates=6, prior=prior)
+    assert orch.updates == 6 and orch.policy_event == 6
+    assert replay_check_event_time(orch, *prior) > 10
+    # Engine side: never two overlapping requests of one task.
+    spans = {}
+    for rec in world.engine.records:
+        task = int(chat.tokenizer.decode(list(rec.request.prompt_ids)).split("task ")[1].split()[0])
+        spans.setdefault(task, []).append((rec.start_time, rec.finish_time))
+    for task_spans in spans.values():
+        task_spans.sort()
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(task_spans, task_spans[1:]))
+
+
+def test_advantages_are_reward_minus_frozen_baseline_then_token_whitened(chat):
+    world = World(chat, 6, reward_table(1), uneven_latency(1))
+    orch = run_orchestrator(world, OrchestratorConfig(batch_size=5, max_in_flight=6, pad_to_multiple=8), 3,
+                            prior=jeffreys(6))
+    for record in orch.records:
+        rewards = np.array([t.reward for t in record.trajectories])
+        frozen = np.array([t.frozen_baseline for t in record.trajectories])
+        lengths = np.array([t.num_action_tokens for t in record.trajectories], dtype=np.float64)
+        raw = rewards - frozen
+        np.testing.assert_allclose(record.raw_advantages, raw, atol=1e-6)
+        mu = (lengths * raw).sum() / lengths.sum()
+        sigma = math.sqrt((lengths * (raw - mu) ** 2).sum() / (lengths.sum() - 1))
+        np.testing.assert_allclose(record.advantages, (raw - mu) / (sigma + 1e-8), atol=1e-4)
+        assert abs((lengths * record.advantages).sum() / lengths.sum()) < 1e-5
+        cov = np.mean((lengths - lengths.mean()) * (raw - raw.mean()))
+        assert record.diagnostics["cov_n_length_advantage"] == pytest.approx(cov, abs=1e-5)
+
+
+def test_batch_reaches_learner_packed_with_whitened_advantages(chat):
+    learner = FakeLearner()
+    world = World(chat, 5, reward_table(2), uneven_latency(2))
+    orch = run_orchestrator(world, OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=16), 2,
+                            learner=learner)
+    for learner_input, record in zip(learner.inputs, orch.records):
+        batch = learner_input.batch
+        assert learner_input.trajectories == record.trajectories
+        assert batch.input_ids.shape[0] == 3 and batch.input_ids.shape[1] % 16 == 0
+        for row, traj in enumerate(record.trajectories):
+            n = len(traj.token_ids)
+            assert list(np.asarray(batch.input_ids)[row, :n]) == list(traj.token_ids)
+            mask = np.asarray(batch.action_mask)[row]
+            assert mask.sum() == traj.num_action_tokens
+            assert np.allclose(np.asarray(batch.advantages)[row][mask], record.advantages[row])
+    assert world.engine.published == [(1, "w1"), (2, "w2")]
+
+
+def wave_world(chat, permutations):
+    """Waves of all tasks; the completion order inside wave v is ``permutations[v]``."""
+    def latency(task, visit):
+        order = permutations[visit]
+        return 1.0 + list(order).index(task)
+    return World(chat, len(permutations[0]), reward_table(3), latency)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.data())
+def test_receipt_order_invariance_end_to_end(chat, data):
+    # max_buffered_batches=1 with batch = tasks: each wave sees exactly the earlier waves,
+    # so visible histories are fixed while completion order within waves is shuffled.
+    num_tasks, waves = 4, 4
+    perms_a = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves)]
+    perms_b = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves)]
+    config = OrchestratorConfig(batch_size=4, max_in_flight=4, max_buffered_batches=1, pad_to_multiple=8)
+    prior = jeffreys(num_tasks)
+    runs = [run_orchestrator(wave_world(chat, p), config, waves - 1, prior=prior) for p in (perms_a, perms_b)]
+    baselines = []
+    for orch in runs:
+        replay_check_event_time(orch, *prior)
+        stamps = [s for kind, s in orch.events if kind == "dispatch"]
+        visit = {}
+        keyed = {}
+        for s in stamps:
+            keyed[(s.task_id, visit.setdefault(s.task_id, 0))] = (s.z, s.frozen_baseline)
+            visit[s.task_id] += 1
+        baselines.append(keyed)
+    common = set(baselines[0]) & set(baselines[1])
+    assert len(common) >= num_tasks * (waves - 1)
+    for key in common:
+        assert baselines[0][key][0] == baselines[1][key][0]
+        assert baselines[0][key][1] == pytest.approx(baselines[1][key][1], abs=1e-6)
+    receipts = [[t.task_id for kind, t in orch.events if kind == "receive"] for orch in runs]
+    if perms_a != perms_b:
+        assert receipts[0] != receipts[1]
+
+
+def test_finish_drain_lets_old_policy_work_finish_into_the_next_batch(chat):
+    # Task 0 is slow on its first visit: it is in flight when update 1 publishes.
+    latency = lambda task, visit: 50.0 if (task, visit) == (0, 0) else 1.0 + task
+    world = World(chat, 4, reward_table(4), latency)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=4, drain="finish", pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 3)
+    kinds = [(k, item) for k, item in orch.events]
+    consume_at = next(i for i, (k, _) in enumerate(kinds) if k == "consume")
+    publish_at = next(i for i, (k, _) in enumerate(kinds) if k == "publish")
+    between = [k for k, _ in kinds[consume_at:publish_at]]
+    assert "dispatch" not in between  # no dispatch while draining
+    slow = next(t for k, t in kinds if k == "receive" and t.task_id == 0 and t.policy_event == 0)
+    assert kinds.index(("receive", slow)) < publish_at  # it finished before the publish
+    later = next(r for r in orch.records if slow in r.trajectories)
+    assert later.update >= 2 and later.policy_lag[later.trajectories.index(slow)] >= 1
+    assert orch.aborted == 0
+    # The engine never served a request across a publish: it stamps the event at start.
+    assert all(rec.result.policy_event == rec.request.policy_event for rec in world.engine.records)
+
+
+def test_abort_drain_drops_in_flight_work_and_frees_tasks(chat):
+    latency = lambda task, visit: 50.0 if (task, visit) == (0, 0) else 1.0 + task
+    world = World(chat, 4, reward_table(4), latency)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=4, drain="abort", pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 3, learner=FakeLearner(latency=0.5))
+    drops = [s for k, s in orch.events if k == "drop"]
+    assert any(s.task_id == 0 and s.policy_event == 0 for s in drops)
+    assert orch.aborted >= 1
+    consumed = [t for r in orch.records for t in r.trajectories]
+    assert all(t.usable for t in consumed)
+    assert not any(t.task_id == 0 and t.policy_event == 0 for t in consumed)
+    # Task 0 was dispatched again after its drop, under a newer policy.
+    later = [s for k, s in orch.events if k == "dispatch" and s.task_id == 0]
+    assert len(later) >= 2 and later[1].policy_event >= 1
+    assert any(rec.result.finish_reason == "abort" for rec in world.engine.records)
+    replay_check_event_time(orch, np.full(4, 0.5), np.full(4, 0.5))
+
+
+def test_policy_lag_is_event_at_consumption_minus_generating_event(chat):
+    world = World(chat, 6, reward_table(5), uneven_latency(5))
+    config = OrchestratorConfig(batch_size=3, max_in_flight=6, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 5, learner=FakeLearner(latency=2.0))
+    for record in orch.records:
+        expected = [record.policy_event - t.policy_event for t in record.trajectories]
+        assert record.policy_lag.tolist() == expected
+        assert record.diagnostics["policy_lag_max"] == max(expected)
+    lags = np.concatenate([r.policy_lag for r in orch.records])
+    assert lags.min() >= 0 and lags.max() >= 1
+    # The event at consumption is the number of publishes before the batch was consumed.
+    publishes = 0
+    for kind, item in orch.events:
+        if kind == "publish":
+            publishes += 1
+        elif kind == "consume":
+            assert item.policy_event == publishes
+
+
+def test_env_fault_and_timeout_are_recorded_failures_and_run_continues(chat):
+    fault = lambda task, visit: (task, visit) == (2, 0)
+    env_latency = lambda task, visit: 500.0 if (task, visit) == (3, 1) else 0.0
+    world = World(chat, 5, reward_table(6), uneven_latency(6), env_latency=env_latency, fault=fault)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=5, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 5, agent_config=AgentConfig(env_timeout_s=10.0))
+    failures = [t for k, t in orch.events if k == "receive" and t.failed]
+    assert {(t.task_id, "fault" in t.error, "timed out" in t.error) for t in failures} == {
+        (2, True, False), (3, False, True)}
+    assert all(t.reward == 0.0 for t in failures) and orch.failed == 2
+    assert orch.updates == 5
+    consumed = [t for r in orch.records for t in r.trajectories]
+    assert not any(t.failed for t in consumed)
+    redispatched = [s for k, s in orch.events if k == "dispatch" and s.task_id in (2, 3)]
+    assert len(redispatched) >= 4  # both tasks were freed and sampled again
+    replay_check_event_time(orch, np.full(5, 0.5), np.full(5, 0.5))  # failures are not evidence
+
+
+def test_grpo_group_barrier_and_group_relative_advantages(chat):
+    # Task-visit (0, 0) has one slow member: its group must wait; other groups go first.
+    def latency(task, visit):
+        return 40.0 if (task, visit) == (0, 1) else 1.0 + (task + visit) % 3
+
+    world = World(chat, 5, lambda task, visit: (task + visit) % 2, latency)
+    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 4)
+    receive_index = {id(t): i for i, (k, t) in enumerate(orch.events) if k == "receive"}
+    consume_index = {r.update: i for i, (k, r) in enumerate(orch.events) if k == "consume"}
+    for record in orch.records:
+        groups = {}
+        for t in record.trajectories:
+            groups.setdefault(t.stamp.group_id, []).append(t)
+        assert all(len(members) == 3 for members in groups.values())
+        for members in groups.values():
+            assert len({t.task_id for t in members}) == 1
+            rewards = np.array([t.reward for t in members])
+            for t in members:
+                row = record.trajectories.index(t)
+                assert record.raw_advantages[row] == pytest.approx(t.reward - rewards.mean(), abs=1e-6)
+                assert receive_index[id(t)] < consume_index[record.update]
+    # The slow group's fast members finished early but were consumed after later groups.
+    slow_group = next(s.group_id for k, s in orch.events if k == "dispatch" and s.task_id == 0)
+    first_batch_groups = {t.stamp.group_id for t in orch.records[0].trajectories}
+    assert slow_group not in first_batch_groups
+
+
+def test_spo_tracker_updates_in_arrival_order_after_the_actor_update(chat):
+    def divergence(learner_input):
+        return [None if prev is None else 0.03 * (1 + t.task_id % 3)
+                for t, prev in zip(learner_input.trajectories, learner_input.previous)]
+
+    learner = FakeLearner(divergence=divergence)
+    world = World(chat, 5, reward_table(7), uneven_latency(7))
+    prior = jeffreys(5)
+    config = OrchestratorConfig(method="spo", batch_size=3, max_in_flight=4, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 5, learner=learner, prior=prior)
+    alpha, beta = [float(a) for a in prior[0]], [float(b) for b in prior[1]]
+    last_seen = {}
+    for kind, item in orch.events:
+        if kind == "dispatch":
+            expected = alpha[item.task_id] / (alpha[item.task_id] + beta[item.task_id])
+            assert item.frozen_baseline == pytest.approx(expected, abs=2e-6)
+        elif kind == "consume":
+            inp = learner.inputs[item.update - 1]
+            for t, prev in zip(item.trajectories, inp.previous):  # arrival order
+                assert prev is last_seen.get(t.task_id)
+                d = 0.03 * (1 + t.task_id % 3) if t.task_id in last_seen else 0.0
+                rho = min(max(2.0 ** (-d / 0.06), 0.875), 0.96)
+                alpha[t.task_id] = rho * alpha[t.task_id] + t.reward
+                beta[t.task_id] = rho * beta[t.task_id] + 1 - t.reward
+                last_seen[t.task_id] = t
+    np.testing.assert_allclose(np.asarray(orch.tracker.alpha), alpha, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(orch.tracker.beta), beta, rtol=1e-5)
+
+
+def test_learning_overlaps_rollouts(chat):
+    world = World(chat, 6, reward_table(8), lambda task, visit: 1.0 + task % 3)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=6, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 3, learner=FakeLearner(latency=5.0))
+    record = orch.records[0]
+    during = [t for k, t in orch.events if k == "receive" and record.start_time < t.finish_time < record.end_time]
+    assert during, "no rollout finished while the learner was training"
+
+
+def test_sync_learner_runs_in_a_thread_on_a_real_loop(chat):
+    import threading
+
+    threads = []
+
+    def learner(learner_input):
+        threads.append(threading.get_ident())
+        return LearnerOutput(weights="w", metrics={})
+
+    world = World(chat, 4, reward_table(9), lambda task, visit: 0.001 * (1 + task))
+    config = OrchestratorConfig(batch_size=2, max_in_flight=3, pad_to_multiple=8)
+
+    async def main():
+        orch = Orchestrator(world.engine, world.env, chat, learner, 4, config)
+        try:
+            await orch.run(2)
+        finally:
+            await orch.close()
+        return orch, threading.get_ident()
+
+    orch, loop_thread = asyncio.run(main())
+    assert orch.updates == 2 and len(threads) == 2 and loop_thread not in threads
+
+
+def test_state_dict_round_trip_restores_tracker_key_and_counters(chat):
+    world = World(chat, 5, reward_table(10), uneven_latency(10))
+    orch = run_orchestrator(world, OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=8), 2)
+    state = orch.state_dict()
+    fresh_world = World(chat, 5, reward_table(10), uneven_latency(10))
+    fresh = Orchestrator(fresh_world.engine, fresh_world.env, chat, FakeLearner(), 5,
+                         OrchestratorConfig(batch_size=3, seed=99))
+    fresh.load_state_dict(state)
+    for name in ("policy_event", "updates", "dispatched", "consumed", "failed", "aborted"):
+        assert getattr(fresh, name) == getattr(orch, name)
+    np.testing.assert_array_equal(np.asarray(fresh.tracker.alpha), np.asarray(orch.tracker.alpha))
+    np.testing.assert_array_equal(np.asarray(fresh.tracker.z_ref), np.asarray(orch.tracker.z_ref))
+    np.testing.assert_array_equal(jax.random.key_data(fresh._next_key()), jax.random.key_data(orch._next_key()))
+    assert orch.policy_event == 2 and orch.dispatched >= orch.consumed == 6
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="method"):
+        OrchestratorConfig(method="ppo")
+    with pytest.raises(ValueError, match="drain"):
+        OrchestratorConfig(drain="later")
+    with pytest.raises(ValueError, match="group_size"):
+        OrchestratorConfig(method="grpo", batch_size=10, group_size=3)
