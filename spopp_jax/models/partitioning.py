@@ -64,6 +64,8 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
             fitted.append(axis)
         else:
             fitted.append(None)
+    while fitted and fitted[-1] is None:  # P('fsdp', None) -> P('fsdp'), P(None) -> P()
+        fitted.pop()
     return P(*fitted)
 
 
