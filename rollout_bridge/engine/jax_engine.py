@@ -1,0 +1,430 @@
+"""The embedded JAX rollout engine: continuous batching over KV-cache slots.
+
+``JaxEngine`` implements the ``RolloutEngine`` contract (docs/DESIGN.md) on top of the
+model's cached decode (``init_cache`` / ``forward_cached``) and the pure slot transitions
+of ``slot_decode``:
+
+* ``num_slots`` slots share one KV cache of ``max_len`` positions per slot. A request joins
+  a free slot between decode chunks (batched, bucketed prefill) and leaves as soon as it
+  finishes; nobody waits for the longest request of a batch.
+* One background thread runs the scheduler; each host round-trip runs ``steps_per_call``
+  jitted decode steps (``lax.scan``, fixed shapes: one compile). JAX releases the GIL while
+  computing, so the asyncio event loop of the callers stays responsive.
+* Prefill shapes are bucketed (powers of two in rows and prefix length, at least
+  ``min_prefill_len``), bounding recompiles to O(log S * log max_len).
+* Log-probs are ``log_softmax(logits / temperature)[token]`` in float32, from the logits
+  that sampled the token, before top-k / top-p.
+* Determinism: request r's i-th token uses ``fold_in(PRNGKey(seed_r), i)``, so a request's
+  samples do not depend on its slot or on the other requests (``generate(..., seed=)``;
+  without a seed the engine derives one from its own seed and a request counter).
+
+Publish semantics (every token of a request comes from one policy event): ``publish``
+WAITS for the requests already decoding to finish with the old weights, admits nothing
+meanwhile, then installs the new weights; requests still queued (not yet admitted) and all
+later ones run on the new weights. ``GenerationResult.policy_event`` names the weights of
+every token. Published arrays are copied, so a learner that later donates or mutates its
+buffers cannot corrupt the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import os
+import threading
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rollout_bridge.engine import slot_decode
+from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_new_tokens: int  # capped by the cache length
+    rng_key: np.ndarray  # uint32[2]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Publish:
+    params: nnx.State
+    policy_event: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclasses.dataclass(eq=False)
+class _Abort:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+_CLOSE = object()
+# Module-level jits: engines over the same model structure share compiled executables.
+_ADMIT = jax.jit(slot_decode.admit, static_argnums=0, donate_argnums=2)
+_DECODE = jax.jit(slot_decode.decode_steps, static_argnums=(0, 3), donate_argnums=2)
+_RELEASE = jax.jit(slot_decode.release, donate_argnums=0)
+_FINISH_NAMES = {slot_decode.FINISH_STOP: "stop", slot_decode.FINISH_LENGTH: "length"}
+
+
+def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _notify(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    try:
+        loop.call_soon_threadsafe(_resolve, future, result, error)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+def prng_key_data(seed: int) -> np.ndarray:
+    """Legacy uint32[2] threefry key of a 64-bit seed: ``[seed >> 32, seed & 0xffffffff]``.
+
+    Equals ``jax.random.PRNGKey(seed)`` for ``0 <= seed < 2**32``; larger seeds keep their
+    high bits (without x64, ``PRNGKey`` would truncate them). Computed on the host.
+    """
+    seed = int(seed) % (1 << 64)
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+
+
+def _bucket(n: int, minimum: int, maximum: int) -> int:
+    size = max(minimum, 1 << max(0, n - 1).bit_length())
+    return min(size, maximum)
+
+
+class JaxEngine(RolloutEngine):
+    """Embedded continuous-batching JAX engine (see the module docstring).
+
+    Args:
+      model: an nnx module with ``init_cache`` / ``forward_cached`` (spopp_jax.models).
+      num_slots: concurrent requests decoded together.
+      max_len: KV-cache positions per slot (prompt + generated tokens).
+      steps_per_call: decode steps per jitted call (host round-trip).
+      policy_event: event of the initial weights.
+      seed: engine seed for requests that pass none.
+      max_stop_tokens: capacity of a request's ``stop_token_ids``.
+      min_prefill_len: smallest prefill bucket.
+      cache_dtype: KV-cache dtype.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        num_slots: int = 16,
+        max_len: int = 2048,
+        steps_per_call: int = 8,
+        policy_event: int = 0,
+        seed: int = 0,
+        max_stop_tokens: int = 8,
+        min_prefill_len: int = 16,
+        cache_dtype: Any = jnp.float32,
+    ):
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        self._graphdef, params = nnx.split(model)
+        self._params = _copy_tree(params)
+        self._num_slots = int(num_slots)
+        self._max_len = int(max_len)
+        self._steps_per_call = int(steps_per_call)
+        self._max_stop_tokens = int(max_stop_tokens)
+        self._min_prefill_len = int(min_prefill_len)
+        self._vocab_size = _vocab_size(model)
+        self._seed = int(seed)
+        self._request_counter = 0
+        self.policy_event = int(policy_event)
+
+        # Distinct buffers per leaf: the jitted transitions donate the whole state.
+        self._state = _copy_tree(slot_decode.init_slot_state(model, num_slots, max_len, max_stop_tokens, cache_dtype))
+        self._admit = _ADMIT
+        self._decode = _DECODE
+        self._release = _RELEASE
+
+        # Scheduler-thread state (touched only by that thread after start).
+        self._slots: list[_Request | None] = [None] * self._num_slots
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._publishes: collections.deque[_Publish] = collections.deque()
+        # Shared with callers, guarded by the condition.
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="JaxEngine-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ async front end
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None
+    ) -> GenerationResult:
+        """Decode a continuation of ``prompt_ids``; ``seed`` fixes this request's samples."""
+        prompt = tuple(int(t) for t in prompt_ids)
+        self._validate(prompt, params)
+        if seed is None:
+            self._request_counter += 1
+            seed = hash((self._seed, self._request_counter)) & ((1 << 63) - 1)
+        loop = asyncio.get_running_loop()
+        request = _Request(
+            prompt_ids=prompt,
+            params=params,
+            max_new_tokens=min(params.max_new_tokens, self._max_len - len(prompt) + 1),
+            rng_key=prng_key_data(seed),
+            loop=loop,
+            future=loop.create_future(),
+        )
+        self._submit(request)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.cancelled = True
+            with self._wakeup:  # wake the scheduler so the slot is freed
+                self._wakeup.notify()
+            raise
+
+    async def publish(self, weights: Any, policy_event: int) -> None:
+        """Install ``weights`` (nnx.State, nnx.Module or HF folder) as ``policy_event``.
+
+        Waits until every request already decoding has finished on the old weights.
+        """
+        params = await asyncio.to_thread(self._to_params, weights)
+        loop = asyncio.get_running_loop()
+        command = _Publish(params=params, policy_event=int(policy_event), loop=loop, future=loop.create_future())
+        self._submit(command)
+        await command.future
+
+    async def abort_all(self) -> None:
+        """Finish every decoding or queued request now with ``finish_reason == "abort"``."""
+        loop = asyncio.get_running_loop()
+        command = _Abort(loop=loop, future=loop.create_future())
+        self._submit(command)
+        await command.future
+
+    async def close(self) -> None:
+        """Abort everything in flight and stop the scheduler thread."""
+        if not self._closed:
+            self._submit(_CLOSE)
+        await asyncio.to_thread(self._thread.join)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, prompt: tuple[int, ...], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not 1 <= len(prompt) <= self._max_len:
+            raise ValueError(f"prompt_ids must have 1..max_len={self._max_len} tokens, got {len(prompt)}")
+        if self._vocab_size is not None and any(not 0 <= t < self._vocab_size for t in prompt):
+            raise ValueError(f"prompt_ids must lie in [0, {self._vocab_size})")
+        if len(params.stop_token_ids) > self._max_stop_tokens:
+            raise ValueError(
+                f"params.stop_token_ids has {len(params.stop_token_ids)} ids, the engine holds at most "
+                f"max_stop_tokens={self._max_stop_tokens}"
+            )
+
+    def _to_params(self, weights: Any) -> nnx.State:
+        if isinstance(weights, (str, os.PathLike)):
+            from spopp_jax.models import from_pretrained  # the learner's loader
+
+            weights = from_pretrained(os.fspath(weights))
+        if isinstance(weights, nnx.Module):
+            weights = nnx.state(weights)
+        expected = jax.tree.map(lambda x: (x.shape, x.dtype), self._params)
+        got = jax.tree.map(lambda x: (jnp.shape(x), jnp.asarray(x).dtype), weights)
+        if jax.tree.structure(weights) != jax.tree.structure(self._params) or expected != got:
+            raise ValueError("weights must match the engine model's parameter tree (structure, shapes, dtypes)")
+        return _copy_tree(weights)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _submit(self, item: Any) -> None:
+        if self._error is not None:
+            raise RuntimeError("JaxEngine scheduler failed") from self._error
+        if self._closed:
+            raise RuntimeError("JaxEngine is closed")
+        with self._wakeup:
+            self._inbox.append(item)
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    while not self._inbox and not self._any_active() and not self._pending and not self._publishes:
+                        self._wakeup.wait()
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                if not self._handle(commands):
+                    return
+                self._drop_cancelled()
+                self._install_publish_when_drained()
+                self._admit_pending()
+                if self._any_active():
+                    self._decode_chunk()
+        except BaseException as error:  # fail every waiter instead of hanging them
+            self._error = error
+            self._fail_everything(error)
+
+    def _handle(self, commands: list[Any]) -> bool:
+        for command in commands:
+            if command is _CLOSE:
+                self._closed = True
+                self._abort_everything()
+                self._fail_everything(RuntimeError("JaxEngine is closed"))
+                return False
+            if isinstance(command, _Request):
+                self._pending.append(command)
+            elif isinstance(command, _Publish):
+                self._publishes.append(command)
+            elif isinstance(command, _Abort):
+                self._abort_everything()
+                _notify(command.loop, command.future)
+        return True
+
+    def _any_active(self) -> bool:
+        return any(request is not None for request in self._slots)
+
+    def _drop_cancelled(self) -> None:
+        self._pending = collections.deque(r for r in self._pending if not r.cancelled)
+        cancelled = [i for i, r in enumerate(self._slots) if r is not None and r.cancelled]
+        if cancelled:
+            self._free_slots(cancelled)
+
+    def _free_slots(self, slots: list[int]) -> None:
+        mask = np.zeros((self._num_slots,), bool)
+        mask[slots] = True
+        self._state = self._release(self._state, jnp.asarray(mask))
+        for i in slots:
+            self._slots[i] = None
+
+    def _install_publish_when_drained(self) -> None:
+        while self._publishes and not self._any_active():
+            command = self._publishes.popleft()
+            self._params = command.params
+            self.policy_event = command.policy_event
+            _notify(command.loop, command.future)
+
+    def _admit_pending(self) -> None:
+        if self._publishes:
+            return  # drain for the pending publish: admit nothing on the old weights
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        admitted: list[tuple[int, _Request]] = []
+        while free and self._pending:
+            admitted.append((free.pop(0), self._pending.popleft()))
+        if not admitted:
+            return
+        rows = _bucket(len(admitted), 1, self._num_slots)
+        width = _bucket(max(len(r.prompt_ids) - 1 for _, r in admitted), self._min_prefill_len, self._max_len)
+        batch = _requests_batch(admitted, rows, width, self._num_slots, self._max_stop_tokens)
+        self._state = self._admit(self._graphdef, self._params, self._state, batch)
+        for slot, request in admitted:
+            self._slots[slot] = request
+
+    def _decode_chunk(self) -> None:
+        self._state, output = self._decode(self._graphdef, self._params, self._state, self._steps_per_call)
+        tokens, logprobs, emitted, finish = jax.device_get(
+            (output.token_ids, output.logprobs, output.emitted, output.finish)
+        )
+        for slot, request in enumerate(self._slots):
+            if request is None:
+                continue
+            mask = emitted[:, slot]
+            request.token_ids.extend(tokens[mask, slot].tolist())
+            request.logprobs.extend(logprobs[mask, slot].tolist())
+            finished = finish[:, slot]
+            if finished.any():
+                reason = _FINISH_NAMES[int(finished[finished != slot_decode.FINISH_NONE][0])]
+                self._slots[slot] = None
+                self._finish(request, reason)
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        result = GenerationResult(
+            token_ids=tuple(request.token_ids),
+            logprobs=tuple(request.logprobs),
+            finish_reason=reason,
+            policy_event=self.policy_event,
+        )
+        _notify(request.loop, request.future, result)
+
+    def _abort_everything(self) -> None:
+        active = [i for i, r in enumerate(self._slots) if r is not None]
+        requests = [self._slots[i] for i in active] + list(self._pending)
+        if active:
+            self._free_slots(active)
+        self._pending.clear()
+        for request in requests:
+            self._finish(request, "abort")
+
+    def _fail_everything(self, error: BaseException) -> None:
+        waiters = [r for r in self._slots if r is not None] + list(self._pending) + list(self._publishes)
+        with self._wakeup:
+            waiters += [c for c in self._inbox if c is not _CLOSE]
+            self._inbox.clear()
+        for waiter in waiters:
+            _notify(waiter.loop, waiter.future, error=RuntimeError(f"JaxEngine stopped: {error!r}"))
+
+
+def _copy_tree(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _vocab_size(model: nnx.Module) -> int | None:
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+def _requests_batch(
+    admitted: list[tuple[int, _Request]], rows: int, width: int, num_slots: int, max_stop_tokens: int
+) -> slot_decode.SlotRequests:
+    slot = np.full((rows,), num_slots, np.int32)
+    prefix_ids = np.zeros((rows, width), np.int32)
+    prefix_len = np.zeros((rows,), np.int32)
+    last_token = np.zeros((rows,), np.int32)
+    max_new = np.ones((rows,), np.int32)
+    temperature = np.ones((rows,), np.float32)
+    top_k = np.zeros((rows,), np.int32)
+    top_p = np.ones((rows,), np.float32)
+    rng_key = np.zeros((rows, 2), np.uint32)
+    stop_ids = np.full((rows, max_stop_tokens), -1, np.int32)
+    for row, (slot_index, request) in enumerate(admitted):
+        prompt, params = request.prompt_ids, request.params
+        slot[row] = slot_index
+        prefix_ids[row, : len(prompt) - 1] = prompt[:-1]
+        prefix_len[row] = len(prompt) - 1
+        last_token[row] = prompt[-1]
+        max_new[row] = request.max_new_tokens
+        temperature[row] = params.temperature
+        top_k[row] = params.top_k
+        top_p[row] = params.top_p
+        rng_key[row] = request.rng_key
+        stop_ids[row, : len(params.stop_token_ids)] = params.stop_token_ids
+    return slot_decode.SlotRequests(
+        slot=slot,
+        prefix_ids=prefix_ids,
+        prefix_len=prefix_len,
+        last_token=last_token,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng_key=rng_key,
+        stop_token_ids=stop_ids,
+    )
