@@ -228,6 +228,8 @@ async def run_episode(
         outcome.update(failed=True, reward=0.0, error=f"environment timed out after {config.env_timeout_s}s")
     except Exception as exc:  # noqa: BLE001 - any env/engine failure is recorded, never fatal
         outcome.update(failed=True, reward=0.0, error=f"{type(exc).__name__}: {exc}")
+    if not (outcome["failed"] and "timed out" in (outcome["error"] or "")):
+        await _close_quietly(env, config.env_timeout_s)  # a timed-out env may still be busy
     if history is None:
         history = _History(())
     if outcome["reward"] not in (0.0, 1.0):
@@ -245,6 +247,16 @@ async def run_episode(
         finish_reasons=tuple(reasons),
         **outcome,
     )
+
+
+async def _close_quietly(env, timeout_s: float | None) -> None:
+    """Release the episode's environment; a failing close never fails the trajectory."""
+    try:
+        await _env_call(env.close(), timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _prompt_length(action_mask: Sequence[bool]) -> int:

@@ -71,6 +71,7 @@ class OrchestratorConfig:
     spo_rho_min: float = 0.875
     spo_rho_max: float = 0.96
     train_on_failed: bool = False
+    max_consecutive_failures: int = 256  # a broken engine/env stops the run instead of spinning
     pad_to_multiple: int = 64
     seed: int = 0
 
@@ -187,6 +188,7 @@ class Orchestrator:
         self._has_publish_pending = False
         self._target = 0
         self._z_cache: dict[int, float] = {}
+        self._failure_streak = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
 
     # ------------------------------------------------------------------ checkpointing
@@ -347,6 +349,11 @@ class Orchestrator:
             self.aborted += 1
             self._shrink_group(stamp)
             return
+        self._failure_streak = self._failure_streak + 1 if traj.failed else 0
+        if self._failure_streak >= self.config.max_consecutive_failures:
+            raise RuntimeError(
+                f"{self._failure_streak} consecutive failed trajectories; last error: {traj.error}"
+            )
         if traj.failed:
             self.failed += 1
             if not self.config.train_on_failed:

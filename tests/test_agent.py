@@ -226,3 +226,18 @@ def test_pack_train_arrays_validates_inputs():
         pack_train_arrays([], [])
     with pytest.raises(ValueError, match="position 0"):
         Trajectory(_stamp(), (1, 2), (True, False), (0.0, 0.0), 0, 0.0, 0.0)
+
+
+def test_env_is_closed_after_the_episode(tokenizer):
+    closed = []
+
+    class Closing(SyntheticEnv):
+        def close(self):
+            closed.append(True)
+
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    engine = FakeEngine(answering_script(tokenizer, chat))
+    run_virtual(run_episode(engine, Closing(num_tasks=8), chat, _stamp(0)))
+    faulty = Closing(num_tasks=8, fault=lambda task, call: call == 1)
+    traj = run_virtual(run_episode(engine, faulty, chat, _stamp(0)))
+    assert traj.failed and closed == [True, True]

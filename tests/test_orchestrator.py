@@ -434,3 +434,10 @@ def test_config_validation():
         OrchestratorConfig(drain="later")
     with pytest.raises(ValueError, match="group_size"):
         OrchestratorConfig(method="grpo", batch_size=10, group_size=3)
+
+
+def test_a_broken_environment_stops_the_run_instead_of_spinning(chat):
+    world = World(chat, 4, reward_table(11), uneven_latency(11), fault=lambda task, visit: True)
+    config = OrchestratorConfig(batch_size=2, max_in_flight=3, max_consecutive_failures=12, pad_to_multiple=8)
+    with pytest.raises(RuntimeError, match="12 consecutive failed trajectories; last error: RuntimeError: scripted"):
+        run_orchestrator(world, config, 1)
