@@ -441,3 +441,40 @@ def test_a_broken_environment_stops_the_run_instead_of_spinning(chat):
     config = OrchestratorConfig(batch_size=2, max_in_flight=3, max_consecutive_failures=12, pad_to_multiple=8)
     with pytest.raises(RuntimeError, match="12 consecutive failed trajectories; last error: RuntimeError: scripted"):
         run_orchestrator(world, config, 1)
+
+
+def _bare(task_id, reward, n_actions, group_id=-1, frozen=0.5):
+    from rollout_bridge.trajectory import DispatchStamp, Trajectory
+
+    stamp = DispatchStamp(0, task_id, 0, 0.0, frozen, 0.0, group_id)
+    ids = tuple(range(1, n_actions + 2))
+    mask = (False,) + (True,) * n_actions
+    return Trajectory(stamp, ids, mask, (0.0,) * len(ids), 1, reward, 0.0)
+
+
+def test_group_relative_advantages_hand_numbers():
+    from rollout_bridge.baselines import frozen_baseline_advantages, group_relative_advantages
+
+    trajs = [_bare(0, 1.0, 2, group_id=5), _bare(1, 0.0, 3, group_id=7), _bare(0, 0.0, 1, group_id=5),
+             _bare(0, 0.0, 4, group_id=5), _bare(1, 0.0, 2, group_id=7)]
+    # group 5: rewards (1, 0, 0), mean 1/3; group 7: (0, 0), mean 0.
+    np.testing.assert_allclose(group_relative_advantages(trajs), [2 / 3, 0, -1 / 3, -1 / 3, 0], atol=1e-7)
+    np.testing.assert_allclose(frozen_baseline_advantages([_bare(0, 1.0, 1, frozen=0.3)]), [0.7], atol=1e-7)
+    with pytest.raises(ValueError, match="group_id"):
+        group_relative_advantages([_bare(0, 1.0, 1)])
+    with pytest.raises(ValueError, match="frozen_baseline"):
+        frozen_baseline_advantages([_bare(0, 1.0, 1, frozen=float("nan"))])
+
+
+def test_spo_divergence_hand_numbers():
+    from rollout_bridge.baselines import spo_divergences, token_mean_abs_log_ratio
+
+    mask = [False, True, True, False, True]
+    then = [0.0, -1.0, -2.0, 5.0, -0.5]
+    now = [9.0, -1.5, -1.0, -5.0, -0.5]
+    assert token_mean_abs_log_ratio(mask, then, now) == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+    assert token_mean_abs_log_ratio([False, False], [1.0, 2.0], [3.0, 4.0]) == 0.0
+    np.testing.assert_allclose(spo_divergences(3, [None, 0.2, 0.0]), [0.0, 0.2, 0.0])
+    np.testing.assert_allclose(spo_divergences(2, None), [0.0, 0.0])
+    with pytest.raises(ValueError, match="entries"):
+        spo_divergences(2, [0.1])
