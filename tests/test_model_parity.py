@@ -16,6 +16,12 @@ from spopp_jax.models.testing import random_hf_model, tiny_hf_config
 TOL = 1e-4
 
 
+@nnx.jit
+def _forward(model, input_ids, attention_mask=None, positions=None, segment_ids=None):
+    return model(input_ids, attention_mask=attention_mask, positions=positions,
+                 segment_ids=segment_ids)
+
+
 def hf_logits(hf_model, input_ids, attention_mask=None, position_ids=None):
     with torch.no_grad():
         out = hf_model(
@@ -35,18 +41,19 @@ def load_pair(tmp_path, model_type="qwen3", seed=0, **config_kwargs):
 
 
 CASES = [
-    # (model_type, rope_theta, tied, num_heads, num_kv_heads)
-    ("qwen3", 1e4, True, 4, 2),
-    ("qwen3", 1e6, False, 4, 2),
-    ("qwen3", 1e6, True, 4, 1),
-    ("qwen3", 1e4, False, 4, 4),
-    ("qwen2", 1e4, False, 4, 2),
-    ("qwen2", 1e6, True, 4, 2),
+    # (model_type, rope_theta, tied, num_heads, num_kv_heads, also run eagerly)
+    ("qwen3", 1e4, True, 4, 2, True),
+    ("qwen3", 1e6, False, 4, 2, False),
+    ("qwen3", 1e6, True, 4, 1, False),
+    ("qwen3", 1e4, False, 4, 4, False),
+    ("qwen2", 1e4, False, 4, 2, True),
+    ("qwen2", 1e6, True, 4, 2, False),
 ]
 
 
-@pytest.mark.parametrize("model_type,rope_theta,tied,heads,kv_heads", CASES)
-def test_logits_match_transformers(tmp_path, model_type, rope_theta, tied, heads, kv_heads):
+@pytest.mark.parametrize("model_type,rope_theta,tied,heads,kv_heads,eager", CASES)
+def test_logits_match_transformers(tmp_path, model_type, rope_theta, tied, heads, kv_heads,
+                                   eager):
     hf_model, model = load_pair(tmp_path, model_type, rope_theta=rope_theta,
                                 tie_word_embeddings=tied, num_attention_heads=heads,
                                 num_key_value_heads=kv_heads)
@@ -54,25 +61,23 @@ def test_logits_match_transformers(tmp_path, model_type, rope_theta, tied, heads
     assert (model.lm_head is None) == tied
     input_ids = np.random.default_rng(1).integers(0, 128, size=(2, 40))
     expected = hf_logits(hf_model, input_ids)
-    got = model(jnp.asarray(input_ids))
+    got = _forward(model, jnp.asarray(input_ids))
     assert got.dtype == jnp.float32 and got.shape == (2, 40, 128)
     np.testing.assert_allclose(np.asarray(got), expected, atol=TOL, rtol=0)
-    jitted = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(input_ids))
-    np.testing.assert_allclose(np.asarray(jitted), expected, atol=TOL, rtol=0)
+    if eager:
+        np.testing.assert_allclose(np.asarray(model(jnp.asarray(input_ids))), expected,
+                                   atol=TOL, rtol=0)
 
 
 def test_rope_theta_changes_logits(tmp_path):
     """The theta-sensitivity that the parity cases rely on: same weights, other theta."""
-    hf_model, model = load_pair(tmp_path, rope_theta=1e4)
-    other = ModelConfig.from_hf({**model.config.hf_config,
-                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
-    graphdef, state = nnx.split(model)
-    model_other = nnx.merge(graphdef, state)
-    model_other.config = other
-    for layer in model_other.model.layers:
-        layer.self_attn.rope = (1e6, "default", 1.0)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, size=(1, 64)))
-    assert float(jnp.max(jnp.abs(model(ids) - model_other(ids)))) > 1e-3
+    _, model = load_pair(tmp_path, rope_theta=1e4)
+    other_config = ModelConfig.from_hf(
+        {**model.config.hf_config, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    model_other = init_model(other_config, seed=99)
+    nnx.update(model_other, nnx.state(model, nnx.Param))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, size=(1, 40)))
+    assert float(jnp.max(jnp.abs(_forward(model, ids) - _forward(model_other, ids)))) > 1e-3
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
@@ -89,7 +94,7 @@ def test_padding_matches_transformers(tmp_path, model_type, side):
         input_ids[row, cols] = rng.integers(1, 128, size=length)
         mask[row, cols] = 1
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    got = np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(mask)))
+    got = np.asarray(_forward(model, jnp.asarray(input_ids), jnp.asarray(mask)))
     assert np.all(np.isfinite(got))
     for row, length in enumerate(lengths):
         # Reference: each sequence alone, unpadded.
@@ -116,8 +121,8 @@ def test_packed_segments_match_separate_sequences(tmp_path):
         segment_ids[0, start:start + length] = segment + 1
         mask[0, start:start + length] = 1
         start += length
-    got = np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(mask),
-                           segment_ids=jnp.asarray(segment_ids)))
+    got = np.asarray(_forward(model, jnp.asarray(input_ids), jnp.asarray(mask),
+                              segment_ids=jnp.asarray(segment_ids)))
     start = 0
     for length in lengths:
         alone = hf_logits(hf_model, input_ids[:, start:start + length])[0]
@@ -131,7 +136,7 @@ def test_bfloat16_params_close_to_float32(tmp_path):
     leaves = jax.tree_util.tree_leaves(nnx.state(model_bf16, nnx.Param))
     assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, size=(2, 16)))
-    logits_bf16 = model_bf16(ids)
+    logits_bf16 = _forward(model_bf16, ids)
     assert logits_bf16.dtype == jnp.float32
     expected = hf_logits(hf_model, ids)
     error = np.abs(np.asarray(logits_bf16) - expected).max()
@@ -192,23 +197,25 @@ def test_unsupported_config_fails_loudly():
 
 _PROPERTY_MODEL = init_model(
     ModelConfig.from_hf(tiny_hf_config(rope_theta=1e6)), seed=7)
-_PROPERTY_FORWARD = nnx.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
+_PROPERTY_WIDTH = 24  # one compiled shape for every example
 
 
 @settings(max_examples=15, deadline=None)
-@given(length=st.integers(1, 12), left_pad=st.integers(0, 5), right_pad=st.integers(0, 5),
-       pad_token=st.integers(0, 127), seed=st.integers(0, 2**16))
-def test_padding_does_not_change_real_logits(length, left_pad, right_pad, pad_token, seed):
-    """Logits of real tokens do not depend on how much padding surrounds them or on the
-    padding tokens' ids."""
+@given(length=st.integers(1, 12), left_pad=st.integers(0, 12), pad_token=st.integers(0, 127),
+       seed=st.integers(0, 2**16))
+def test_padding_does_not_change_real_logits(length, left_pad, pad_token, seed):
+    """Logits of real tokens do not depend on where the padding sits (left / right / both)
+    or on the padding tokens' ids. Reference: the tokens first, zeros after them."""
     ids = np.random.default_rng(seed).integers(0, 128, size=length)
-    alone = _PROPERTY_FORWARD(_PROPERTY_MODEL, jnp.asarray(ids[None]),
-                              jnp.ones((1, length), bool))
-    total = left_pad + length + right_pad
-    padded = np.full((1, total), pad_token)
+    reference_ids = np.zeros((1, _PROPERTY_WIDTH), np.int32)
+    reference_ids[0, :length] = ids
+    reference_mask = np.arange(_PROPERTY_WIDTH)[None] < length
+    reference = _forward(_PROPERTY_MODEL, jnp.asarray(reference_ids),
+                         jnp.asarray(reference_mask))
+    padded = np.full((1, _PROPERTY_WIDTH), pad_token, np.int32)
     padded[0, left_pad:left_pad + length] = ids
-    mask = np.zeros((1, total), bool)
+    mask = np.zeros((1, _PROPERTY_WIDTH), bool)
     mask[0, left_pad:left_pad + length] = True
-    got = _PROPERTY_FORWARD(_PROPERTY_MODEL, jnp.asarray(padded), jnp.asarray(mask))
+    got = _forward(_PROPERTY_MODEL, jnp.asarray(padded), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(got[0, left_pad:left_pad + length]),
-                               np.asarray(alone[0]), atol=1e-5)
+                               np.asarray(reference[0, :length]), atol=1e-5)
