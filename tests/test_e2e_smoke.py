@@ -51,7 +51,8 @@ def test_spopp_updates_end_to_end_with_jax_engine(tmp_path):
         weights = model_def.merge(holder["state"].params)
         return LearnerOutput(weights=weights, metrics={k: float(v) for k, v in metrics.items()})
 
-    engine = jax_engine.JaxEngine(model, num_slots=8, max_len=128, steps_per_call=4, seed=0)
+    # One prefill length bucket (min_prefill_len = max_len) keeps compiles few on CPU.
+    engine = jax_engine.JaxEngine(model, num_slots=8, max_len=128, steps_per_call=4, seed=0, min_prefill_len=128)
     agent_config = AgentConfig(max_turns=2, max_total_tokens=128, sampling=SamplingParams(max_new_tokens=6))
     orch_config = OrchestratorConfig(batch_size=BATCH, max_in_flight=8, pad_to_multiple=128, seed=0)
     # An offline prior with different success counts per task: baselines (and so the
@@ -82,7 +83,7 @@ def test_spopp_updates_end_to_end_with_jax_engine(tmp_path):
     first = holder["first_batch"]
     assert all(t.policy_event == 0 for t in first.trajectories)
     batch = first.batch
-    logits = model_def.apply(initial_params, jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask))
+    logits = jax.jit(model_def.apply)(initial_params, jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask))
     logp = np.asarray(learner_lib.token_logprobs(logits, jnp.asarray(batch.input_ids)))
     mask = np.asarray(batch.action_mask)
     assert mask.sum() > 0
