@@ -85,3 +85,43 @@ def spo_divergences(num_trajectories: int, divergence: Sequence[float | None] | 
     if not np.all(np.isfinite(values) & (values >= 0)):
         raise ValueError("divergence must be finite and >= 0")
     return values
+
+
+def pack_previous_responses(
+    previous: Sequence[Trajectory | None], pad_to_multiple: int = 1
+) -> tuple[dict[str, np.ndarray] | None, np.ndarray]:
+    """SPO learner helper: pack the y′ that exist into ``TrainBatch`` arrays for scoring.
+
+    Returns ``(arrays, rows)``: ``rows[i]`` is the row of ``previous[i]`` in ``arrays`` or
+    -1 where it is None; ``arrays`` is None when no trajectory has a y′. Advantages are 0
+    (the arrays are only scored, never trained on).
+    """
+    from rollout_bridge.trajectory import pack_train_arrays
+
+    present = [p for p in previous if p is not None]
+    rows = np.full(len(previous), -1, dtype=np.int64)
+    rows[[i for i, p in enumerate(previous) if p is not None]] = np.arange(len(present))
+    if not present:
+        return None, rows
+    return pack_train_arrays(present, np.zeros(len(present), np.float32), pad_to_multiple), rows
+
+
+def divergences_from_logprobs(
+    rows: np.ndarray, arrays: dict[str, np.ndarray] | None, logp_now
+) -> list[float | None]:
+    """D_i = token-mean |π_then − π_now| over y′'s action tokens, aligned with ``rows``.
+
+    ``logp_now``: [B, T] log-probs of ``arrays["input_ids"]`` under the updated policy
+    (token t's log-prob at position t, as the learner's ``token_logprobs``); π_then is
+    ``arrays["rollout_logp"]``. None where there was no y′ (SPO's D = 0, first visit).
+    """
+    if arrays is None:
+        return [None] * len(rows)
+    logp_now = np.asarray(logp_now)
+    if logp_now.shape != arrays["action_mask"].shape:
+        raise ValueError(f"logp_now must have shape {arrays['action_mask'].shape}, got {logp_now.shape}")
+    return [
+        None if row < 0 else token_mean_abs_log_ratio(
+            arrays["action_mask"][row], arrays["rollout_logp"][row], logp_now[row])
+        for row in rows
+    ]

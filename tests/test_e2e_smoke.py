@@ -1,9 +1,11 @@
-"""End to end: JaxEngine -> orchestrator (SPO++) -> learner.train_step -> publish, tiny model.
+"""End to end: JaxEngine -> orchestrator -> learner.train_step -> publish, tiny model.
 
-A few updates on the synthetic environment with a random 2-layer model (hidden 32). Checks
-the pieces agree with each other: the learner's log-probs of the first batch under the
-initial weights match the engine's rollout log-probs token for token (the token stream the
-agent built is exactly what the engine saw), updates run, and new weights are published.
+A few updates on the synthetic environment with a random 2-layer model (hidden 32), for
+SPO++ and the two matched baselines (SPO with learner-side D, GRPO with its group
+barrier). Checks the pieces agree with each other: the learner's log-probs of the first
+batch under the initial weights match the engine's rollout log-probs token for token (the
+token stream the agent built is exactly what the engine saw), updates run, and new
+weights are published.
 """
 
 import asyncio
@@ -11,50 +13,67 @@ import asyncio
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from rollout_bridge import baselines
 from rollout_bridge.agent import AgentConfig, ChatFormat
+from rollout_bridge.engine import jax_engine
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.envs.synthetic import WORDS, SyntheticEnv, make_task, render_observation
 from rollout_bridge.orchestrator import LearnerOutput, Orchestrator, OrchestratorConfig
 from rollout_bridge.tokenizer import build_tiny_tokenizer
-
-from rollout_bridge.engine import jax_engine
 from spopp_jax import learner as learner_lib
 from spopp_jax.models import ModelConfig, init_model
 from spopp_jax.priors import jeffreys_prior
 
-NUM_TASKS, BATCH, UPDATES = 8, 8, 3
+NUM_TASKS, BATCH, UPDATES, MAX_LEN = 8, 8, 3, 128
 
 
 def _corpus():
-    texts = [render_observation(make_task(t, max_turns=2, max_filler=4), r)
-             for t in range(NUM_TASKS) for r in range(len(make_task(t, max_turns=2, max_filler=4).words))]
+    tasks = [make_task(t, max_turns=2, max_filler=4) for t in range(NUM_TASKS)]
+    texts = [render_observation(task, r) for task in tasks for r in range(len(task.words))]
     return texts + list(WORDS) + ["Correct. Done.", "Wrong."]
 
 
-def test_spopp_updates_end_to_end_with_jax_engine(tmp_path):
-    tokenizer = build_tiny_tokenizer(_corpus() * 4, tmp_path / "tok", vocab_size=320)
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tiny_tokenizer(_corpus() * 4, tmp_path_factory.mktemp("tok"), vocab_size=320)
+
+
+class JaxLearner:
+    """The learner callable: train_step, then (SPO) D of each y′ under the new weights."""
+
+    def __init__(self, model, config):
+        self.model_def, self.state = learner_lib.init_train_state(model, config)
+        self.initial_params = jax.tree.map(jnp.copy, self.state.params)
+        self.train_step = learner_lib.make_train_step(self.model_def, config)
+        self.compute_logprobs = learner_lib.make_compute_logprobs(self.model_def)
+        self.inputs, self.divergences = [], []
+
+    def __call__(self, learner_input):
+        self.inputs.append(learner_input)
+        self.state, metrics = self.train_step(self.state, learner_input.batch)
+        arrays, rows = baselines.pack_previous_responses(learner_input.previous, pad_to_multiple=MAX_LEN)
+        logp_now = None if arrays is None else self.compute_logprobs(self.state.params, learner_lib.TrainBatch(**arrays))
+        divergence = baselines.divergences_from_logprobs(rows, arrays, logp_now)
+        self.divergences.append(divergence)
+        return LearnerOutput(weights=self.model_def.merge(self.state.params),
+                             metrics={k: float(v) for k, v in metrics.items()}, divergence=divergence)
+
+
+@pytest.mark.parametrize("method", ["spopp", "spo", "grpo"])
+def test_updates_end_to_end_with_jax_engine(tokenizer, method):
     chat = ChatFormat.from_tokenizer(tokenizer)
     config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     model = init_model(config, seed=0)
-    learner_config = learner_lib.LearnerConfig(learning_rate=1e-3, weight_decay=0.0)
-    model_def, state = learner_lib.init_train_state(model, learner_config)
-    initial_params = jax.tree.map(jnp.copy, state.params)
-    train_step = learner_lib.make_train_step(model_def, learner_config)
-    holder = {"state": state, "first_batch": None}
-
-    def learner(learner_input):  # sync: the orchestrator runs it in its learner thread
-        if holder["first_batch"] is None:
-            holder["first_batch"] = learner_input
-        holder["state"], metrics = train_step(holder["state"], learner_input.batch)
-        weights = model_def.merge(holder["state"].params)
-        return LearnerOutput(weights=weights, metrics={k: float(v) for k, v in metrics.items()})
-
+    learner = JaxLearner(model, learner_lib.LearnerConfig(learning_rate=1e-3, weight_decay=0.0))
     # One prefill length bucket (min_prefill_len = max_len) keeps compiles few on CPU.
-    engine = jax_engine.JaxEngine(model, num_slots=8, max_len=128, steps_per_call=4, seed=0, min_prefill_len=128)
-    agent_config = AgentConfig(max_turns=2, max_total_tokens=128, sampling=SamplingParams(max_new_tokens=6))
-    orch_config = OrchestratorConfig(batch_size=BATCH, max_in_flight=8, pad_to_multiple=128, seed=0)
+    engine = jax_engine.JaxEngine(model, num_slots=8, max_len=MAX_LEN, steps_per_call=4, seed=0,
+                                  min_prefill_len=MAX_LEN)
+    agent_config = AgentConfig(max_turns=2, max_total_tokens=MAX_LEN, sampling=SamplingParams(max_new_tokens=6))
+    orch_config = OrchestratorConfig(method=method, group_size=4, batch_size=BATCH, max_in_flight=8,
+                                     pad_to_multiple=MAX_LEN, seed=0)
     # An offline prior with different success counts per task: baselines (and so the
     # advantages) differ across tasks even when the random model never succeeds.
     prior_alpha, prior_beta = jeffreys_prior(np.arange(NUM_TASKS) % 9, np.full(NUM_TASKS, 8))
@@ -74,21 +93,31 @@ def test_spopp_updates_end_to_end_with_jax_engine(tmp_path):
     assert orch.updates == UPDATES and orch.policy_event == UPDATES and engine.policy_event == UPDATES
     for record in orch.records:
         assert np.isfinite(record.learner_metrics["loss"]) and record.learner_metrics["tokens"] > 0
-        assert np.std(record.raw_advantages) > 0
         assert np.all(record.policy_lag >= 0)
         assert all(t.usable and set(t.turn_policy_events) == {t.policy_event} for t in record.trajectories)
-    assert int(holder["state"].step) == UPDATES
+    assert int(learner.state.step) == UPDATES
 
     # Learner log-probs of batch 1 under the initial weights == engine rollout log-probs.
-    first = holder["first_batch"]
+    first = learner.inputs[0]
     assert all(t.policy_event == 0 for t in first.trajectories)
     batch = first.batch
-    logits = jax.jit(model_def.apply)(initial_params, jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask))
+    logits = jax.jit(learner.model_def.apply)(learner.initial_params, jnp.asarray(batch.input_ids),
+                                              jnp.asarray(batch.attention_mask))
     logp = np.asarray(learner_lib.token_logprobs(logits, jnp.asarray(batch.input_ids)))
     mask = np.asarray(batch.action_mask)
     assert mask.sum() > 0
     np.testing.assert_allclose(logp[mask], np.asarray(batch.rollout_logp)[mask], atol=2e-4)
 
-    # The published weights moved away from the initial ones.
-    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), holder["state"].params, initial_params)
-    assert max(jax.tree.leaves(moved)) > 0
+    if method == "spo":  # later batches revisit tasks: D > 0 after a real update
+        later = [d for ds in learner.divergences[1:] for d in ds if d is not None]
+        assert later and all(d > 0 for d in later)
+    if method == "grpo":
+        for record in orch.records:
+            groups = [t.stamp.group_id for t in record.trajectories]
+            assert all(groups.count(g) == 4 for g in groups)
+    else:
+        assert any(np.std(r.raw_advantages) > 0 for r in orch.records)
+        # The published weights moved away from the initial ones.
+        moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), learner.state.params,
+                             learner.initial_params)
+        assert max(jax.tree.leaves(moved)) > 0

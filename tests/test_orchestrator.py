@@ -478,3 +478,25 @@ def test_spo_divergence_hand_numbers():
     np.testing.assert_allclose(spo_divergences(2, None), [0.0, 0.0])
     with pytest.raises(ValueError, match="entries"):
         spo_divergences(2, [0.1])
+
+
+def test_learner_side_spo_divergence_helpers():
+    from rollout_bridge.baselines import divergences_from_logprobs, pack_previous_responses
+    from rollout_bridge.trajectory import DispatchStamp, Trajectory
+
+    def traj(logps):
+        n = len(logps)
+        return Trajectory(DispatchStamp(0, 0, 0, 0.0, 0.5, 0.0), tuple(range(1, n + 2)),
+                          (False,) + (True,) * n, (0.0,) + tuple(logps), 1, 1.0, 0.0)
+
+    previous = [None, traj([-1.0, -2.0]), None, traj([-0.5])]
+    arrays, rows = pack_previous_responses(previous, pad_to_multiple=4)
+    assert rows.tolist() == [-1, 0, -1, 1] and arrays["input_ids"].shape == (2, 4)
+    logp_now = np.zeros((2, 4), np.float32)
+    logp_now[0, 1:3] = [-1.5, -1.0]  # |−1 − (−1.5)| = 0.5, |−2 − (−1)| = 1.0 -> D = 0.75
+    logp_now[1, 1] = -0.25  # D = 0.25
+    logp_now[:, 3] = 100.0  # padding / non-actions never count
+    assert divergences_from_logprobs(rows, arrays, logp_now) == [None, pytest.approx(0.75), None,
+                                                                 pytest.approx(0.25)]
+    assert pack_previous_responses([None, None])[0] is None
+    assert divergences_from_logprobs(np.array([-1, -1]), None, None) == [None, None]
