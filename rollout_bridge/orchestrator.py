@@ -183,6 +183,7 @@ class Orchestrator:
         self._next_group = 0
         self._spo_previous: dict[int, Trajectory] = {}
         self._learner_task: asyncio.Task | None = None
+        self._completions: asyncio.Queue = asyncio.Queue()  # futures, in completion order
         self._learner_pending: tuple | None = None
         self._publish_pending: Any = None
         self._has_publish_pending = False
@@ -231,20 +232,28 @@ class Orchestrator:
                 break
             self._maybe_start_update()
             self._dispatch()
-            waitables = set(self._in_flight)
-            if self._learner_task is not None:
-                waitables.add(self._learner_task)
-            if not waitables:
+            if not self._in_flight and self._learner_task is None:
                 if self._has_publish_pending:
                     continue
                 raise RuntimeError("orchestrator stalled: nothing in flight and no batch to train")
-            done, _ = await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
+            done = await self._next_completions()
             finished = sorted((t for t in done if t in self._in_flight), key=self._arrival_key)
             for task in finished:
                 self._receive(task)
-            if self._learner_task is not None and self._learner_task in done:
+            if self._learner_task is not None and self._learner_task.done():
                 await self._finish_update()
         return self.records[start:]
+
+    async def _next_completions(self) -> list[asyncio.Future]:
+        """Wait for the next finished rollout or learner call; return all finished so far.
+
+        Futures report themselves on a queue when done, so a wake-up costs O(finished),
+        not O(in flight) as ``asyncio.wait`` over every in-flight task would.
+        """
+        done = [await self._completions.get()]
+        while not self._completions.empty():
+            done.append(self._completions.get_nowait())
+        return done
 
     async def close(self) -> None:
         """Abort in-flight work, wait for the learner, release the learner thread."""
@@ -330,7 +339,9 @@ class Orchestrator:
         self.dispatched += 1
         self._busy[task_id] += 1
         episode = run_episode(self.engine, self.env_factory(), self.chat, stamp, self.agent_config)
-        self._in_flight[asyncio.ensure_future(episode)] = stamp
+        future = asyncio.ensure_future(episode)
+        future.add_done_callback(self._completions.put_nowait)
+        self._in_flight[future] = stamp
         self.events.append(("dispatch", stamp))
 
     # ------------------------------------------------------------------ receipt
@@ -429,6 +440,7 @@ class Orchestrator:
         start = asyncio.get_running_loop().time()
         self._learner_pending = (trajectories, raw, whitened, lag, diagnostics, start, self.policy_event)
         self._learner_task = asyncio.ensure_future(self._call_learner(learner_input))
+        self._learner_task.add_done_callback(self._completions.put_nowait)
 
     async def _call_learner(self, learner_input: LearnerInput) -> LearnerOutput:
         if inspect.iscoroutinefunction(self.learner) or inspect.iscoroutinefunction(
