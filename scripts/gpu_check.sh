@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU check of the SPO++ stack: a few updates of a small Qwen3 with throughput numbers.
+#
+#   scripts/gpu_check.sh [jax|vllm|all] [extra args for scripts/gpu_check.py]
+#
+#   jax   embedded JAX engine + JAX learner on the accelerator (no vLLM needed).
+#   vllm  vLLM in-process (AsyncLLM) + JAX learner, weights by CUDA IPC after each update
+#         (pass --transfer nccl|fs to change). Needs `pip install -e .[vllm]` (CUDA torch).
+#   all   jax, then vllm when `import vllm` works (default).
+#
+# JAX and vLLM share one GPU in vllm mode: JAX gets a fixed fraction of the memory
+# (SPOPP_JAX_GPU_FRACTION, default 0.45) and vLLM another (SPOPP_VLLM_GPU_FRACTION, 0.35).
+# Prints JSON lines (hardware, per-update learner time and tokens/s, publish time, decode
+# burst tokens/s, summary). Exit status 0 only when every requested mode finished.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+MODE="${1:-all}"
+[[ $# -gt 0 ]] && shift
+cd "${REPO_ROOT}"
+export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+export TOKENIZERS_PARALLELISM=false
+
+run_jax() {
+  echo "== gpu_check: engine=jax ==" >&2
+  "${PYTHON}" scripts/gpu_check.py --engine jax "$@"
+}
+
+run_vllm() {
+  echo "== gpu_check: engine=vllm ==" >&2
+  XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  XLA_PYTHON_CLIENT_MEM_FRACTION="${SPOPP_JAX_GPU_FRACTION:-0.45}" \
+  SPOPP_VLLM_GPU_FRACTION="${SPOPP_VLLM_GPU_FRACTION:-0.35}" \
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+    "${PYTHON}" scripts/gpu_check.py --engine vllm "$@"
+}
+
+have_vllm() { "${PYTHON}" -c "import vllm" >/dev/null 2>&1; }
+
+case "${MODE}" in
+  jax) run_jax "$@" ;;
+  vllm) run_vllm "$@" ;;
+  all)
+    run_jax "$@"
+    if have_vllm; then
+      run_vllm "$@"
+    else
+      echo "== gpu_check: vllm not importable with ${PYTHON}: vllm mode skipped (pip install -e .[vllm]) ==" >&2
+    fi
+    ;;
+  *) echo "usage: $0 [jax|vllm|all] [gpu_check.py args]" >&2; exit 2 ;;
+esac
