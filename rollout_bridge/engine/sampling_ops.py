@@ -87,9 +87,12 @@ def sample_tokens(
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row and return (token_ids [B] int32, logprobs [B] float32).
 
-    ``logprobs = log_softmax(logits / temperature)[token]`` (before filtering). The sort for
-    top-k/top-p runs only when some row filters (``lax.cond``), so plain temperature
-    sampling costs one Gumbel-max over the vocabulary.
+    ``logprobs = log_softmax(logits / temperature)[token]`` (before filtering). Sampling is
+    by inverse CDF with ONE uniform per row (u in (0, 1]): token = the first index whose
+    cumulative probability reaches ``u * total``; tokens outside the allowed set have zero
+    probability and can never be chosen (a flat CDF step is never the first to reach u).
+    One uniform per row instead of V Gumbel draws keeps the PRNG off the decode critical
+    path. The sort for top-k/top-p runs only when some row filters (``lax.cond``).
 
     Args:
       logits: [B, V] float.
@@ -102,13 +105,16 @@ def sample_tokens(
     vocab = logits.shape[-1]
     log_probs = scaled_log_probs(logits, temperature)
     filtering = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    sampling_logp = jax.lax.cond(
+    probs = jax.lax.cond(
         filtering,
-        lambda lp: jnp.where(allowed_token_mask(lp, top_k, top_p), lp, -jnp.inf),
-        lambda lp: lp,
+        lambda lp: jnp.where(allowed_token_mask(lp, top_k, top_p), jnp.exp(lp), 0.0),
+        jnp.exp,
         log_probs,
     )
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), dtype=jnp.float32))(keys)
-    tokens = jnp.argmax(sampling_logp + gumbel, axis=-1).astype(jnp.int32)
+    cdf = jnp.cumsum(probs, axis=-1)
+    uniform = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (), dtype=jnp.float32))(keys)  # (0, 1]
+    target = uniform * cdf[:, -1]
+    tokens = jnp.sum(cdf < target[:, None], axis=-1, dtype=jnp.int32)
+    tokens = jnp.minimum(tokens, vocab - 1)
     token_logp = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
     return tokens, token_logp
