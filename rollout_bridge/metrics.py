@@ -1,0 +1,143 @@
+"""Training metrics: one JSON line per update (+ TensorBoard scalars) and the learning curve.
+
+`metrics.jsonl` in the run folder holds one object per learner update, `{"step": k, ...}`,
+flushed on every write so a crash loses nothing already written. On `--resume` from the
+checkpoint of step k, rows with step > k (work after that checkpoint, about to be redone)
+are dropped first (`MetricsWriter(..., resume_step=k)`), so the file never holds two rows
+for one step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _scalar(value):
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All rows of a metrics.jsonl; a torn last line (crash mid-write) is ignored."""
+    rows = []
+    path = Path(path)
+    if not path.exists():
+        return rows
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
+
+
+class MetricsWriter:
+    """Appends `{"step": step, **metrics}` rows to `<run_dir>/metrics.jsonl` and, when
+    `tensorboard`, the same scalars to a tensorboardX event file in `<run_dir>/tb`."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True,
+                 resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if resume_step is None:
+            kept: list[dict] = []
+        else:
+            kept = [r for r in read_metrics(self.path) if r.get("step", math.inf) <= resume_step]
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            for row in kept:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
+
+    def write(self, step: int, metrics: Mapping[str, object]) -> dict:
+        row = {"step": int(step)}
+        for key, value in metrics.items():
+            scalar = _scalar(value)
+            if scalar is not None and math.isfinite(scalar):
+                row[key] = scalar
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step":
+                    self._tb.add_scalar(key, value, int(step))
+            self._tb.flush()
+        return row
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def trailing_mean(values: Sequence[float], window: int) -> np.ndarray:
+    """m_t = mean(values[max(0, t-window+1) .. t]) (float64)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"values must be 1-D, got shape {x.shape}")
+    csum = np.concatenate([[0.0], np.cumsum(x)])
+    t = np.arange(len(x))
+    lo = np.maximum(0, t - window + 1)
+    return (csum[t + 1] - csum[lo]) / (t + 1 - lo)
+
+
+def plot_learning_curve(rows: Iterable[Mapping], path: str | os.PathLike,
+                        key: str = "success_rate", window: int = 5,
+                        title: str = "SPO++ on TextWorld") -> Path:
+    """PNG of the per-step `key` and its trailing mean over `window` steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(r["step"], r[key]) for r in rows if key in r]
+    if not points:
+        raise ValueError(f"no rows with {key!r} to plot")
+    steps, values = map(np.asarray, zip(*points))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, values, "o-", alpha=0.4, label=f"{key} per step")
+    ax.plot(steps, trailing_mean(values, window), "-", lw=2,
+            label=f"trailing mean ({window} steps)")
+    ax.set_xlabel("learner update")
+    ax.set_ylabel(key)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

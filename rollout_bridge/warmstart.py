@@ -1,0 +1,130 @@
+"""Cold-start SFT on teacher demonstrations, loss on the action tokens only.
+
+Teacher demonstrations are the walkthroughs of a game set DISJOINT from the training tasks
+(`textworld_games.generate_disjoint_game_set`): the warm start teaches the action format
+(one admissible command, then the end-of-turn token) and general skill, never the answers
+of the training tasks, so RL has room to work.
+
+A demonstration is tokenized exactly as the agent loop (`rollout_bridge.agent.run_episode`)
+would have produced it had the policy typed the teacher's commands:
+
+    prompt_ids(obs_0) + [cmd_0 ids, stop] + close_ids + observation_turn_ids(obs_1) + ...
+
+with action_mask = 1 exactly on `[cmd_k ids, stop]` (what the policy samples). The SFT
+step (`spopp_jax.learner.make_sft_step`) minimises
+    -Σ action_mask · log p(x_t | x_<t) / Σ action_mask     (global token-mean)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    """One tokenized demonstration: ids and the mask of the tokens the policy would type."""
+
+    token_ids: tuple[int, ...]
+    action_mask: tuple[bool, ...]
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.action_mask):
+            raise ValueError("token_ids and action_mask must have equal length")
+        if self.action_mask and self.action_mask[0]:
+            raise ValueError("action_mask[0] must be False")
+
+
+def demonstration_example(chat, pairs: Sequence[tuple[str, str]]) -> SFTExample:
+    """Tokenize (observation, command) turns the way the agent loop builds a trajectory."""
+    if not pairs:
+        raise ValueError("pairs is empty")
+    stop_id = chat.turn_close_ids[0] if chat.turn_close_ids else chat.stop_token_ids[0]
+    ids = list(chat.prompt_ids(pairs[0][0]))
+    mask = [False] * len(ids)
+    for k, (_, command) in enumerate(pairs):
+        if k > 0:
+            context = chat.close_ids(reply) + chat.observation_turn_ids(pairs[k][0])
+            ids += context
+            mask += [False] * len(context)
+        reply = chat.encode(command) + [stop_id]
+        ids += reply
+        mask += [True] * len(reply)
+    return SFTExample(tuple(ids), tuple(mask))
+
+
+def sft_examples(tasks, chat, task_ids: Sequence[int] | None = None,
+                 max_length: int | None = None) -> list[SFTExample]:
+    """One example per task's walkthrough (longer than `max_length` tokens: dropped)."""
+    task_ids = range(tasks.num_tasks) if task_ids is None else task_ids
+    examples = [demonstration_example(chat, tasks.demonstration(t)) for t in task_ids]
+    if max_length is not None:
+        examples = [e for e in examples if len(e.token_ids) <= max_length]
+    if not examples:
+        raise ValueError("no demonstration fits warmstart.max_length")
+    return examples
+
+
+def pack_sft_batch(examples: Sequence[SFTExample], pad_id: int, width: int | None = None,
+                   pad_to_multiple: int = 32) -> dict[str, np.ndarray]:
+    """Right-padded `TrainBatch` arrays [B, width]; rollout_logp and advantages are zeros
+    (unused by the SFT step). `width` None = the longest example rounded up to
+    `pad_to_multiple`."""
+    if not examples:
+        raise ValueError("examples is empty")
+    longest = max(len(e.token_ids) for e in examples)
+    if width is None:
+        width = -(-longest // pad_to_multiple) * pad_to_multiple
+    if width < longest:
+        raise ValueError(f"width={width} < longest example ({longest} tokens)")
+    batch = len(examples)
+    input_ids = np.full((batch, width), pad_id, np.int32)
+    attention_mask = np.zeros((batch, width), bool)
+    action_mask = np.zeros((batch, width), bool)
+    for row, example in enumerate(examples):
+        n = len(example.token_ids)
+        input_ids[row, :n] = example.token_ids
+        attention_mask[row, :n] = True
+        action_mask[row, :n] = example.action_mask
+    zeros = np.zeros((batch, width), np.float32)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, action_mask=action_mask,
+                rollout_logp=zeros, advantages=zeros.copy())
+
+
+def epoch_batches(examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator
+                  ) -> Iterator[list[SFTExample]]:
+    """A shuffled pass in full batches (the last batch is topped up from the start of
+    the permutation, so every step has the same number of rows: one compile)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = rng.permutation(len(examples))
+    num_batches = max(1, math.ceil(len(examples) / batch_size))
+    padded = np.resize(order, num_batches * batch_size)
+    for b in range(num_batches):
+        yield [examples[i] for i in padded[b * batch_size:(b + 1) * batch_size]]
+
+
+def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs: int,
+            batch_size: int, pad_id: int, seed: int = 0,
+            on_step: Callable[[int, dict], None] | None = None):
+    """`epochs` shuffled passes of `sft_step(state, TrainBatch)`; returns (state, losses).
+    Every batch is padded to the longest example of the data set: one compiled shape."""
+    from spopp_jax.learner import TrainBatch
+
+    rng = np.random.default_rng(seed)
+    width = -(-max(len(e.token_ids) for e in examples) // 32) * 32
+    losses = []
+    step = 0
+    for _ in range(epochs):
+        for rows in epoch_batches(examples, batch_size, rng):
+            batch = TrainBatch(**pack_sft_batch(rows, pad_id, width))
+            state, metrics = sft_step(state, batch)
+            loss = float(metrics["loss"])
+            losses.append(loss)
+            if on_step is not None:
+                on_step(step, {k: float(v) for k, v in metrics.items()})
+            step += 1
+    return state, losses

@@ -1,0 +1,375 @@
+"""Typed configuration of a training job: pure data, validated on construction.
+
+`TrainConfig()` with no arguments IS the embedded CPU TextWorld job that `python train.py`
+runs (mirrored, field for field, by `configs/default.yaml`). Recipes are YAML files
+(`configs/*.yaml`) loaded with draccus; any field is overridable on the command line as
+`--section.field value` (e.g. `--rollout.batch_size 32 --tracker.rho 0.9`).
+
+Every section checks its values in `__post_init__` and raises ValueError naming the field
+as `section.field` (draccus wraps it in a ParsingError whose `__cause__` is that
+ValueError; `format_config_error` extracts the message).
+
+This module imports nothing from `rollout_bridge` (DESIGN: data flows one way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+__all__ = [
+    "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "TrackerSection",
+    "SamplerSection", "AdvantageSection", "LossSection", "OptimSection", "RolloutSection",
+    "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
+]
+
+
+def _check(ok: bool, name: str, requirement: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
+
+
+def _check_literals(section: str, obj) -> None:
+    """Literal-typed fields only take their listed values (also when loaded from YAML)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Optional or typing.get_origin(hint) is typing.Union:
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            if getattr(obj, f.name) is None:
+                continue
+            hint = args[0] if len(args) == 1 else hint
+        if typing.get_origin(hint) is Literal:
+            choices = typing.get_args(hint)
+            value = getattr(obj, f.name)
+            _check(value in choices, f"{section}.{f.name}" if section else f.name,
+                   f"one of {list(choices)}", value)
+
+
+def _positive(section: str, obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(value > 0, f"{section}.{name}" if section else name, "> 0", value)
+
+
+@dataclass
+class ModelSection:
+    """The policy. `path`: a local HF model folder (config.json, *.safetensors, tokenizer);
+    None = the tiny random Qwen3 model made (or reused) in `tiny_dir` from the tiny_* shape.
+    No downloads happen anywhere: a missing `path` fails with a message."""
+
+    path: Optional[str] = None
+    tiny_dir: str = "runs/tiny_model"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    tiny_vocab_size: int = 768
+    tiny_hidden_size: int = 64
+    tiny_intermediate_size: int = 192
+    tiny_num_layers: int = 2
+    tiny_num_heads: int = 4
+    tiny_num_kv_heads: int = 2
+    tiny_head_dim: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_literals("model", self)
+        _positive("model", self, "tiny_hidden_size", "tiny_intermediate_size", "tiny_num_layers",
+                  "tiny_num_heads", "tiny_num_kv_heads", "tiny_head_dim")
+        _check(self.tiny_vocab_size >= 259, "model.tiny_vocab_size",
+               ">= 259 (256 bytes + 3 special tokens)", self.tiny_vocab_size)
+        _check(self.tiny_num_heads % self.tiny_num_kv_heads == 0, "model.tiny_num_heads",
+               f"a multiple of model.tiny_num_kv_heads={self.tiny_num_kv_heads}",
+               self.tiny_num_heads)
+
+
+@dataclass
+class EnvSection:
+    """Tasks. `kind=textworld`: `game_dir` = a folder of your own games (ALFWorld's
+    game.tw-pddl files, or .z8); None = a seeded generated set of `num_games` games
+    (tw-make custom --world-size/--nb-objects/--quest-length, seeds game_seed+i) cached in
+    `data_dir`. With `game_dir`, `num_games` games are picked by a seeded shuffle
+    (0 = all). The warm-start demonstrations come from a separate generated set of
+    `warmstart_games` games (seeds from `warmstart_seed`) disjoint from the training set.
+    Observations: the game text cut to `max_feedback_chars`, then the admissible commands,
+    numbered when `numbered_actions` (the reply may then be the number)."""
+
+    kind: Literal["textworld", "synthetic", "math_tir"] = "textworld"
+    game_dir: Optional[str] = None
+    data_dir: str = "data/textworld"
+    num_games: int = 16
+    game_seed: int = 0
+    world_size: int = 1
+    nb_objects: int = 3
+    quest_length: int = 1
+    max_turns: int = 3
+    max_feedback_chars: int = 100
+    numbered_actions: bool = True
+    warmstart_games: int = 48
+    warmstart_seed: int = 100_000
+
+    def __post_init__(self):
+        _check_literals("env", self)
+        _positive("env", self, "world_size", "nb_objects", "quest_length", "max_turns",
+                  "max_feedback_chars")
+        _check(self.num_games >= (0 if self.game_dir else 1), "env.num_games",
+               ">= 1 (>= 0 with env.game_dir)", self.num_games)
+        _check(self.warmstart_games >= 0, "env.warmstart_games", ">= 0", self.warmstart_games)
+        _check(self.game_seed >= 0, "env.game_seed", ">= 0", self.game_seed)
+        _check(self.warmstart_seed >= 0, "env.warmstart_seed", ">= 0", self.warmstart_seed)
+
+
+@dataclass
+class WarmStartSection:
+    """Cold-start SFT on teacher demonstrations (walkthroughs of the warm-start games, never
+    the training games), loss on the action tokens only. `epochs` passes over the data."""
+
+    enabled: bool = True
+    epochs: int = 10
+    batch_size: int = 8
+    learning_rate: float = 1e-2
+    weight_decay: float = 0.0
+    max_length: int = 512
+
+    def __post_init__(self):
+        _positive("warmstart", self, "epochs", "batch_size", "learning_rate", "max_length")
+        _check(self.weight_decay >= 0, "warmstart.weight_decay", ">= 0", self.weight_decay)
+
+
+@dataclass
+class PriorSection:
+    """Offline value prior (SPEC 2): `rollouts_per_task` rollouts per task with the initial
+    (warm-started) policy; Jeffreys Beta(s+1/2, n-s+1/2) rescaled to total mass `mass`
+    (None = 1/(1-rho) = 8). `path`: reuse this prior file instead of computing one."""
+
+    enabled: bool = True
+    rollouts_per_task: int = 8
+    mass: Optional[float] = None
+    path: Optional[str] = None
+
+    def __post_init__(self):
+        _positive("prior", self, "rollouts_per_task")
+        if self.mass is not None:
+            _check(self.mass > 0 and math.isfinite(self.mass), "prior.mass", "> 0", self.mass)
+
+
+@dataclass
+class TrackerSection:
+    """SPEC 2. `rho`: event-time retention of the SPO++ tracker (method=spopp); the
+    receipt-order SPO tracker (method=spo) retains clip(2^(-D/spo_d_half), spo_rho_min,
+    spo_rho_max) per update."""
+
+    rho: float = 0.875
+    spo_d_half: float = 0.06
+    spo_rho_min: float = 0.875
+    spo_rho_max: float = 0.96
+
+    def __post_init__(self):
+        _check_literals("tracker", self)
+        _check(0.0 < self.rho < 1.0, "tracker.rho", "in (0, 1)", self.rho)
+        _positive("tracker", self, "spo_d_half")
+        _check(0.0 < self.spo_rho_min <= self.spo_rho_max < 1.0, "tracker.spo_rho_min",
+               "in (0, tracker.spo_rho_max] with spo_rho_max < 1", self.spo_rho_min)
+
+
+@dataclass
+class SamplerSection:
+    """SPEC 3: weight sqrt(v(1-v) + floor) (form=inside_sqrt, SPO++) or sqrt(v(1-v)) + floor
+    (form=outside_sqrt, the SPO authors' code)."""
+
+    form: Literal["inside_sqrt", "outside_sqrt"] = "inside_sqrt"
+    floor: float = 0.05
+
+    def __post_init__(self):
+        _check_literals("sampler", self)
+        _check(self.floor >= 0, "sampler.floor", ">= 0", self.floor)
+
+
+@dataclass
+class AdvantageSection:
+    """SPEC 4: whitening measure (token = SPO++, trajectory = SPO)."""
+
+    measure: Literal["token", "trajectory"] = "token"
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        _check_literals("advantage", self)
+        _positive("advantage", self, "eps")
+
+
+@dataclass
+class LossSection:
+    """SPEC 5: asymmetric PPO clip [1-clip_low, 1+clip_high], dual clip c (None = off),
+    rollout importance-weight cap."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = 2.0
+    is_cap: float = 2.0
+
+    def __post_init__(self):
+        _check(0.0 < self.clip_low < 1.0, "loss.clip_low", "in (0, 1)", self.clip_low)
+        _positive("loss", self, "clip_high", "is_cap")
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1.0, "loss.dual_clip", "> 1 or null", self.dual_clip)
+
+
+@dataclass
+class OptimSection:
+    """AdamW (SPEC 5). The paper's lr 1e-6 is for 0.8B-2B models; the tiny CPU model of the
+    default job needs a much larger one (see configs/default.yaml)."""
+
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.1
+    max_grad_norm: Optional[float] = 1.0
+    num_micro_batches: int = 1
+
+    def __post_init__(self):
+        _positive("optim", self, "learning_rate", "num_micro_batches")
+        _check(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+        if self.max_grad_norm is not None:
+            _positive("optim", self, "max_grad_norm")
+
+
+@dataclass
+class RolloutSection:
+    """Rollout engine and decoding. `batch_size` trajectories per update (SPEC 3),
+    `publish_every` updates per policy event, `max_inflight` concurrent episodes (one per
+    task at most, SPEC 2), `drain` of old-policy work on publish (SPEC 3)."""
+
+    engine: Literal["jax", "vllm", "vllm_server"] = "jax"
+    batch_size: int = 16
+    group_size: int = 8
+    publish_every: int = 1
+    max_inflight: int = 16
+    drain: Literal["finish", "abort"] = "finish"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    max_seq_len: int = 512
+    server_urls: Optional[str] = None
+
+    def __post_init__(self):
+        _check_literals("rollout", self)
+        _positive("rollout", self, "batch_size", "group_size", "publish_every", "max_inflight",
+                  "temperature", "max_new_tokens", "max_seq_len")
+        _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "-1 or > 0", self.top_k)
+        _check(self.max_new_tokens < self.max_seq_len, "rollout.max_new_tokens",
+               f"< rollout.max_seq_len={self.max_seq_len}", self.max_new_tokens)
+
+
+@dataclass
+class MeshSection:
+    """Device mesh (data, fsdp, tensor); -1 on one axis = all remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in ("data", "fsdp", "tensor"):
+            value = getattr(self, name)
+            _check(value == -1 or value > 0, f"mesh.{name}", "-1 or > 0", value)
+        _check([self.data, self.fsdp, self.tensor].count(-1) <= 1, "mesh",
+               "at most one axis of -1", (self.data, self.fsdp, self.tensor))
+
+
+@dataclass
+class TrainConfig:
+    """One training job. Defaults = the embedded CPU TextWorld job (configs/default.yaml).
+
+    `method`: spopp (event-time tracker, frozen baselines), spo (receipt-order tracker) or
+    grpo (groups of rollout.group_size). `stage`: all = warm start, prior, RL (each stage
+    reuses its output when present); warmstart / prior / rl run one stage.
+    `steps` updates of `rollout.batch_size` trajectories; a checkpoint every
+    `checkpoint_every` updates (and at the end) in `output_dir/checkpoints`, keeping
+    `keep_checkpoints`; `resume=true` continues from the newest one.
+    """
+
+    method: Literal["spopp", "spo", "grpo"] = "spopp"
+    stage: Literal["all", "warmstart", "prior", "rl"] = "all"
+    seed: int = 0
+    steps: int = 40
+    output_dir: str = "runs/default"
+    resume: bool = False
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    progress: bool = True
+    tensorboard: bool = True
+    model: ModelSection = field(default_factory=ModelSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    warmstart: WarmStartSection = field(default_factory=WarmStartSection)
+    prior: PriorSection = field(default_factory=PriorSection)
+    tracker: TrackerSection = field(default_factory=TrackerSection)
+    sampler: SamplerSection = field(default_factory=SamplerSection)
+    advantage: AdvantageSection = field(default_factory=AdvantageSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+
+    def __post_init__(self):
+        _check_literals("", self)
+        _positive("", self, "steps", "checkpoint_every", "keep_checkpoints")
+        _check(self.seed >= 0, "seed", ">= 0", self.seed)
+        _check(bool(self.output_dir), "output_dir", "non-empty", self.output_dir)
+        if self.env.game_dir is None and self.env.kind == "textworld":
+            # one in-flight request per task (SPEC 2): a batch needs enough distinct tasks
+            if self.method != "grpo":
+                _check(self.rollout.max_inflight <= self.env.num_games, "rollout.max_inflight",
+                       f"<= env.num_games={self.env.num_games} (one in-flight request per task)",
+                       self.rollout.max_inflight)
+        _check(self.checkpoint_every % self.rollout.publish_every == 0, "checkpoint_every",
+               f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
+               "holds exactly the published policy)", self.checkpoint_every)
+        if self.method == "grpo":
+            _check(self.rollout.batch_size % self.rollout.group_size == 0, "rollout.batch_size",
+                   f"a multiple of rollout.group_size={self.rollout.group_size} for grpo",
+                   self.rollout.batch_size)
+
+    @property
+    def prior_mass(self) -> float:
+        """SPEC 2: M = 1/(1-rho) unless prior.mass says otherwise."""
+        return self.prior.mass if self.prior.mass is not None else 1.0 / (1.0 - self.tracker.rho)
+
+
+def config_to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def _normalize_flags(args: Sequence[str]) -> list[str]:
+    """`--resume` alone means `--resume true` (draccus wants a value for bools)."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        nxt = out[i + 1] if i + 1 < len(out) else None
+        if arg == "--resume" and (nxt is None or nxt.startswith("--")):
+            out[i] = "--resume=true"
+    return out
+
+
+def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None = None
+                ) -> TrainConfig:
+    """TrainConfig from an optional YAML file (or `--config_path` in args) plus overrides.
+
+    Raises draccus.utils.ParsingError for bad values (see `format_config_error`) and
+    SystemExit(2) for unknown flags or invalid choices (argparse).
+    """
+    import draccus
+
+    return draccus.parse(TrainConfig, config_path=None if config_path is None
+                         else str(config_path), args=_normalize_flags(args))
+
+
+def format_config_error(error: BaseException) -> str:
+    """The innermost ValueError/TypeError message of a draccus ParsingError chain."""
+    message = str(error)
+    cause = error.__cause__ or error.__context__
+    while cause is not None:
+        if isinstance(cause, (ValueError, TypeError)):
+            message = str(cause)
+        cause = cause.__cause__ or cause.__context__
+    return message

@@ -1,0 +1,182 @@
+"""Warm start and prior: demonstrations tokenized exactly as the agent loop would produce
+them, SFT on action tokens only, the Jeffreys prior file, success counting, metrics files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
+from rollout_bridge.engine.base import SamplingParams
+from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
+from rollout_bridge.envs.textworld_env import ObservationStyle, TextWorldEnv, TextWorldTasks
+from rollout_bridge.envs.textworld_games import GameSetSpec, generate_game_set
+from rollout_bridge.metrics import MetricsWriter, plot_learning_curve, read_metrics, trailing_mean
+from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
+from rollout_bridge.tokenizer import build_tiny_tokenizer
+from rollout_bridge.trajectory import DispatchStamp
+from rollout_bridge.warmstart import (
+    demonstration_example,
+    epoch_batches,
+    pack_sft_batch,
+    run_sft,
+    sft_examples,
+)
+
+SPEC = GameSetSpec("ws", num_games=2, base_seed=3, world_size=2, nb_objects=3, quest_length=2)
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    files = generate_game_set(SPEC, tmp_path_factory.mktemp("games"))
+    return TextWorldTasks(files, files[0].parent, max_turns=4,
+                          style=ObservationStyle(max_feedback_chars=80, numbered_actions=True))
+
+
+@pytest.fixture(scope="module")
+def chat(tasks, tmp_path_factory):
+    corpus = [o + "\n" + a for t in range(tasks.num_tasks) for o, a in tasks.demonstration(t)]
+    tokenizer = build_tiny_tokenizer(corpus, tmp_path_factory.mktemp("tok"), vocab_size=400)
+    return ChatFormat.from_tokenizer(tokenizer)
+
+
+def _scripted_engine(chat, replies):
+    """Types `replies` in order (as the tokenizer encodes them) followed by the stop token."""
+    stop = chat.turn_close_ids[0]
+    return FakeEngine(lambda request: ScriptedReply(tuple(chat.encode(replies[request.index])) + (stop,)))
+
+
+def test_demonstration_matches_the_agent_loop_token_for_token(tasks, chat):
+    for task_id in range(tasks.num_tasks):
+        pairs = tasks.demonstration(task_id)
+        example = demonstration_example(chat, pairs)
+        engine = _scripted_engine(chat, [reply for _, reply in pairs])
+        stamp = DispatchStamp(0, task_id, 0, 0.0, 0.5, 0.0)
+        config = AgentConfig(max_turns=4, max_total_tokens=4096,
+                             sampling=SamplingParams(max_new_tokens=32))
+        trajectory = asyncio.run(run_episode(engine, TextWorldEnv(tasks), chat, stamp, config))
+        assert trajectory.reward == 1.0 and not trajectory.failed
+        assert example.token_ids == trajectory.token_ids
+        assert example.action_mask == trajectory.action_mask
+        # the action tokens are exactly the replies + one stop token per turn
+        expected = sum(len(chat.encode(reply)) + 1 for _, reply in pairs)
+        assert sum(example.action_mask) == expected == trajectory.num_action_tokens
+
+
+def test_pack_and_batches(tasks, chat):
+    examples = sft_examples(tasks, chat)
+    arrays = pack_sft_batch(examples, pad_id=chat.tokenizer.pad_token_id, width=512)
+    assert arrays["input_ids"].shape == (len(examples), 512)
+    for row, example in enumerate(examples):
+        n = len(example.token_ids)
+        assert arrays["attention_mask"][row].sum() == n
+        assert arrays["action_mask"][row].sum() == sum(example.action_mask)
+        assert not arrays["action_mask"][row, n:].any()
+    with pytest.raises(ValueError, match="width"):
+        pack_sft_batch(examples, pad_id=0, width=4)
+    # a shuffled epoch covers every example, in full batches
+    seen = [id(e) for batch in epoch_batches(examples * 3, 4, np.random.default_rng(0))
+            for e in batch]
+    assert len(seen) == 8 and {id(e) for e in examples} <= set(seen)
+
+
+def _numpy_action_nll(logits, input_ids, action_mask) -> float:
+    """float64 reference: -sum over action tokens of log softmax(logits[t-1])[x_t] / count."""
+    logits = np.asarray(logits, np.float64)[:, :-1]
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    targets = np.asarray(input_ids)[:, 1:]
+    picked = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    mask = np.asarray(action_mask)[:, 1:]
+    return float(-(picked * mask).sum() / mask.sum())
+
+
+def test_sft_loss_is_action_token_nll_and_falls(tasks, chat):
+    from spopp_jax.learner import LearnerConfig, TrainBatch, init_train_state, make_sft_step
+    from spopp_jax.models import ModelConfig, init_model
+
+    config = ModelConfig(vocab_size=len(chat.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, tie_word_embeddings=True)
+    learner_config = LearnerConfig(learning_rate=1e-2, weight_decay=0.0)
+    model_def, state = init_train_state(init_model(config, seed=0), learner_config)
+    examples = sft_examples(tasks, chat)
+    assert len(examples) == 2
+    batch = TrainBatch(**pack_sft_batch(examples, chat.tokenizer.pad_token_id))
+    logits = model_def.apply(state.params, batch.input_ids, batch.attention_mask)
+    reference = _numpy_action_nll(logits, batch.input_ids, batch.action_mask)
+    # batch_size 2 = both examples in every step; step 0's loss is at the initial params
+    state, losses = run_sft(make_sft_step(model_def, learner_config), state, examples,
+                            epochs=12, batch_size=2, pad_id=chat.tokenizer.pad_token_id)
+    assert len(losses) == 12
+    assert losses[0] == pytest.approx(reference, rel=1e-4)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_prior_record_is_jeffreys_with_mass_8(tmp_path):
+    successes, trials = [3, 0, 8, 0], [8, 8, 8, 0]
+    record = prior_record(successes, trials, mass=8.0)
+    # SPEC 2: alpha0 = M (s + 1/2)/(n + 1), beta0 = M (n - s + 1/2)/(n + 1); n = 0 -> 1/2, 1/2
+    assert record["alpha0"] == pytest.approx([8 * 3.5 / 9, 8 * 0.5 / 9, 8 * 8.5 / 9, 0.5])
+    assert record["beta0"] == pytest.approx([8 * 5.5 / 9, 8 * 8.5 / 9, 8 * 0.5 / 9, 0.5])
+    assert record["success_rate"] == pytest.approx(11 / 24)
+    path = write_json_atomic(tmp_path / "prior.json", record)
+    alpha0, beta0 = read_prior_file(path, 4)
+    assert alpha0.dtype == np.float32 and alpha0[0] == pytest.approx(8 * 3.5 / 9)
+    with pytest.raises(ValueError, match="3"):
+        read_prior_file(path, 3)
+
+
+def test_rollout_successes_counts_wins(tasks, chat):
+    """Task 0 gets its walkthrough (wins), task 1 types junk (never wins)."""
+    demo = [reply for _, reply in tasks.demonstration(0)]
+    stop = chat.turn_close_ids[0]
+
+    def script(request):
+        text = chat.tokenizer.decode(list(request.prompt_ids))
+        is_task0 = tasks.episode(0).reset().split("\n")[0] in text
+        turn = text.count("<|im_start|>assistant") - 1
+        reply = demo[min(turn, len(demo) - 1)] if is_task0 else "xyzzy"
+        return ScriptedReply(tuple(chat.encode(reply)) + (stop,))
+
+    config = AgentConfig(max_turns=4, max_total_tokens=4096,
+                         sampling=SamplingParams(max_new_tokens=32))
+    successes, trials = asyncio.run(rollout_successes(
+        FakeEngine(script), lambda: TextWorldEnv(tasks), chat, tasks.num_tasks, 3, config,
+        max_concurrency=2))
+    assert trials.tolist() == [3, 3] and successes.tolist() == [3, 0]
+
+
+def test_trailing_mean_against_loop():
+    values = np.random.default_rng(0).random(23)
+    for window in (1, 3, 5, 30):
+        expected = [np.mean(values[max(0, t - window + 1):t + 1]) for t in range(len(values))]
+        np.testing.assert_allclose(trailing_mean(values, window), expected, rtol=1e-12)
+    with pytest.raises(ValueError, match="window"):
+        trailing_mean(values, 0)
+
+
+def test_metrics_writer_resume_drops_rows_after_checkpoint(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=True) as writer:
+        for step in range(1, 6):
+            writer.write(step, {"success_rate": step / 10, "flag": True, "text": "ignored",
+                                "nan": float("nan")})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[0] == {"step": 1, "success_rate": 0.1, "flag": 1}
+    assert list((tmp_path / "tb").iterdir())
+    # a crash after step 5, resumed from the checkpoint of step 3: steps 4, 5 are redone
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "succ')                       # torn last line
+    with MetricsWriter(tmp_path, tensorboard=False, resume_step=3) as writer:
+        writer.write(4, {"success_rate": 0.9})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["success_rate"]) for r in rows] == [(1, .1), (2, .2), (3, .3), (4, .9)]
+    png = plot_learning_curve(rows, tmp_path / "curve.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no rows"):
+        plot_learning_curve([{"step": 1}], tmp_path / "x.png")
+    json.dumps(rows)
