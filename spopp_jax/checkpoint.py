@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 _TRAIN_STATE = "train_state"
 _CONFIG = "config"
@@ -290,8 +291,7 @@ class Checkpointer:
             )
 
         state_target = _abstract(train_state_target)
-        metadata = self._manager.item_metadata(step)
-        diffs = shape_differences(_tree_of(metadata[_TRAIN_STATE]), state_target)
+        diffs = shape_differences(self._train_state_metadata(step), state_target)
         if diffs:
             raise CheckpointMismatchError(
                 f"checkpoint step {step} train_state does not match the target "
@@ -312,6 +312,12 @@ class Checkpointer:
             for name in manifest["extras"]
         }
         return RestoredCheckpoint(step, restored[_TRAIN_STATE], extras, saved_config)
+
+    def _train_state_metadata(self, step: int) -> Any:
+        """Shapes/dtypes of the saved train state, read from disk (also in a fresh process,
+        where the manager has no handler registered for the item yet)."""
+        path = epath.Path(self.directory) / str(step) / _TRAIN_STATE
+        return _tree_of(ocp.StandardCheckpointHandler().metadata(path))
 
     def _resolve_step(self, step: int | None) -> int:
         if step is None:
