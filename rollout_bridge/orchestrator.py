@@ -264,15 +264,17 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ dispatch
     def _capacity(self) -> int:
-        """How many more trajectories may be dispatched now."""
+        """How many more trajectories may be dispatched now: none while draining, else up
+        to ``max_in_flight`` concurrent and ``max_buffered_batches`` batches outstanding
+        (in flight + finished but not consumed), which bounds the policy lag.
+
+        Work still in flight when ``run`` returns continues and is collected by the next
+        ``run`` call (``close`` aborts it)."""
         if self._has_publish_pending or self.updates >= self._target:
             return 0
-        n = self.config.batch_size
-        started = self.updates + (self._learner_task is not None)
-        still_needed = (self._target - started) * n - len(self._ready) - self._grouped_count()
         outstanding = len(self._ready) + self._grouped_count() + len(self._in_flight)
-        room = self.config.max_buffered_batches * n - outstanding
-        return max(0, min(self.config.max_in_flight - len(self._in_flight), still_needed - len(self._in_flight), room))
+        room = self.config.max_buffered_batches * self.config.batch_size - outstanding
+        return max(0, min(self.config.max_in_flight - len(self._in_flight), room))
 
     def _grouped_count(self) -> int:
         return sum(len(g.members) for g in self._groups.values())

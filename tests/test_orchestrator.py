@@ -219,14 +219,17 @@ def wave_world(chat, permutations):
 def test_receipt_order_invariance_end_to_end(chat, data):
     # max_buffered_batches=1 with batch = tasks: each wave sees exactly the earlier waves,
     # so visible histories are fixed while completion order within waves is shuffled.
-    num_tasks, waves = 4, 3  # wave w is consumed by update w + 1
-    perms_a = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves)]
-    perms_b = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves)]
+    # Wave w is consumed by update w + 1; wave `waves` is dispatched during the last update
+    # and drained before its publish.
+    num_tasks, waves = 4, 3
+    perms_a = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves + 1)]
+    perms_b = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves + 1)]
     config = OrchestratorConfig(batch_size=4, max_in_flight=4, max_buffered_batches=1, pad_to_multiple=8)
     prior = jeffreys(num_tasks)
     runs = [run_orchestrator(wave_world(chat, p), config, waves, prior=prior) for p in (perms_a, perms_b)]
     baselines = []
     for orch in runs:
+        assert orch.failed == 0 and orch.aborted == 0
         replay_check_event_time(orch, *prior)
         stamps = [s for kind, s in orch.events if kind == "dispatch"]
         visit = {}
@@ -235,7 +238,7 @@ def test_receipt_order_invariance_end_to_end(chat, data):
             keyed[(s.task_id, visit.setdefault(s.task_id, 0))] = (s.z, s.frozen_baseline)
             visit[s.task_id] += 1
         baselines.append(keyed)
-    assert set(baselines[0]) == set(baselines[1]) == {(x, v) for x in range(num_tasks) for v in range(waves)}
+    assert set(baselines[0]) == set(baselines[1]) == {(x, v) for x in range(num_tasks) for v in range(waves + 1)}
     assert sum(b != 0.5 for _, b in baselines[0].values()) > 0
     for key in baselines[0]:
         assert baselines[0][key][0] == baselines[1][key][0]
