@@ -24,6 +24,11 @@ TOL = 1e-4
 IDS = np.random.default_rng(0).integers(0, 128, size=(2, 12))
 
 
+@nnx.jit
+def forward(model, ids):
+    return model(ids)
+
+
 def torch_logits(model, ids=IDS):
     with torch.no_grad():
         return model(input_ids=torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
@@ -44,7 +49,7 @@ def test_our_save_loads_in_transformers(tmp_path, model_type, tied):
                                                     attn_implementation="eager")
     assert hf_model.config.rope_parameters["rope_theta"] == 1e6
     assert hf_model.config.tie_word_embeddings == tied
-    np.testing.assert_allclose(torch_logits(hf_model), np.asarray(model(jnp.asarray(IDS))),
+    np.testing.assert_allclose(torch_logits(hf_model), np.asarray(forward(model, jnp.asarray(IDS))),
                                atol=TOL, rtol=0)
     reloaded = from_pretrained(str(tmp_path))
     before, after = params_of(model), params_of(reloaded)
@@ -63,7 +68,7 @@ def test_our_sharded_save_loads_in_transformers(tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
     hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
                                                     attn_implementation="eager")
-    np.testing.assert_allclose(torch_logits(hf_model), np.asarray(model(jnp.asarray(IDS))),
+    np.testing.assert_allclose(torch_logits(hf_model), np.asarray(forward(model, jnp.asarray(IDS))),
                                atol=TOL, rtol=0)
 
 
@@ -75,7 +80,7 @@ def test_transformers_save_loads_here(tmp_path, max_shard_size):
     sharded = (tmp_path / "model.safetensors.index.json").exists()
     assert sharded == (max_shard_size is not None)
     model = from_pretrained(str(tmp_path))
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), torch_logits(hf_model),
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(IDS))), torch_logits(hf_model),
                                atol=TOL, rtol=0)
 
 
@@ -143,7 +148,7 @@ _MESH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import PartitionSpec as P
-    from spopp_jax.models import from_pretrained
+    from spopp_jax.models import from_pretrained, save_pretrained
     assert jax.device_count() == 8, jax.device_count()
     path = sys.argv[1]
     mesh = jax.make_mesh((1, 2, 4), ("data", "fsdp", "tensor"),
@@ -171,6 +176,11 @@ _MESH_SCRIPT = textwrap.dedent("""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, size=(2, 12)))
     np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(model, ids)),
                                np.asarray(reference(ids)), atol=1e-4)
+    # Saving gathers the sharded parameters: the saved folder reloads to the same values.
+    save_pretrained(model, sys.argv[2], max_shard_size="40KB")
+    saved = dict(nnx.to_flat_state(nnx.state(from_pretrained(sys.argv[2]), nnx.Param)))
+    for key, value in flat:
+        np.testing.assert_array_equal(np.asarray(saved[key][...]), np.asarray(value[...]))
     print("MESH_OK")
 """)
 
@@ -180,6 +190,7 @@ def test_sharded_load_on_8_device_mesh(tmp_path):
     hf_model.save_pretrained(str(tmp_path), max_shard_size="30KB")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path)], env=env,
+    result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path),
+                             str(tmp_path / "saved")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "MESH_OK" in result.stdout, result.stderr[-3000:]

@@ -219,3 +219,22 @@ def test_padding_does_not_change_real_logits(length, left_pad, pad_token, seed):
     got = _forward(_PROPERTY_MODEL, jnp.asarray(padded), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(got[0, left_pad:left_pad + length]),
                                np.asarray(reference[0, :length]), atol=1e-5)
+
+
+def test_remat_gives_the_same_gradients():
+    config = ModelConfig.from_hf(tiny_hf_config(rope_theta=1e6))
+    plain, rematerialised = init_model(config, seed=8), init_model(config, seed=8, remat=True)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 128, size=(2, 10)))
+
+    def loss(model):
+        return jnp.sum(jax.nn.log_softmax(model(ids), axis=-1)[..., 5])
+
+    graphdef, state = nnx.split(rematerialised)
+    jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(graphdef, s)))(state))
+    assert jaxpr.count("remat") == config.num_hidden_layers
+    grad_fn = nnx.jit(nnx.grad(loss))
+    grads = jax.tree_util.tree_leaves(grad_fn(plain))
+    grads_remat = jax.tree_util.tree_leaves(grad_fn(rematerialised))
+    assert len(grads) == len(grads_remat)
+    for g, g_remat in zip(grads, grads_remat):
+        np.testing.assert_allclose(np.asarray(g_remat), np.asarray(g), atol=1e-6)

@@ -52,9 +52,11 @@ def hf_tensor_name(param_name: str) -> tuple[str, bool]:
     raise ValueError(f"no HF name for parameter {param_name!r}")
 
 
-def abstract_model(config: ModelConfig, dtype="float32") -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(config: ModelConfig, dtype="float32",
+                   remat: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state of ShapeDtypeStructs) without allocating any parameter."""
-    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), remat=remat))
     return nnx.split(abstract)
 
 
@@ -83,15 +85,15 @@ def _slice_reader(tensor_slice, transposed: bool, dtype: np.dtype):
     return read
 
 
-def load_parameters(path: str, config: ModelConfig, dtype="float32",
-                    mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+def load_parameters(path: str, config: ModelConfig, dtype="float32", mesh: Mesh | None = None,
+                    remat: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, parameter state) read from an HF checkpoint folder.
 
     Each array gets the partition rules' sharding on `mesh` (default: first device).
     Raises KeyError for a parameter missing from the checkpoint, ValueError for a shape
     mismatch or an unexpected checkpoint tensor.
     """
-    graphdef, abstract_state = abstract_model(config, dtype)
+    graphdef, abstract_state = abstract_model(config, dtype, remat)
     files = _checkpoint_files(path)
     shardings = (parameter_shardings(abstract_state, mesh) if mesh is not None else
                  jax.tree_util.tree_map(lambda _: SingleDeviceSharding(jax.devices()[0]),
@@ -129,12 +131,14 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
                                              and name == "lm_head.weight")
 
 
-def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None) -> Qwen3ForCausalLM:
+def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None,
+                    remat: bool = False) -> Qwen3ForCausalLM:
     """The model of a local HF checkpoint folder (config.json + safetensors), with
-    parameters in `dtype` ("float32" / "bfloat16") and, given `mesh`, sharded by the
-    partition rules."""
+    parameters in `dtype` ("float32" / "bfloat16") and, given `mesh` (Auto axis types,
+    axes "fsdp" / "tensor"), sharded by the partition rules. `remat=True` recomputes
+    each layer in the backward pass."""
     config = ModelConfig.from_hf(path)
-    graphdef, state = load_parameters(path, config, dtype, mesh)
+    graphdef, state = load_parameters(path, config, dtype, mesh, remat)
     return nnx.merge(graphdef, state)
 
 
@@ -181,7 +185,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str,
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
-        config = model.config.hf_config
+        config = {k: v for k, v in model.config.hf_config.items() if not k.startswith("_")}
         config["dtype"] = dtype
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype

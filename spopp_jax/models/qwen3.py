@@ -58,10 +58,23 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
-class Qwen3Model(nnx.Module):
-    """The backbone (HF `model.`): embeddings, decoder layers, final norm."""
+def _layer_forward(layer: DecoderLayer, x: jax.Array, layout: TokenLayout) -> jax.Array:
+    return layer(x, layout)
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+
+# Rematerialised layer: only the layer inputs are kept for the backward pass.
+_remat_layer_forward = nnx.remat(_layer_forward)
+
+
+class Qwen3Model(nnx.Module):
+    """The backbone (HF `model.`): embeddings, decoder layers, final norm.
+
+    `remat=True` recomputes each layer's activations in the backward pass (memory
+    O(layers x B x T x hidden) instead of keeping attention scores and MLP activations).
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, remat: bool = False):
+        self.remat = remat
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs)
                                 for i in range(config.num_hidden_layers)])
@@ -69,8 +82,9 @@ class Qwen3Model(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, layout: TokenLayout) -> jax.Array:
         x = self.embed_tokens(input_ids)
+        layer_forward = _remat_layer_forward if self.remat else _layer_forward
         for layer in self.layers:
-            x = layer(x, layout)
+            x = layer_forward(layer, x, layout)
         return self.norm(x)
 
     def decode(self, input_ids: jax.Array, layout: TokenLayout, cache: KVCache):
@@ -85,10 +99,11 @@ class Qwen3Model(nnx.Module):
 class Qwen3ForCausalLM(nnx.Module):
     """Causal LM head over `Qwen3Model`; also serves Qwen2 (config.model_type == "qwen2")."""
 
-    def __init__(self, config: ModelConfig, *, dtype="float32", rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype="float32", rngs: nnx.Rngs,
+                 remat: bool = False):
         self.config = config
         self.dtype = _dtype(dtype)
-        self.model = Qwen3Model(config, dtype=self.dtype, rngs=rngs)
+        self.model = Qwen3Model(config, dtype=self.dtype, rngs=rngs, remat=remat)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, use_bias=False,
                                dtype=self.dtype, rngs=rngs))
@@ -145,6 +160,8 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.logits_from_hidden(hidden), cache
 
 
-def init_model(config: ModelConfig, seed: int = 0, dtype="float32") -> Qwen3ForCausalLM:
-    """A randomly initialised model (normal(0, 0.02) matrices, unit norm scales)."""
-    return Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
+def init_model(config: ModelConfig, seed: int = 0, dtype="float32",
+               remat: bool = False) -> Qwen3ForCausalLM:
+    """A randomly initialised model (normal(0, 0.02) matrices, unit norm scales);
+    `remat=True` rematerialises each decoder layer in the backward pass."""
+    return Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(params=seed), remat=remat)
