@@ -9,7 +9,7 @@ Also the SPEC-4 batch diagnostics and SPO's divergence D (SPEC 2, "Baseline").
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -79,6 +79,9 @@ def spo_divergences(num_trajectories: int, divergence: Sequence[float | None] | 
     """D_i for each consumed trajectory in arrival order; None (first visit) gives 0."""
     if divergence is None:
         return np.zeros(num_trajectories, dtype=np.float32)
+    if isinstance(divergence, Mapping):
+        raise TypeError("divergence must be a sequence aligned with the batch (one D per trajectory, "
+                        "None for a first visit), not a mapping by task")
     if len(divergence) != num_trajectories:
         raise ValueError(f"divergence must have {num_trajectories} entries, got {len(divergence)}")
     values = np.array([0.0 if d is None else float(d) for d in divergence], dtype=np.float32)

@@ -481,6 +481,8 @@ def test_spo_divergence_hand_numbers():
     np.testing.assert_allclose(spo_divergences(2, None), [0.0, 0.0])
     with pytest.raises(ValueError, match="entries"):
         spo_divergences(2, [0.1])
+    with pytest.raises(TypeError, match="aligned"):
+        spo_divergences(2, {3: 0.1, 4: 0.2})
 
 
 def test_learner_side_spo_divergence_helpers():
