@@ -241,3 +241,60 @@ def test_env_is_closed_after_the_episode(tokenizer):
     faulty = Closing(num_tasks=8, fault=lambda task, call: call == 1)
     traj = run_virtual(run_episode(engine, faulty, chat, _stamp(0)))
     assert traj.failed and closed == [True, True]
+
+
+def test_sync_env_timeout_on_a_real_loop_is_a_recorded_failure(tokenizer):
+    import time
+
+    class Slow(SyntheticEnv):
+        def step(self, action_text):
+            time.sleep(0.3)
+            return super().step(action_text)
+
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    engine = FakeEngine(answering_script(tokenizer, chat, latency=0.0))
+    import asyncio
+
+    traj = asyncio.run(run_episode(engine, Slow(num_tasks=8), chat, _stamp(0), AgentConfig(env_timeout_s=0.05)))
+    assert traj.failed and "timed out after 0.05s" in traj.error and traj.num_turns == 1
+
+
+def test_engine_contract_types_validate_their_fields():
+    from rollout_bridge.engine.base import GenerationResult
+
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="equal length"):
+        GenerationResult((1, 2), (0.0,), "stop", 0)
+    with pytest.raises(ValueError, match="finish_reason"):
+        GenerationResult((), (), "done", 0)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_fake_engine_applies_stop_tokens_length_and_abort():
+    engine = FakeEngine(lambda request: ScriptedReply((5, 6, 7, 8), (-1.0, -2.0, -3.0, -4.0), latency=2.0))
+
+    async def main():
+        import asyncio
+
+        stop = await engine.generate([1], SamplingParams(stop_token_ids=(7,)))
+        length = await engine.generate([1], SamplingParams(max_new_tokens=2))
+        pending = asyncio.ensure_future(engine.generate([1], SamplingParams()))
+        await asyncio.sleep(1.0)
+        await engine.abort_all()
+        await engine.publish("w", 4)
+        later = await engine.generate([1], SamplingParams())
+        return stop, length, await pending, later
+
+    stop, length, aborted, later = run_virtual(main())
+    assert (stop.token_ids, stop.logprobs, stop.finish_reason) == ((5, 6, 7), (-1.0, -2.0, -3.0), "stop")
+    assert (length.token_ids, length.finish_reason) == ((5, 6), "length")
+    assert (aborted.token_ids, aborted.finish_reason, aborted.policy_event) == ((), "abort", 0)
+    assert later.policy_event == 4 and engine.published == [(4, "w")]
+    assert [r.finish_time - r.start_time for r in engine.records] == [2.0, 2.0, 1.0, 2.0]
