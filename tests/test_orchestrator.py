@@ -505,3 +505,37 @@ def test_learner_side_spo_divergence_helpers():
                                                                  pytest.approx(0.25)]
     assert pack_previous_responses([None, None])[0] is None
     assert divergences_from_logprobs(np.array([-1, -1]), None, None) == [None, None]
+
+
+def test_state_survives_an_orbax_checkpoint_and_the_run_resumes(chat, tmp_path):
+    from spopp_jax.checkpoint import Checkpointer
+
+    world = World(chat, 5, reward_table(12), uneven_latency(12))
+    config = OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 2, prior=jeffreys(5))
+    with Checkpointer(tmp_path / "ckpt") as checkpointer:
+        checkpointer.save(2, {"dummy": np.zeros(2, np.float32)}, extras={"orchestrator": orch.state_dict()})
+        checkpointer.wait_until_finished()
+    resumed_world = World(chat, 5, reward_table(12), uneven_latency(12))
+    resumed_world.engine.policy_event = orch.policy_event  # the engine serves the restored weights
+    resumed = Orchestrator(resumed_world.engine, resumed_world.env, chat, FakeLearner(), 5, config)
+    with Checkpointer(tmp_path / "ckpt") as checkpointer:
+        restored = checkpointer.restore({"dummy": np.zeros(2, np.float32)}, {"orchestrator": resumed.state_dict()})
+    resumed.load_state_dict(restored.extras["orchestrator"])
+    np.testing.assert_array_equal(np.asarray(resumed.tracker.alpha), np.asarray(orch.tracker.alpha))
+    np.testing.assert_array_equal(np.asarray(resumed.tracker.beta), np.asarray(orch.tracker.beta))
+    assert (resumed.updates, resumed.policy_event, resumed.dispatched) == (2, 2, orch.dispatched)
+
+    async def resume():
+        try:
+            await resumed.run(2)
+        finally:
+            await resumed.close()
+
+    run_virtual(resume())
+    assert resumed.updates == 4 and resumed.policy_event == 4
+    first = next(s for k, s in resumed.events if k == "dispatch")
+    assert first.policy_event == 2 and first.request_id == orch.dispatched
+    # Baselines continue from the restored evidence (not from the prior).
+    np.testing.assert_allclose(first.frozen_baseline, float(orch.tracker.alpha[first.task_id] /
+                               (orch.tracker.alpha[first.task_id] + orch.tracker.beta[first.task_id])), atol=1e-6)
