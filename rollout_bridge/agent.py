@@ -47,6 +47,7 @@ class ChatFormat:
     stop_token_ids: tuple[int, ...]
     system_prompt: str | None = None
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    user_base_text: str = ""  # the template over [system?, user "U"], rendered once
 
     @classmethod
     def from_tokenizer(cls, tokenizer, system_prompt: str | None = None, **template_kwargs) -> "ChatFormat":
@@ -67,7 +68,10 @@ class ChatFormat:
             stops.append(int(tokenizer.eos_token_id))
         if not stops:
             raise ValueError("could not determine a stop token from the chat template or eos_token")
-        return dataclasses.replace(fmt, turn_close_ids=close_ids, stop_token_ids=tuple(stops))
+        user_base = fmt.render([{"role": "user", "content": _MARK_USER}], False)
+        return dataclasses.replace(
+            fmt, turn_close_ids=close_ids, stop_token_ids=tuple(stops), user_base_text=user_base
+        )
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
         if self.system_prompt is None:
@@ -96,7 +100,7 @@ class ChatFormat:
 
     def observation_turn_ids(self, observation: str) -> list[int]:
         """Ids of one more user turn carrying ``observation``, then the generation prompt."""
-        base = self.render([{"role": "user", "content": _MARK_USER}], False)
+        base = self.user_base_text
         full = self.render(
             [{"role": "user", "content": _MARK_USER}, {"role": "user", "content": observation}], True
         )
