@@ -47,7 +47,10 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(_normal_init(rngs, (vocab_size, hidden_size), dtype))
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], input_ids, axis=0)
+        """Rows of the table; ids outside [0, vocab) (e.g. -1 padding) are clipped, so they
+        give finite vectors instead of NaN (masked attention would still multiply their
+        values by 0)."""
+        return jnp.take(self.embedding[...], input_ids, axis=0, mode="clip")
 
     def attend(self, x: jax.Array) -> jax.Array:
         """float32 logits = x @ embedding.T."""
