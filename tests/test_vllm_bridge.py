@@ -210,6 +210,7 @@ class FakeServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.prefix_resets = 0
+        self.resets_left = 0  # completions that fail with a connection reset while alive
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if not self.alive:
@@ -238,6 +239,9 @@ class FakeServer:
         if path == "/v1/completions":
             if max(body["prompt"]) >= 1000:
                 return httpx.Response(400, json={"error": "token id out of vocabulary"})
+            if self.resets_left:
+                self.resets_left -= 1
+                raise httpx.ReadError("stale keep-alive connection", request=request)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
@@ -296,8 +300,10 @@ def test_dead_server_requests_are_redispatched(tmp_path):
 
     async def run():
         engine = fleet.engine(tmp_path)
+        await engine.start()
         tasks = [asyncio.ensure_future(engine.generate([1], SamplingParams(max_new_tokens=3))) for _ in range(6)]
-        await asyncio.sleep(0.01)
+        while engine.server_states()[0][3] < 3:
+            await asyncio.sleep(0.001)
         first.alive = False  # dies with requests in flight
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
         states, stats = engine.server_states(), engine.stats
@@ -308,6 +314,23 @@ def test_dead_server_requests_are_redispatched(tmp_path):
     assert all(r.token_ids == (2, 2, 2) for r in results)  # all finished on the live server
     assert states[0][1] == "dead" and states[1][1] == "ready"
     assert stats.servers_lost == 1 and stats.retries == 3 and stats.failed == 0
+
+
+def test_connection_reset_on_a_healthy_server_keeps_it_in_rotation(tmp_path):
+    (only,) = _servers(1)
+    only.resets_left = 1
+    fleet = FakeFleet([only])
+
+    async def run():
+        engine = fleet.engine(tmp_path)
+        result = await engine.generate([1], SamplingParams(max_new_tokens=2))
+        states, stats = engine.server_states(), engine.stats
+        await engine.close()
+        return result, states, stats
+
+    result, states, stats = asyncio.run(run())
+    assert result.token_ids == (1, 1) and states[0][1] == "ready"
+    assert stats.retries == 1 and stats.servers_lost == 0 and stats.failed == 0
 
 
 def test_no_live_server_fails_fast_and_client_errors_surface(tmp_path):
@@ -341,8 +364,10 @@ def test_publish_drains_reloads_confirms_and_stamps_results(tmp_path):
 
     async def run():
         engine = fleet.engine(tmp_path)
+        await engine.start()
         old = [asyncio.ensure_future(engine.generate([1], SamplingParams(max_new_tokens=2))) for _ in range(4)]
-        await asyncio.sleep(0.01)
+        while sum(s[3] for s in engine.server_states()) < 4:  # all four dispatched
+            await asyncio.sleep(0.001)
         await engine.publish(folder, 1)
         assert all(t.done() for t in old)  # drain "finish": old requests ended before the reload
         new = await engine.generate([1], SamplingParams(max_new_tokens=2))
@@ -365,14 +390,20 @@ def test_abort_drain_and_abort_all_return_abort_results(tmp_path):
 
     async def run():
         engine = fleet.engine(tmp_path, drain="abort")
+        await engine.start()
         loop = asyncio.get_running_loop()
-        tasks = [asyncio.ensure_future(engine.generate([1], SamplingParams())) for _ in range(2)]
-        await asyncio.sleep(0.05)
+
+        async def submit_two():
+            tasks = [asyncio.ensure_future(engine.generate([1], SamplingParams())) for _ in range(2)]
+            while engine.server_states()[0][3] < 2:
+                await asyncio.sleep(0.001)
+            return tasks
+
+        tasks = await submit_two()
         start = loop.time()
         await engine.publish(folder, 1)  # aborts the old-policy requests instead of waiting 5 s
         aborted = await asyncio.gather(*tasks)
-        tasks = [asyncio.ensure_future(engine.generate([1], SamplingParams())) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        tasks = await submit_two()
         await engine.abort_all()
         aborted += await asyncio.gather(*tasks)
         elapsed = loop.time() - start

@@ -6,8 +6,9 @@
   sampled ids come back in ``choices[0].token_ids`` (``return_token_ids``) and the log-prob
   of each sampled token in ``logprobs.token_logprobs`` (``logprobs: 0``; the server runs
   ``--logprobs-mode raw_logprobs``: log_softmax of the raw logits).
-* Failure handling: a connection error or time-out takes the server out of rotation
-  (DEAD) and the request is re-dispatched to another server after a backoff; with no
+* Failure handling: a connection error or time-out on a server that then also fails a
+  health probe takes it out of rotation (DEAD); the request is re-dispatched after a
+  backoff; with no
   server left the request raises `FleetUnavailableError` at once (the agent records it
   as a failed episode, so training never stalls). A health checker polls DEAD servers and
   lets one rejoin only after it has loaded, and confirmed by RPC, the current policy.
@@ -337,7 +338,8 @@ class VllmFleetEngine(RolloutEngine):
         if self._client is None:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                # Expire idle connections before uvicorn's 5 s keep-alive closes them.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
             )
         async with self._lock:
             await asyncio.gather(*(self._try_join(s) for s in self._servers))
@@ -372,17 +374,23 @@ class VllmFleetEngine(RolloutEngine):
             server = await self._acquire()
             if server is None:
                 break
+            # No await between _acquire and the in-flight registration in _generate_on:
+            # a publish cannot start reloading this server under the request.
             try:
                 return await self._generate_on(server, prompt_ids, params)
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as err:
                 last_error = err
                 logger.warning("request failed on %s (attempt %d): %r", server.spec.url, attempt, err)
-                if isinstance(err, httpx.TransportError):
+                # A reset on a reused keep-alive connection is not a dead server: only a
+                # server that also fails a health probe leaves the rotation.
+                if isinstance(err, httpx.TransportError) and not await self._healthy(server):
                     await self._mark_dead(server)
         self.stats.failed += 1
         raise FleetUnavailableError(f"no vLLM server could serve the request: {last_error!r}")
 
     async def _generate_on(self, server: _Server, prompt_ids, params) -> GenerationResult:
+        if server.state != READY:
+            raise RuntimeError(f"dispatch to {server.spec.url} in state {server.state}")
         request_id = f"spopp-{uuid.uuid4().hex}"
         policy_event = server.policy_event
         body = completion_body(prompt_ids, params, self.config.model_name, request_id)

@@ -200,7 +200,7 @@ class VllmInProcessEngine(RolloutEngine):
 
     @classmethod
     async def create(cls, config: VllmInProcessConfig) -> "VllmInProcessEngine":
-        vllm = import_vllm()
+        import_vllm()  # a clear ImportError when vLLM is missing
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -217,7 +217,6 @@ class VllmInProcessEngine(RolloutEngine):
         if config.direct_transfer is not None:
             kwargs["weight_transfer_config"] = {"backend": config.direct_transfer.backend}
         kwargs.update(config.engine_kwargs)
-        del vllm
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         engine = cls(config, llm)
         await engine._confirm_initial()
