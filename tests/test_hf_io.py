@@ -45,6 +45,11 @@ def test_our_save_loads_in_transformers(tmp_path, model_type, tied):
                                                 tie_word_embeddings=tied))
     model = init_model(config, seed=3)
     save_pretrained(model, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        saved_config = json.load(f)
+    assert saved_config["architectures"] == [
+        {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]]
+    assert saved_config["dtype"] == "float32"
     hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
                                                     attn_implementation="eager")
     assert hf_model.config.rope_parameters["rope_theta"] == 1e6

@@ -36,6 +36,7 @@ from spopp_jax.models.qwen3 import Qwen3ForCausalLM
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Tensors some checkpoints carry that the model does not use.
 _IGNORABLE = re.compile(r"(rotary_emb\.inv_freq$)")
 
@@ -190,6 +191,8 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str,
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype
         config["tie_word_embeddings"] = model.config.tie_word_embeddings
+        if not config.get("architectures"):  # vLLM resolves the model class from this
+            config["architectures"] = [ARCHITECTURES[model.config.model_type]]
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
     shards = _plan_shards(tensors, max_bytes)
