@@ -199,3 +199,22 @@ def test_sharded_load_on_8_device_mesh(tmp_path):
                              str(tmp_path / "saved")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "MESH_OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_directly_built_config_saves_a_loadable_checkpoint(tmp_path):
+    """A ModelConfig made in code (no HF config.json behind it) writes a config that
+    transformers reads back with the same hyper-parameters and logits."""
+    config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rope_theta=5e5, tie_word_embeddings=True)
+    model = init_model(config, seed=9)
+    save_pretrained(model, str(tmp_path))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                    attn_implementation="eager")
+    assert hf_model.config.model_type == "qwen3"
+    assert hf_model.config.rope_parameters["rope_theta"] == 5e5
+    assert hf_model.config.num_key_value_heads == 2 and hf_model.config.head_dim == 16
+    ids = IDS % 96
+    np.testing.assert_allclose(torch_logits(hf_model, ids),
+                               np.asarray(forward(model, jnp.asarray(ids))), atol=TOL, rtol=0)
+    assert ModelConfig.from_hf(str(tmp_path)).rope_theta == 5e5
