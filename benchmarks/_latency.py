@@ -10,10 +10,11 @@ The workload (all times in simulated seconds, driven by ``run_virtual``):
 * The tokens are split evenly over ``turns = min(max_turns, ceil(L / tokens_per_turn))``
   turns. A turn's engine latency is ``tokens * decode_s_per_token`` (one decode stream per
   rollout slot); each environment step takes ``env_step_s``, the reset ``env_reset_s``.
-* Success: ``R = 1[u_xv < sigmoid(logit0_x + eta * k)]`` with ``k`` the policy event that
-  generated the trajectory, ``logit0_x ~ N(logit0_mean, logit0_std)`` and
-  ``u_xv ~ U(0, 1)``: every published update raises every task's success logit by ``eta``,
-  the same rule for every method.
+* Success: ``R = 1[u_xv < sigmoid(logit0_x + eta * k)]`` with ``k`` the number of learner
+  updates contained in the weights that generated the trajectory (the policy event when
+  every update is published), ``logit0_x ~ N(logit0_mean, logit0_std)``, ``u_xv ~ U(0, 1)``:
+  every update, once published, raises every task's success logit by ``eta``; the same
+  rule for every method.
 * The learner's update takes ``learner_base_s + learner_s_per_token * batch_tokens``
   (all tokens of the batch's trajectories); a publish takes ``publish_s``.
 
@@ -215,11 +216,12 @@ def step_values(change_times: Sequence[float], values: Sequence[float], initial:
 
 
 def drain_wait(update_ends: Sequence[float], publish_times: Sequence[float]) -> float:
-    """Σ_j (first publish at or after update end e_j) − e_j: time from the end of each
-    update to its weights reaching the rollout engine (drain + publish latency)."""
-    ends = np.asarray(update_ends, dtype=np.float64)
-    publishes = np.sort(np.asarray(publish_times, dtype=np.float64))
-    index = np.searchsorted(publishes, ends, side="left")
-    if np.any(index >= len(publishes)):
-        raise ValueError("every update end needs a publish at or after it")
-    return float((publishes[index] - ends).sum())
+    """Σ_p (p − the last update end at or before publish p): time from the end of the
+    update whose weights are published to their reaching the rollout engine (the drain
+    plus the publish latency)."""
+    ends = np.sort(np.asarray(update_ends, dtype=np.float64))
+    publishes = np.asarray(publish_times, dtype=np.float64)
+    index = np.searchsorted(ends, publishes, side="right") - 1
+    if np.any(index < 0):
+        raise ValueError("every publish needs an update end at or before it")
+    return float((publishes - ends[index]).sum())

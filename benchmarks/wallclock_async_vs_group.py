@@ -64,7 +64,7 @@ class Timeline:
 
     episodes: dict[int, list] = dataclasses.field(default_factory=dict)  # env id -> [start, end|None, done]
     learner: list[tuple[float, float, int]] = dataclasses.field(default_factory=list)  # start, end, tokens
-    publishes: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # time, event
+    publishes: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # time, updates in weights
     aborts: list[float] = dataclasses.field(default_factory=list)
 
     def episode_intervals(self, wall: float, only_done: bool = False) -> list[tuple[float, float]]:
@@ -93,6 +93,7 @@ class SimWorld:
         self.lose_ids = tuple(encode("lose", add_special_tokens=False))
         (self.filler_id,) = encode("0", add_special_tokens=False)
         self.stop_id = chat.stop_token_ids[0]
+        self.updates_in_event = {0: 0}  # policy event -> learner updates in those weights
         self._next_env = 0
 
     def now(self) -> float:
@@ -110,7 +111,8 @@ class SimWorld:
         n = plan.turn_tokens[turn]
         head: tuple[int, ...] = ()
         if turn == len(plan.turn_tokens) - 1:
-            head = self.win_ids if self.workload.succeeds(plan, request.policy_event) else self.lose_ids
+            updates = self.updates_in_event[request.policy_event]
+            head = self.win_ids if self.workload.succeeds(plan, updates) else self.lose_ids
         body = (self.filler_id,) * max(n - len(head) - 1, 0)
         return ScriptedReply(head + body + (self.stop_id,),
                              latency=n * self.workload.model.decode_s_per_token)
@@ -154,7 +156,8 @@ class TimedEngine(FakeEngine):
 
     async def publish(self, weights: Any, policy_event: int) -> None:
         await super().publish(weights, policy_event)
-        self.world.timeline.publishes.append((self.world.now(), int(policy_event)))
+        self.world.updates_in_event[int(policy_event)] = int(weights)
+        self.world.timeline.publishes.append((self.world.now(), int(weights)))
 
     async def abort_all(self) -> None:
         self.world.timeline.aborts.append(self.world.now())
@@ -228,7 +231,7 @@ def run_once(spec: RunSpec, chat: ChatFormat) -> dict:
     group_done: dict[int, float] = {}
     for t, _ in consumed:
         group_done[t.stamp.group_id] = max(group_done.get(t.stamp.group_id, 0.0), t.finish_time)
-    events = [k for _, k in timeline.publishes]
+    served_updates = [k for _, k in timeline.publishes]
     half = max(spec.updates // 2, 1)
     return dict(
         spec=spec, wall=wall, cpu=cpu, real=real,
@@ -239,6 +242,7 @@ def run_once(spec: RunSpec, chat: ChatFormat) -> dict:
                                                      spec.slots, wall),
         consumed_tokens=float(np.mean([t.num_action_tokens for t, _ in consumed])),
         peak_slots=_latency.max_concurrency(episodes),
+        slot_s_per_update=_latency.clipped_busy_time(episodes, 0.0, wall) / spec.updates,
         learner_idle=_latency.learner_idle_fraction([(s, e) for s, e, _ in timeline.learner], wall),
         t_half=update_ends[half - 1], t_full=update_ends[spec.updates - 1],
         lag_mean=float(lags.mean()), lag_max=int(lags.max()),
@@ -247,7 +251,7 @@ def run_once(spec: RunSpec, chat: ChatFormat) -> dict:
                                     for t, _ in consumed])),
         finish_to_train=float(np.mean([start - t.finish_time for t, start in consumed])),
         publish_times=[t for t, _ in timeline.publishes],
-        expected_success=list(world.workload.expected_success(np.asarray(events, dtype=np.int64))),
+        expected_success=list(world.workload.expected_success(np.asarray(served_updates, dtype=np.int64))),
         initial_success=float(world.workload.expected_success(0)),
         finishes=[(t.finish_time, t.reward) for t in usable],
         cpu_ms_per_traj=1e3 * cpu / max(orch.dispatched, 1),
@@ -291,6 +295,7 @@ def summarize(results: list[dict], tails: list[float]) -> str:
             ("consumed (trained) trajectories / s", lambda r: r["consumed_per_s"]),
             ("rollout-slot utilisation (busy slot-time / (S x wall))", lambda r: r["slot_utilisation"]),
             ("  of which episodes played to the end (not aborted)", lambda r: r["useful_utilisation"]),
+            ("rollout slot-seconds per update (compute)", lambda r: r["slot_s_per_update"]),
             ("learner idle fraction", lambda r: r["learner_idle"]),
             ("expected success of served policy at T", lambda r: success_at(r, t_ref)),
             ("share of time draining before a publish", lambda r: r["drain_share"]),
@@ -307,7 +312,7 @@ def summarize(results: list[dict], tails: list[float]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], tails: list[float], path: str) -> None:
+def plot(results: list[dict], tails: list[float], path: str, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,7 +340,9 @@ def plot(results: list[dict], tails: list[float], path: str) -> None:
         ax.set_ylabel("expected success of served policy")
         ax.grid(alpha=0.3)
     axes[0][0].legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.92 if title else 1))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
 
@@ -362,6 +369,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tasks", type=int, default=256)
     parser.add_argument("--drain", default="finish", choices=["finish", "abort"])
     parser.add_argument("--publish-every", type=int, default=1)
+    parser.add_argument("--task-share", type=float, default=LatencyModel().task_share,
+                        help="share of ln-length variance that is per task (GRPO siblings share it)")
     parser.add_argument("--figure", default="docs/figures/wallclock_async_vs_group.png")
     args = parser.parse_args(argv)
 
@@ -375,7 +384,7 @@ def main(argv=None) -> list[dict]:
     print(f"slots S={args.slots}, batch N={args.batch}, GRPO G={args.group}, updates K={args.updates}, "
           f"tasks={args.tasks}, drain={args.drain}, publish_every={args.publish_every}, "
           f"tails sigma={args.tails}, seeds={args.seeds}")
-    print(f"latency model: {LatencyModel()}")
+    print(f"latency model: {LatencyModel(task_share=args.task_share)} (sigma varied)")
     with tempfile.TemporaryDirectory() as directory:
         chat = build_chat(directory)
         for method in METHODS:  # warm-up: compile the orchestrator's jitted helpers
@@ -385,7 +394,7 @@ def main(argv=None) -> list[dict]:
         for sigma in args.tails:
             for seed in args.seeds:
                 for method in METHODS:
-                    spec = RunSpec(method, LatencyModel(sigma=sigma), seed, args.slots, args.batch, args.group,
+                    spec = RunSpec(method, LatencyModel(sigma=sigma, task_share=args.task_share), seed, args.slots, args.batch, args.group,
                                    args.updates, args.tasks, args.drain, args.publish_every)
                     result = run_once(spec, chat)
                     results.append(result)
@@ -395,7 +404,10 @@ def main(argv=None) -> list[dict]:
                           f"cpu {result['cpu_ms_per_traj']:.2f} ms/traj", flush=True)
     print(summarize(results, args.tails))
     if args.figure:
-        plot(results, args.tails, args.figure)
+        plot(results, args.tails, args.figure,
+             f"S={args.slots} slots, N={args.batch}, K={args.updates} updates, drain={args.drain}, "
+             f"publish_every={args.publish_every}, task_share={args.task_share}; mean ± std over seeds {args.seeds}; "
+             f"dotted: time to K updates")
         print(f"\nfigure: {args.figure}")
     print(f"real wall time of the benchmark: {time.perf_counter() - start:.0f} s")
     return results

@@ -38,6 +38,8 @@ def test_accounting_hand_numbers():
     # Updates end at 3 and 6; publishes at 4 and 8 -> waits 1 + 2.
     assert _latency.drain_wait([3.0, 6.0], [8.0, 4.0]) == pytest.approx(3.0)
     assert _latency.drain_wait([3.0], [3.0]) == 0.0
+    # Publishing every 2nd update: ends 1, 2, 5, 6; publishes 3, 7 -> (3 − 2) + (7 − 6).
+    assert _latency.drain_wait([1.0, 2.0, 5.0, 6.0], [3.0, 7.0]) == pytest.approx(2.0)
     grid = np.array([0.0, 0.99, 1.0, 2.5, 3.0, 7.0])
     np.testing.assert_allclose(_latency.step_values([1.0, 3.0], [0.2, 0.3], 0.1, grid),
                                [0.1, 0.1, 0.2, 0.2, 0.3, 0.3])
@@ -173,10 +175,12 @@ def test_constant_schedule_hand_timeline(chat, method):
         [Workload(CONSTANT, 8, 0).expected_success(k) for k in (1, 2)])
 
 
-@pytest.mark.parametrize("method,drain", [("spopp", "finish"), ("grpo", "finish"), ("spopp", "abort")])
-def test_heavy_tail_timeline_agrees_with_the_orchestrator_stamps(chat, method, drain):
+@pytest.mark.parametrize("method,drain,publish_every",
+                         [("spopp", "finish", 1), ("grpo", "finish", 2), ("spopp", "abort", 1)])
+def test_heavy_tail_timeline_agrees_with_the_orchestrator_stamps(chat, method, drain, publish_every):
     model = LatencyModel(sigma=1.5, mean_tokens=200, max_tokens=3000, tokens_per_turn=100, max_turns=4)
-    spec = bench.RunSpec(method, model, seed=1, slots=8, batch=8, group=4, updates=3, tasks=24, drain=drain)
+    spec = bench.RunSpec(method, model, seed=1, slots=8, batch=8, group=4, updates=4, tasks=24, drain=drain,
+                         publish_every=publish_every)
     world, orch, wall, _, _ = bench.run_virtual(bench._simulate(spec, chat))
     timeline = world.timeline
     # Slot occupancy seen by the environment == dispatch -> finish in the orchestrator's log.
@@ -196,6 +200,11 @@ def test_heavy_tail_timeline_agrees_with_the_orchestrator_stamps(chat, method, d
             visit = [s for kind, s in orch.events if kind == "dispatch" and s.task_id == t.task_id].index(t.stamp)
             plan = world.workload.plan(t.task_id, visit)
             assert t.num_action_tokens == plan.num_tokens
-            assert t.reward == float(world.workload.succeeds(plan, t.policy_event))
+            # Success uses the updates inside the generating weights (publish k = update k·P).
+            assert t.reward == float(world.workload.succeeds(plan, t.policy_event * publish_every))
+    assert [k for _, k in timeline.publishes] == list(range(publish_every, spec.updates + 1, publish_every))
+    update_ends = [e for _, e, _ in timeline.learner]
+    for p, k in timeline.publishes:  # a publish follows the end of the update it carries
+        assert p >= update_ends[k - 1] + model.publish_s - 1e-9
     if drain == "abort":
         assert orch.aborted > 0 and timeline.aborts
