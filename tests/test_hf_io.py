@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from transformers import AutoModelForCausalLM
 
-from spopp_jax.models import ModelConfig, from_pretrained, init_model, partition_spec, save_pretrained
+from spopp_jax.models import (ModelConfig, from_pretrained, init_model, partition_spec,
+                              save_pretrained)
 from spopp_jax.models.partitioning import fit_spec, parameter_specs
 from spopp_jax.models.testing import random_hf_model, tiny_hf_config
 

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 SUPPORTED_LAYER_TYPES = ("full_attention",)
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,20 +48,26 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                    f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
-                    f"{self.num_hidden_layers}")
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                f"{self.num_hidden_layers}")
         for layer_type in self.layer_types:
             if layer_type not in SUPPORTED_LAYER_TYPES:
                 raise NotImplementedError(f"layer type {layer_type!r} is not implemented "
-                                                                    f"(supported: {SUPPORTED_LAYER_TYPES})")
+                                          f"(supported: {SUPPORTED_LAYER_TYPES})")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                                              f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise NotImplementedError(f"rope_type {self.rope_type!r} is not implemented "
-                                                                f"(supported: {SUPPORTED_ROPE_TYPES})")
+                                      f"(supported: {SUPPORTED_ROPE_TYPES})")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"model_type {self.model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+        if self.model_type == "qwen2" and (self.qk_norm or not self.qkv_bias or self.o_bias):
+            raise ValueError("model_type 'qwen2' means qkv_bias=True, o_bias=False, "
+                             "qk_norm=False (as transformers' Qwen2)")
         if self.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {self.hidden_act!r} (only 'silu')")
 
@@ -78,7 +85,8 @@ class ModelConfig:
         hf = _as_config_dict(path_or_hf_config)
         model_type = hf.get("model_type", "qwen3")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(f"model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+            raise NotImplementedError(
+                f"model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
         is_qwen3 = model_type == "qwen3"
         num_heads = int(hf["num_attention_heads"])
         num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
@@ -89,44 +97,44 @@ class ModelConfig:
         attention_bias = bool(hf.get("attention_bias", False))
         layer_types = tuple(hf.get("layer_types") or ())
         return cls(
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=int(hf["hidden_size"]),
-                intermediate_size=int(hf["intermediate_size"]),
-                num_hidden_layers=int(hf["num_hidden_layers"]),
-                num_attention_heads=num_heads,
-                num_key_value_heads=num_kv_heads,
-                head_dim=int(head_dim),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_type=rope_type,
-                rope_factor=rope_factor,
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=attention_bias if is_qwen3 else True,
-                o_bias=attention_bias if is_qwen3 else False,
-                qk_norm=is_qwen3,
-                hidden_act=hf.get("hidden_act", "silu"),
-                layer_types=layer_types,
-                model_type=model_type,
-                hf_config_items=tuple(sorted((k, json.dumps(v)) for k, v in hf.items())),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_factor=rope_factor,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias if is_qwen3 else True,
+            o_bias=attention_bias if is_qwen3 else False,
+            qk_norm=is_qwen3,
+            hidden_act=hf.get("hidden_act", "silu"),
+            layer_types=layer_types,
+            model_type=model_type,
+            hf_config_items=tuple(sorted((k, json.dumps(v)) for k, v in hf.items())),
         )
 
     def _synthesized_hf_config(self) -> dict[str, Any]:
         return {
-                "architectures": ["Qwen3ForCausalLM" if self.model_type == "qwen3" else "Qwen2ForCausalLM"],
-                "model_type": self.model_type,
-                "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_hidden_layers,
-                "num_attention_heads": self.num_attention_heads,
-                "num_key_value_heads": self.num_key_value_heads,
-                "head_dim": self.head_dim,
-                "rms_norm_eps": self.rms_norm_eps,
-                "rope_parameters": _rope_parameters(self),
-                "tie_word_embeddings": self.tie_word_embeddings,
-                "attention_bias": self.qkv_bias if self.model_type == "qwen3" else False,
-                "hidden_act": self.hidden_act,
-                "layer_types": list(self.layer_types),
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": _rope_parameters(self),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias if self.model_type == "qwen3" else False,
+            "hidden_act": self.hidden_act,
+            "layer_types": list(self.layer_types),
         }
 
 
@@ -143,8 +151,8 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, str, float]:
     params = dict(hf.get("rope_parameters") or {})
     legacy_scaling = dict(hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = (params.get("rope_type") or params.get("type") or legacy_scaling.get("rope_type")
-                              or legacy_scaling.get("type") or "default")
+    rope_type = (params.get("rope_type") or params.get("type")
+                 or legacy_scaling.get("rope_type") or legacy_scaling.get("type") or "default")
     factor = params.get("factor", legacy_scaling.get("factor", 1.0))
     return float(theta), str(rope_type), float(factor)
 

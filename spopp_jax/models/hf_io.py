@@ -29,14 +29,13 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from spopp_jax.models.config import ModelConfig
+from spopp_jax.models.config import ARCHITECTURES, ModelConfig
 from spopp_jax.models.partitioning import parameter_shardings, path_name
 from spopp_jax.models.qwen3 import Qwen3ForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Tensors some checkpoints carry that the model does not use.
 _IGNORABLE = re.compile(r"(rotary_emb\.inv_freq$)")
 
