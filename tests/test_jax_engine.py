@@ -105,6 +105,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
 async def with_engine(model, body, **kwargs):
     kwargs = {"num_slots": 4, "max_len": 64, "steps_per_call": 4, **kwargs}
     engine = JaxEngine(model, **kwargs)
@@ -115,6 +122,7 @@ async def with_engine(model, body, **kwargs):
 
 
 GREEDY = SamplingParams(top_k=1, max_new_tokens=12)
+LONG = dict(num_slots=2, max_len=512)  # the engine shape of the long-request tests (one compile)
 
 
 # --------------------------------------------------------------------------- sampling ops
@@ -238,7 +246,7 @@ def test_same_seed_same_tokens_regardless_of_other_requests(model_a):
         return results[2]
 
     first = run(with_engine(model_a, alone))
-    second = run(with_engine(model_a, crowded, steps_per_call=3))
+    second = run(with_engine(model_a, crowded))
     assert first.token_ids == second.token_ids
     np.testing.assert_allclose(first.logprobs, second.logprobs, atol=LOGP_ATOL)
 
@@ -262,7 +270,7 @@ def test_short_request_returns_while_long_one_decodes_and_loop_stays_responsive(
         tick_task.cancel()
         return short_first, short.result(), result_long, ticks
 
-    short_first, short, long, ticks = run(with_engine(model_a, body, num_slots=2, max_len=128))
+    short_first, short, long, ticks = run(with_engine(model_a, body, **LONG))
     assert short_first
     assert len(short.token_ids) == 3 and len(long.token_ids) == 60
     assert ticks > 0
@@ -295,7 +303,8 @@ def test_publish_switches_weights_and_waits_for_in_flight_requests(model_a, mode
 
     async def body(engine):
         long = asyncio.create_task(engine.generate(prompt, SamplingParams(top_k=1, max_new_tokens=40)))
-        await asyncio.sleep(0)  # the long request is submitted first
+        # decoding (a queued request would start on the new weights)
+        await wait_until(lambda: engine.num_running == 1 or long.done())
         publish = asyncio.create_task(engine.publish(nnx.state(model_b), policy_event=1))
         long.add_done_callback(lambda _: order.append("long"))
         publish.add_done_callback(lambda _: order.append("publish"))
@@ -304,7 +313,8 @@ def test_publish_switches_weights_and_waits_for_in_flight_requests(model_a, mode
         return await long, after, engine.policy_event
 
     old, new, event = run(with_engine(model_a, body))
-    assert order == ["long", "publish"] and event == 1
+    assert order == ["long", "publish"], order
+    assert event == 1
     assert old.policy_event == 0 and new.policy_event == 1
     argmax_a, logp_a, _ = replay(model_a, prompt, old.token_ids)
     assert list(old.token_ids) == argmax_a
@@ -327,29 +337,36 @@ def test_publish_rejects_weights_of_another_shape(model_a):
 
 
 def test_abort_all_finishes_in_flight_and_queued_requests(model_a):
+    """6 long requests on 2 slots: 2 decoding, 4 queued when abort_all arrives."""
+
     async def body(engine):
-        tasks = [asyncio.create_task(engine.generate([i + 1], SamplingParams(max_new_tokens=500))) for i in range(3)]
-        await asyncio.sleep(0.5)
+        tasks = [asyncio.create_task(engine.generate([i + 1], SamplingParams(max_new_tokens=500))) for i in range(6)]
+        await wait_until(lambda: engine.num_running == 2)
         await engine.abort_all()
         aborted = await asyncio.gather(*tasks)
         after = await engine.generate([1], SamplingParams(max_new_tokens=4))
-        return aborted, after
+        return aborted, after, engine.stats
 
-    aborted, after = run(with_engine(model_a, body, num_slots=2, max_len=512))
-    assert [r.finish_reason for r in aborted] == ["abort"] * 3
+    aborted, after, stats = run(with_engine(model_a, body, **LONG))
+    assert [r.finish_reason for r in aborted] == ["abort"] * 6
     assert all(len(r.token_ids) < 500 and len(r.token_ids) == len(r.logprobs) for r in aborted)
+    assert sum(len(r.token_ids) == 0 for r in aborted) >= 4  # the queued ones never started
     assert after.finish_reason == "length" and len(after.token_ids) == 4
+    assert stats == {"abort": 6, "length": 1}
 
 
 def test_cancelled_request_frees_its_slot(model_a):
     async def body(engine):
-        hog = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=400)))
-        await asyncio.sleep(0.2)
-        hog.cancel()
-        return await asyncio.wait_for(engine.generate([2], SamplingParams(max_new_tokens=3)), timeout=60)
+        hogs = [asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=500))) for _ in range(2)]
+        await wait_until(lambda: engine.num_running == 2)
+        for hog in hogs:
+            hog.cancel()
+        result = await asyncio.wait_for(engine.generate([2], SamplingParams(max_new_tokens=3)), timeout=60)
+        return result, engine.stats
 
-    result = run(with_engine(model_a, body, num_slots=1, max_len=512))
+    result, stats = run(with_engine(model_a, body, **LONG))
     assert len(result.token_ids) == 3
+    assert stats == {"cancelled": 2, "length": 1}
 
 
 def test_generate_validates_its_inputs(model_a):

@@ -165,6 +165,7 @@ class JaxEngine(RolloutEngine):
         # Shared with callers, guarded by the condition.
         self._inbox: collections.deque[Any] = collections.deque()
         self._wakeup = threading.Condition()
+        self._ended: collections.Counter[str] = collections.Counter()
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="JaxEngine-scheduler", daemon=True)
@@ -174,6 +175,16 @@ class JaxEngine(RolloutEngine):
     @property
     def num_slots(self) -> int:
         return self._num_slots
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot now (decoding)."""
+        return sum(request is not None for request in self._slots)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts of ended requests by outcome ("stop", "length", "abort", "cancelled")."""
+        return dict(self._ended)
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None
@@ -302,10 +313,14 @@ class JaxEngine(RolloutEngine):
         return any(request is not None for request in self._slots)
 
     def _drop_cancelled(self) -> None:
+        pending = len(self._pending)
         self._pending = collections.deque(r for r in self._pending if not r.cancelled)
         cancelled = [i for i, r in enumerate(self._slots) if r is not None and r.cancelled]
         if cancelled:
             self._free_slots(cancelled)
+        dropped = pending - len(self._pending) + len(cancelled)
+        if dropped:
+            self._ended["cancelled"] += dropped
 
     def _free_slots(self, slots: list[int]) -> None:
         mask = np.zeros((self._num_slots,), bool)
@@ -342,19 +357,20 @@ class JaxEngine(RolloutEngine):
         tokens, logprobs, emitted, finish = jax.device_get(
             (output.token_ids, output.logprobs, output.emitted, output.finish)
         )
-        for slot, request in enumerate(self._slots):
-            if request is None:
+        for slot in np.flatnonzero(emitted.any(axis=0)).tolist():
+            request = self._slots[slot]
+            if request is None:  # released (abort / cancel) while the chunk ran
                 continue
             mask = emitted[:, slot]
             request.token_ids.extend(tokens[mask, slot].tolist())
             request.logprobs.extend(logprobs[mask, slot].tolist())
-            finished = finish[:, slot]
-            if finished.any():
-                reason = _FINISH_NAMES[int(finished[finished != slot_decode.FINISH_NONE][0])]
+            reasons = finish[mask, slot]
+            if reasons[-1] != slot_decode.FINISH_NONE:
                 self._slots[slot] = None
-                self._finish(request, reason)
+                self._finish(request, _FINISH_NAMES[int(reasons[-1])])
 
     def _finish(self, request: _Request, reason: str) -> None:
+        self._ended[reason] += 1
         result = GenerationResult(
             token_ids=tuple(request.token_ids),
             logprobs=tuple(request.logprobs),
