@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spopp_jax.models.attention import Attention
-from spopp_jax.models.cache import KVCache
+from spopp_jax.models.cache import AttentionCache, KVCache
 from spopp_jax.models.config import ModelConfig
 from spopp_jax.models.layers import Embed, Linear, RMSNorm, SwiGLU
 from spopp_jax.models.masks import TokenLayout, cached_layout, sequence_layout
@@ -155,9 +155,17 @@ class Qwen3ForCausalLM(nnx.Module):
                              f"{input_ids.shape}, {positions.shape}")
         if len(cache) != len(self.model.layers):
             raise ValueError(f"cache has {len(cache)} layers, model {len(self.model.layers)}")
-        layout = cached_layout(positions, cache[0].max_len)
+        layout = cached_layout(positions, _attention_cache_len(cache))
         hidden, cache = self.model.decode(input_ids, layout, cache)
         return self.logits_from_hidden(hidden), cache
+
+
+def _attention_cache_len(cache: KVCache) -> int:
+    """Cache length of the attention layers (other layer types keep no positions)."""
+    for layer_cache in cache:
+        if isinstance(layer_cache, AttentionCache):
+            return layer_cache.max_len
+    raise ValueError("the cache has no attention layer")
 
 
 def init_model(config: ModelConfig, seed: int = 0, dtype="float32",
