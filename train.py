@@ -447,6 +447,20 @@ class UpdateLogger:
         self.bar.close()
 
 
+def refuse_overwrite(cfg: TrainConfig, latest: int | None, paths: RunPaths) -> None:
+    if latest is not None and not cfg.resume:
+        raise SystemExit(f"{paths.checkpoints} holds checkpoints up to step {latest}: pass "
+                         "--resume to continue that run, or choose a new --output_dir")
+
+
+def latest_checkpoint_step(paths: RunPaths) -> int | None:
+    """Newest complete orbax step folder (an interrupted save leaves only a tmp folder)."""
+    if not paths.checkpoints.is_dir():
+        return None
+    steps = [int(p.name) for p in paths.checkpoints.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max(steps, default=None)
+
+
 def tracker_digest(tracker_state) -> str:
     """sha1 over the tracker arrays (alpha, beta, z_ref as float32 bytes)."""
     import hashlib
@@ -473,9 +487,7 @@ async def _rl_loop(cfg: TrainConfig, paths: RunPaths, policy: Path, chat, tasks,
 
     checkpointer = Checkpointer(paths.checkpoints, max_to_keep=cfg.keep_checkpoints)
     latest = checkpointer.latest_step()
-    if latest is not None and not cfg.resume:
-        raise SystemExit(f"{paths.checkpoints} holds checkpoints up to step {latest}: pass "
-                         "--resume to continue that run, or choose a new --output_dir")
+    refuse_overwrite(cfg, latest, paths)
     model_def, state = init_train_state(load_model(policy, cfg), learner_config(cfg))
     learner = PolicyLearner(model_def, state, cfg)
     engine = make_engine(cfg, learner.weights(), 0, seed=cfg.seed * 7919 + (latest or 0))
@@ -563,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     paths.root.mkdir(parents=True, exist_ok=True)
     start = time.time()
     check_inputs(cfg)
+    if cfg.stage in ("all", "rl"):   # before any work: never silently restart a run
+        refuse_overwrite(cfg, latest_checkpoint_step(paths), paths)
     train_tasks, warm_tasks = build_task_sets(cfg)
     base = base_model_folder(cfg, train_tasks, warm_tasks)
     chat = load_chat(base)

@@ -178,6 +178,12 @@ def test_warm_start_set_is_disjoint(data_dir, train_files):
     sig = lambda folder: {game_signature(g) for g in
                           json.loads((folder / "manifest.json").read_text())["games"]}
     assert not sig(warm[0].parent) & sig(train_files[0].parent)
+    # the same spec without exclusions is another set in another folder (no overwrite)
+    plain = generate_game_set(WARM, data_dir)
+    assert plain[0].parent != warm[0].parent
+    assert sig(plain[0].parent) == sig(train_files[0].parent)    # same seeds, same games
+    assert generate_disjoint_game_set(WARM, data_dir, [TRAIN]) == warm   # reused
+    assert sorted(p.name for p in warm[0].parent.glob("*.z8")) == sorted(p.name for p in warm)
 
 
 def test_missing_or_empty_folder_fails_clearly(tmp_path):

@@ -119,20 +119,31 @@ def _write_manifest(folder: Path, manifest: dict) -> None:
     os.replace(tmp, folder / MANIFEST)
 
 
+def game_set_folder(spec: GameSetSpec, data_dir: str | os.PathLike,
+                    exclude_signatures: Iterable[str] = ()) -> Path:
+    """`data_dir/<spec.folder_name>`, plus `_x<hash>` of the excluded games if any (a set
+    made disjoint from other games is a different set: it never overwrites the plain one)."""
+    excluded = sorted(set(exclude_signatures))
+    name = spec.folder_name
+    if excluded:
+        name += "_x" + hashlib.sha1("\n".join(excluded).encode()).hexdigest()[:10]
+    return Path(data_dir) / name
+
+
 def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
                       exclude_signatures: Iterable[str] = (), progress=None) -> list[Path]:
     """Make (or reuse) the game set `spec` under `data_dir`; return its .z8 paths in order.
 
     Games whose signature is in `exclude_signatures` (or repeats an earlier game of the
     set) are skipped and the next seed is tried, so the set always has `num_games`
-    distinct games. Deterministic: same spec and exclusions -> same games.
+    distinct games. Deterministic: same spec and exclusions -> same games, same folder.
     """
-    folder = Path(data_dir) / spec.folder_name
+    excluded = set(exclude_signatures)
+    folder = game_set_folder(spec, data_dir, excluded)
     manifest = _load_manifest(folder)
     if manifest is not None and manifest.get("spec") == dataclasses.asdict(spec):
         return [folder / g["file"] for g in manifest["games"]]
     folder.mkdir(parents=True, exist_ok=True)
-    excluded = set(exclude_signatures)
     records: list[dict] = []
     seed = spec.base_seed
     max_seed = spec.base_seed + 20 * spec.num_games + 100
@@ -147,6 +158,9 @@ def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
         if signature not in excluded:
             excluded.add(signature)
             records.append(record)
+        else:   # a duplicate: drop its files so the folder holds only the set's games
+            for suffix in (".z8", ".json", ".ni"):
+                path.with_suffix(suffix).unlink(missing_ok=True)
         seed += 1
         if progress is not None:
             progress(len(records), spec.num_games)
@@ -155,7 +169,8 @@ def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
 
 
 def game_set_signatures(spec: GameSetSpec, data_dir: str | os.PathLike) -> set[str]:
-    manifest = _load_manifest(Path(data_dir) / spec.folder_name)
+    """Signatures of a generated (not itself disjoint-made) set."""
+    manifest = _load_manifest(game_set_folder(spec, data_dir))
     if manifest is None:
         raise FileNotFoundError(f"game set {spec.folder_name} not generated under {data_dir}")
     return {game_signature(g) for g in manifest["games"]}

@@ -1,0 +1,118 @@
+"""`python train.py` end to end on a tiny job, `kill -9` mid-run, then `--resume`: the run
+continues from the last checkpoint with the same tracker state, step and policy event, and
+the metrics file holds every step exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tiny_job(tmp: Path, steps: int) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "train.py"),
+        "--output_dir", str(tmp / "run"), "--steps", str(steps), "--checkpoint_every", "2",
+        "--progress", "false", "--tensorboard", "false", "--seed", "3",
+        "--env.data_dir", str(tmp / "games"), "--env.num_games", "4",
+        "--env.warmstart_games", "4", "--env.world_size", "1", "--env.max_turns", "2",
+        "--env.max_feedback_chars", "40",
+        "--model.tiny_dir", str(tmp / "tiny"), "--model.tiny_vocab_size", "400",
+        "--model.tiny_hidden_size", "32", "--model.tiny_intermediate_size", "64",
+        "--model.tiny_num_layers", "1", "--model.tiny_num_heads", "2",
+        "--model.tiny_num_kv_heads", "1",
+        "--warmstart.epochs", "1", "--warmstart.batch_size", "4",
+        "--prior.rollouts_per_task", "1",
+        "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
+        "--rollout.max_new_tokens", "4", "--rollout.max_seq_len", "384",
+        "--optim.learning_rate", "1e-3",
+    ]
+
+
+def _digest(tracker) -> str:
+    sys.path.insert(0, str(ROOT))
+    from train import tracker_digest
+
+    return tracker_digest(tracker)
+
+
+def _checkpoint(run: Path, step: int) -> tuple[dict, dict]:
+    """(train_state, orchestrator extras) of checkpoint `step`, read as saved (no targets)."""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(str(run / "checkpoints"))
+    try:
+        items = manager.restore(step, args=ocp.args.Composite(
+            train_state=ocp.args.StandardRestore(),
+            extra_orchestrator=ocp.args.StandardRestore()))
+    finally:
+        manager.close()
+    return items["train_state"], items["extra_orchestrator"]["tree"]
+
+
+@pytest.mark.timeout(900)
+def test_kill_9_then_resume_continues_exactly(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    run = tmp_path / "run"
+    log_path = tmp_path / "first.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(_tiny_job(tmp_path, steps=6), stdout=log,
+                                   stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        deadline = time.time() + 800
+        # kill -9 as soon as the step-2 checkpoint is complete (orbax renames it into place)
+        while time.time() < deadline and process.poll() is None:
+            done = [p for p in (run / "checkpoints").glob("[0-9]*") if p.is_dir()]
+            if any(p.name == "2" for p in done):
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    first_rows = [json.loads(line) for line in open(run / "metrics.jsonl")
+                  if line.strip().endswith("}")]
+    assert [r["step"] for r in first_rows][:2] == [1, 2]
+
+    saved_state, saved_extras = _checkpoint(run, 2)
+    assert int(saved_state["step"]) == 2
+    saved_event = int(saved_state["policy_event"])
+    assert saved_event == 2            # publish every update: event k after k updates
+    saved_digest = _digest(saved_extras["tracker"])
+    assert int(saved_extras["counters"]["updates"]) == 2
+
+    # no --resume on a run folder with checkpoints: refused, nothing overwritten
+    refused = subprocess.run(_tiny_job(tmp_path, steps=6), capture_output=True, text=True,
+                             cwd=ROOT, env=env, timeout=600)
+    assert "holds checkpoints up to step 2" in refused.stderr
+    assert refused.returncode != 0 and "--resume" in refused.stderr
+
+    resumed = subprocess.run(_tiny_job(tmp_path, steps=3) + ["--resume"], capture_output=True,
+                             text=True, cwd=ROOT, env=env, timeout=800)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    line = re.search(r"resume: step (\d+), policy event (\d+), tracker sha1 ([0-9a-f]+)",
+                     resumed.stdout)
+    assert line is not None, resumed.stdout[-2000:]
+    # resumed from the checkpoint written before the kill, tracker exactly as saved
+    assert int(line.group(1)) == 2 and int(line.group(2)) == saved_event
+    assert line.group(3) == saved_digest
+    final_state, final_extras = _checkpoint(run, 3)
+    assert int(final_state["step"]) == 3 and int(final_state["policy_event"]) == 3
+    assert int(final_extras["counters"]["updates"]) == 3
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[:2] == first_rows[:2]   # work before the checkpoint is kept, not redone
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["success_after_rl"] <= 1.0
+    assert len(summary["success_per_step"]) == 3
+    assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert np.isfinite([r["learner/loss"] for r in rows]).all()
