@@ -4,7 +4,7 @@ Single stream (SPO++ "spopp", and the original SPO "spo"):
   * dispatch: sample an idle task (none in flight) with weight sqrt(v̂(1−v̂) + 0.05)
     (``spopp_jax.sampling.sample_idle_tasks``), read and FREEZE v̂_q from the tracker,
     stamp z_q = z_0 + k·(−ln ρ) of the current policy event k; at most one in-flight
-    request per task.
+    request per task (``max_in_flight_per_task = 1``, the SPEC setting; see below).
   * receipt (first finished first): "spopp" adds (x, z_i, R_i) to the event-time tracker at
     once, so later dispatches see it; the trajectory joins the ready buffer.
   * consumption: the first N ready trajectories form a batch; A_i = R_i − v̂_i (frozen),
@@ -20,6 +20,36 @@ buffer only when all its members finished), A_i = R_i − mean(group), same whit
 
 Failures (environment exception / time-out) are recorded and counted; by default they are
 neither evidence for the tracker nor training samples (``train_on_failed``). Nothing stops.
+
+Several in-flight requests per task (``max_in_flight_per_task = m > 1``; single stream
+only; the paper's stated limitation, SPEC 2 allows m = 1, the default, which is unchanged):
+  * Visible history: request q of task x still sees H_q(x) = the results of x RECEIVED
+    before q was dispatched, and v̂_q is read and frozen at dispatch by the SPEC-2 formula.
+    A sibling (another in-flight request of x) is not evidence: its result is unknown.
+  * Consequences: siblings dispatched with no result of x received in between have the
+    same H and so the same v̂; for them A_i = R_i − v̂ is a group-style comparison against
+    a common, stale baseline (the mean of older evidence, not of the siblings). Per
+    request every SPEC-2 statement still holds: v̂_q depends only on H_q and coordinates,
+    so it is receipt-order invariant for fixed H_q, and a late result (a sibling's
+    included) never changes a baseline already frozen.
+  * Sampling: a task is dispatchable while it has fewer than m requests in flight.
+    ``sibling_rule="balanced"`` (default): draws go tier by tier, tier b = the tasks with
+    the fewest (b) requests in flight, each tier by SPEC-3 weighted sampling without
+    replacement. So a task gets its (b+1)-th sibling only when no task has fewer than b in
+    flight: an idle task is never displaced by a sibling, m > 1 only fills slots that
+    m = 1 would leave empty, and siblings sharing one stale v̂ are as few as possible.
+    ``sibling_rule="proportional"``: each free slot (x, j) is a candidate of weight
+    u(v̂_x), drawn without replacement, i.e. each draw picks x with probability
+    ∝ u(v̂_x)·(m − in_flight_x); it favours uncertain tasks more but can stack siblings
+    on them while other tasks sit idle. Both reduce to the SPEC-3 sampler at m = 1 (same
+    key, same draw: bit-identical dispatches).
+  * Rejected alternatives: a leave-one-out baseline over siblings (v̂ = mean of the
+    sibling results) or a baseline re-read at receipt / consumption would make v̂_q depend
+    on results that arrive after q's dispatch, i.e. on the future and on receipt order,
+    breaking freezing and the invariance claim. Counting in-flight siblings as pseudo
+    evidence at v̂ ("virtual loss") leaves v̂ unchanged and only inflates its confidence, so
+    it changes nothing the estimator uses.
+GRPO keeps its own multi-request unit (the group) and requires m = 1.
 """
 
 from __future__ import annotations
@@ -49,6 +79,7 @@ _observe = jax.jit(tracker.observe)
 _sample_idle = jax.jit(sampling.sample_idle_tasks, static_argnames=("k", "floor", "form"))
 DRAINS = ("finish", "abort")
 MEASURES = ("token", "trajectory")
+SIBLING_RULES = ("balanced", "proportional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +92,8 @@ class OrchestratorConfig:
     publish_every: int = 1  # K: publish after every K updates
     drain: str = "finish"  # "finish" | "abort"
     max_in_flight: int = 128  # concurrent trajectories
+    max_in_flight_per_task: int = 1  # m; SPEC 2 experiments: 1 (see the module docstring)
+    sibling_rule: str = "balanced"  # m > 1: "balanced" | "proportional" (module docstring)
     max_buffered_batches: int = 2  # dispatch only while ready + in-flight < this x batch_size
     group_size: int = 8  # GRPO G
     rho: float = 0.875
@@ -80,10 +113,12 @@ class OrchestratorConfig:
             ("method", self.method, METHODS),
             ("drain", self.drain, DRAINS),
             ("measure", self.measure, MEASURES),
+            ("sibling_rule", self.sibling_rule, SIBLING_RULES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        for name in ("batch_size", "publish_every", "max_in_flight", "max_buffered_batches", "group_size"):
+        for name in ("batch_size", "publish_every", "max_in_flight", "max_in_flight_per_task",
+                     "max_buffered_batches", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.method == "grpo":
@@ -91,6 +126,8 @@ class OrchestratorConfig:
                 raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
             if self.max_in_flight < self.group_size:
                 raise ValueError("max_in_flight must be >= group_size for GRPO")
+            if self.max_in_flight_per_task != 1:
+                raise ValueError("max_in_flight_per_task must be 1 for GRPO (a group is its multi-request unit)")
 
 
 class LearnerInput(NamedTuple):
@@ -119,6 +156,80 @@ class LearnerOutput(NamedTuple):
 
 
 Learner = Callable[[LearnerInput], Union[LearnerOutput, Awaitable[LearnerOutput]]]
+
+
+def free_slot_mask(in_flight_count: np.ndarray, max_in_flight_per_task: int) -> np.ndarray:
+    """Unavailable-slot mask of the [m · num_tasks] slot candidates, tier-major.
+
+    Candidate ``j · num_tasks + x`` is the (j+1)-th concurrent request of task x; it is
+    free iff ``j >= in_flight_count[x]`` (True = occupied / not dispatchable). With m = 1
+    this is ``in_flight_count > 0``, SPEC 3's in-flight mask.
+    """
+    in_flight_count = np.asarray(in_flight_count)
+    if in_flight_count.ndim != 1 or not np.issubdtype(in_flight_count.dtype, np.integer):
+        raise ValueError(f"in_flight_count must be a 1-D integer array, got {in_flight_count.dtype}"
+                         f"{in_flight_count.shape}")
+    if max_in_flight_per_task < 1:
+        raise ValueError(f"max_in_flight_per_task must be >= 1, got {max_in_flight_per_task}")
+    tiers = np.arange(max_in_flight_per_task)[:, None]
+    return (tiers < in_flight_count[None, :]).reshape(-1)
+
+
+def sample_dispatch_tasks(
+    key: jax.Array,
+    v_hat: np.ndarray,
+    in_flight_count: np.ndarray,
+    max_in_flight_per_task: int,
+    count: int,
+    rule: str = "balanced",
+    floor: float = 0.05,
+    form: str = "inside_sqrt",
+) -> np.ndarray:
+    """Tasks of the next ``count`` dispatches (repeats allowed up to m − in_flight_x).
+
+    SPEC 3 weight u(v̂) = ``sampling.uncertainty_weights``; draws without replacement via
+    ``sampling.sample_idle_tasks`` (Gumbel top-k: the first ``count`` of a full draw have
+    the law of ``count`` sequential draws, one compile per shape).
+
+    rule "proportional": one draw over the slot candidates of :func:`free_slot_mask` with
+      v̂ tiled per tier, so each draw picks x with probability ∝ u(v̂_x)·(m − in_flight_x).
+    rule "balanced": tier by tier; the tier is the tasks with the fewest requests in flight
+      (b < m); up to its size are drawn ∝ u(v̂) without replacement, their counts rise,
+      repeat. The first tier uses ``key`` itself, tier t > 0 ``fold_in(key, t)``.
+    At m = 1 both are exactly ``sample_idle_tasks(key, v̂, in_flight > 0)[:count]``.
+    """
+    if rule not in SIBLING_RULES:
+        raise ValueError(f"rule must be one of {SIBLING_RULES}, got {rule!r}")
+    v_hat = np.asarray(v_hat)
+    in_flight_count = np.asarray(in_flight_count)
+    num_tasks = v_hat.shape[0]
+    if v_hat.ndim != 1 or in_flight_count.shape != v_hat.shape:
+        raise ValueError(f"v_hat and in_flight_count must be [num_tasks] vectors, got {v_hat.shape}, "
+                         f"{in_flight_count.shape}")
+    occupied = free_slot_mask(in_flight_count, max_in_flight_per_task)
+    if not 0 <= count <= int((~occupied).sum()):
+        raise ValueError(f"count must be in [0, free slots = {int((~occupied).sum())}], got {count}")
+    if rule == "proportional" or max_in_flight_per_task == 1:
+        order = _sample_idle(key, jnp.asarray(np.tile(v_hat, max_in_flight_per_task)), jnp.asarray(occupied),
+                             k=occupied.size, floor=floor, form=form)
+        chosen = np.asarray(order)[:count]
+        if np.any(chosen < 0) or np.any(occupied[chosen]):
+            raise RuntimeError("sampler returned an occupied slot")
+        return chosen % num_tasks
+    counts, chosen, tier = in_flight_count.astype(np.int64).copy(), [], 0
+    while len(chosen) < count:
+        fewest = counts.min(where=counts < max_in_flight_per_task, initial=max_in_flight_per_task)
+        members = counts == fewest
+        take = min(count - len(chosen), int(members.sum()))
+        tier_key = key if tier == 0 else jax.random.fold_in(key, tier)
+        order = np.asarray(_sample_idle(tier_key, jnp.asarray(v_hat), jnp.asarray(~members), k=num_tasks,
+                                        floor=floor, form=form))[:take]
+        if np.any(order < 0) or np.any(~members[order]):
+            raise RuntimeError("sampler returned a task outside its tier")
+        counts[order] += 1
+        chosen.extend(int(x) for x in order)
+        tier += 1
+    return np.asarray(chosen, dtype=np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,28 +397,25 @@ class Orchestrator:
 
     def _dispatch(self) -> None:
         capacity = self._capacity()
-        idle = self._busy == 0
         if self.config.method == "grpo":
-            capacity //= self.config.group_size
-        count = int(min(capacity, idle.sum()))
-        if count <= 0:
-            return
-        if self.config.method == "grpo":
+            idle = self._busy == 0
+            count = int(min(capacity // self.config.group_size, idle.sum()))
+            if count <= 0:
+                return
             ids = np.flatnonzero(idle)
             chosen = np.asarray(jax.random.choice(self._next_key(), ids, (count,), replace=False))
             for task_id in chosen:
                 self._start_group(int(task_id))
             return
-        v_hat = np.asarray(_all_baselines(self.tracker))
-        # Gumbel top-k draws are sequential draws without replacement, so the first
-        # `count` of a full-length draw have the law of a `count` draw (one compile).
-        order = _sample_idle(
-            self._next_key(), jnp.asarray(v_hat), jnp.asarray(~idle), k=self.num_tasks,
+        per_task = self.config.max_in_flight_per_task
+        count = int(min(capacity, np.maximum(per_task - self._busy, 0).sum()))
+        if count <= 0:
+            return
+        v_hat = np.asarray(_all_baselines(self.tracker))  # read once: no result arrives in between
+        chosen = sample_dispatch_tasks(
+            self._next_key(), v_hat, self._busy, per_task, count, rule=self.config.sibling_rule,
             floor=self.config.sampler_floor, form=self.config.sampler_form,
         )
-        chosen = np.asarray(order)[:count]
-        if np.any(chosen < 0) or np.any(~idle[chosen]):
-            raise RuntimeError("sampler returned a busy task")
         for task_id in chosen:
             self._launch(int(task_id), float(v_hat[int(task_id)]), group_id=-1)
 
@@ -326,8 +434,8 @@ class Orchestrator:
         return self._z_cache[policy_event]
 
     def _launch(self, task_id: int, frozen_baseline: float, group_id: int) -> None:
-        if self.config.method != "grpo" and self._busy[task_id] != 0:
-            raise RuntimeError(f"task {task_id} already has a request in flight")
+        if self.config.method != "grpo" and self._busy[task_id] >= self.config.max_in_flight_per_task:
+            raise RuntimeError(f"task {task_id} already has {self._busy[task_id]} requests in flight")
         loop = asyncio.get_running_loop()
         stamp = DispatchStamp(
             request_id=self.dispatched,
