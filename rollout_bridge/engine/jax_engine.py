@@ -31,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ class _Request:
 
 @dataclasses.dataclass(eq=False)
 class _Publish:
-    params: nnx.State
+    params: tuple[jax.Array, ...]  # flat parameter leaves
     policy_event: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
@@ -72,10 +73,35 @@ class _Abort:
 
 
 _CLOSE = object()
-# Module-level jits: engines over the same model structure share compiled executables.
-_ADMIT = jax.jit(slot_decode.admit, static_argnums=0, donate_argnums=2)
-_DECODE = jax.jit(slot_decode.decode_steps, static_argnums=(0, 3), donate_argnums=2)
 _RELEASE = jax.jit(slot_decode.release, donate_argnums=0)
+
+
+class _Transitions(NamedTuple):
+    admit: Callable  # (param_leaves, state, requests) -> state
+    decode: Callable  # (param_leaves, state, num_steps) -> (state, output)
+
+
+@functools.lru_cache(maxsize=16)
+def _transitions_for(graphdef: nnx.GraphDef, param_treedef: Any) -> _Transitions:
+    """Jitted slot transitions with the model structure closed over.
+
+    Hashing an nnx GraphDef costs ~1 ms, so it is hashed once per engine here rather than
+    as a static argument on every call; params travel as a flat tuple of arrays. Engines
+    over the same structure share these jits (and their compiled executables).
+    """
+
+    def admit(param_leaves, state, requests):
+        params = jax.tree.unflatten(param_treedef, param_leaves)
+        return slot_decode.admit(graphdef, params, state, requests)
+
+    def decode(param_leaves, state, num_steps):
+        params = jax.tree.unflatten(param_treedef, param_leaves)
+        return slot_decode.decode_steps(graphdef, params, state, num_steps)
+
+    return _Transitions(
+        admit=jax.jit(admit, donate_argnums=1),
+        decode=jax.jit(decode, static_argnums=2, donate_argnums=1),
+    )
 _FINISH_NAMES = {slot_decode.FINISH_STOP: "stop", slot_decode.FINISH_LENGTH: "length"}
 
 
@@ -140,8 +166,10 @@ class JaxEngine(RolloutEngine):
     ):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
-        self._graphdef, params = nnx.split(model)
-        self._params = _copy_tree(params)
+        graphdef, params = nnx.split(model)
+        param_leaves, self._param_treedef = jax.tree.flatten(params)
+        self._param_leaves = tuple(_copy_tree(param_leaves))
+        self._param_specs = [(x.shape, x.dtype) for x in self._param_leaves]
         self._num_slots = int(num_slots)
         self._max_len = int(max_len)
         self._steps_per_call = int(steps_per_call)
@@ -154,8 +182,7 @@ class JaxEngine(RolloutEngine):
 
         # Distinct buffers per leaf: the jitted transitions donate the whole state.
         self._state = _copy_tree(slot_decode.init_slot_state(model, num_slots, max_len, max_stop_tokens, cache_dtype))
-        self._admit = _ADMIT
-        self._decode = _DECODE
+        self._transitions = _transitions_for(graphdef, self._param_treedef)
         self._release = _RELEASE
 
         # Scheduler-thread state (touched only by that thread after start).
@@ -251,18 +278,18 @@ class JaxEngine(RolloutEngine):
                 f"max_stop_tokens={self._max_stop_tokens}"
             )
 
-    def _to_params(self, weights: Any) -> nnx.State:
+    def _to_params(self, weights: Any) -> tuple[jax.Array, ...]:
         if isinstance(weights, (str, os.PathLike)):
             from spopp_jax.models import from_pretrained  # the learner's loader
 
             weights = from_pretrained(os.fspath(weights))
         if isinstance(weights, nnx.Module):
             weights = nnx.state(weights)
-        expected = jax.tree.map(lambda x: (x.shape, x.dtype), self._params)
-        got = jax.tree.map(lambda x: (jnp.shape(x), jnp.asarray(x).dtype), weights)
-        if jax.tree.structure(weights) != jax.tree.structure(self._params) or expected != got:
+        leaves, treedef = jax.tree.flatten(weights)
+        specs = [(jnp.shape(x), jnp.asarray(x).dtype) for x in leaves]
+        if treedef != self._param_treedef or specs != self._param_specs:
             raise ValueError("weights must match the engine model's parameter tree (structure, shapes, dtypes)")
-        return _copy_tree(weights)
+        return tuple(_copy_tree(leaves))
 
     # ------------------------------------------------------------------ scheduler thread
     def _submit(self, item: Any) -> None:
@@ -332,7 +359,7 @@ class JaxEngine(RolloutEngine):
     def _install_publish_when_drained(self) -> None:
         while self._publishes and not self._any_active():
             command = self._publishes.popleft()
-            self._params = command.params
+            self._param_leaves = command.params
             self.policy_event = command.policy_event
             _notify(command.loop, command.future)
 
@@ -348,12 +375,12 @@ class JaxEngine(RolloutEngine):
         rows = _bucket(len(admitted), 1, self._num_slots)
         width = _bucket(max(len(r.prompt_ids) - 1 for _, r in admitted), self._min_prefill_len, self._max_len)
         batch = _requests_batch(admitted, rows, width, self._num_slots, self._max_stop_tokens)
-        self._state = self._admit(self._graphdef, self._params, self._state, batch)
+        self._state = self._transitions.admit(self._param_leaves, self._state, batch)
         for slot, request in admitted:
             self._slots[slot] = request
 
     def _decode_chunk(self) -> None:
-        self._state, output = self._decode(self._graphdef, self._params, self._state, self._steps_per_call)
+        self._state, output = self._transitions.decode(self._param_leaves, self._state, self._steps_per_call)
         tokens, logprobs, emitted, finish = jax.device_get(
             (output.token_ids, output.logprobs, output.emitted, output.finish)
         )
