@@ -18,8 +18,9 @@ VOCAB = 128
 
 
 @functools.lru_cache(maxsize=None)
-def _model(model_type="qwen3", tied=False):
-    return init_model(tiny_config(model_type, rope_theta=1e6, tie_word_embeddings=tied), seed=11)
+def _model(model_type="qwen3", tied=False, attention_chunk_size=1024):
+    return init_model(tiny_config(model_type, rope_theta=1e6, tie_word_embeddings=tied),
+                      seed=11, attention_chunk_size=attention_chunk_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,11 +58,13 @@ def _full_logits(model, ids):
     return np.asarray(logits)[0, :len(ids)]
 
 
-@pytest.mark.parametrize("model_type,tied,jit", [("qwen3", False, True), ("qwen3", True, True),
-                                                  ("qwen2", False, True),
-                                                  ("qwen3", False, False)])
-def test_prefill_then_decode_rows_at_different_positions(model_type, tied, jit):
-    model = _model(model_type, tied)
+@pytest.mark.parametrize("model_type,tied,jit,chunk", [
+    ("qwen3", False, True, 1024), ("qwen3", True, True, 1024), ("qwen2", False, True, 1024),
+    ("qwen3", False, False, 1024),
+    ("qwen3", False, True, 4),  # prefill of 9 queries attends in chunks of 4
+])
+def test_prefill_then_decode_rows_at_different_positions(model_type, tied, jit, chunk):
+    model = _model(model_type, tied, chunk)
     rng = np.random.default_rng(0)
     prompt_lengths = [5, 9, 1]
     decode_steps = 6 if jit else 1  # eager dispatch is slow on the shared CPU

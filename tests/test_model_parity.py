@@ -247,3 +247,55 @@ def test_remat_gives_the_same_gradients():
     assert len(grads) == len(grads_remat)
     for g, g_remat in zip(grads, grads_remat):
         np.testing.assert_allclose(np.asarray(g_remat), np.asarray(g), atol=1e-6)
+
+
+def test_chunked_attention_matches_transformers(tmp_path):
+    """Queries in blocks of 16 over T = 40 (3 chunks, the last one padded): same logits as
+    transformers, with left padding; same gradients as one block."""
+    hf_model, _ = load_pair(tmp_path, seed=10, rope_theta=1e6)
+    chunked = from_pretrained(str(tmp_path), attention_chunk_size=16)
+    whole = from_pretrained(str(tmp_path), attention_chunk_size=64)
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, 128, size=(2, 40))
+    mask = np.ones((2, 40), np.int64)
+    mask[1, :9] = 0
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    expected = hf_logits(hf_model, ids, mask, positions)
+    got = np.asarray(_forward(chunked, jnp.asarray(ids), jnp.asarray(mask)))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], expected[real], atol=TOL, rtol=0)
+
+    def loss(model):
+        logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+        return jnp.sum(jnp.where(jnp.asarray(real)[..., None],
+                                 jax.nn.log_softmax(logits, axis=-1), 0.0)[..., 7])
+
+    grad_fn = nnx.jit(nnx.grad(loss))
+    for g_chunked, g_whole in zip(jax.tree_util.tree_leaves(grad_fn(chunked)),
+                                  jax.tree_util.tree_leaves(grad_fn(whole))):
+        np.testing.assert_allclose(np.asarray(g_chunked), np.asarray(g_whole), atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1,
+                              max_size=12), min_size=1, max_size=3))
+def test_default_positions_count_real_tokens_of_the_segment(rows):
+    """position[t] = #(real tokens s < t of t's segment), clipped at >= 0 for padding."""
+    from spopp_jax.models.masks import default_positions
+    width = max(len(r) for r in rows)
+    segments = np.zeros((len(rows), width), np.int32)
+    valid = np.zeros((len(rows), width), bool)
+    for b, row in enumerate(rows):
+        for t, (segment, is_real) in enumerate(row):
+            segments[b, t], valid[b, t] = segment, is_real
+        segments[b, len(row):] = row[-1][0]
+    # Segments must be contiguous: renumber runs so that a repeated id starts a new one.
+    runs = np.cumsum(np.concatenate([np.zeros((len(rows), 1), bool),
+                                     segments[:, 1:] != segments[:, :-1]], axis=1), axis=1)
+    expected = np.zeros_like(segments)
+    for b in range(len(rows)):
+        for t in range(width):
+            same = (runs[b, :t] == runs[b, t]) & valid[b, :t]
+            expected[b, t] = max(int(same.sum()) - (0 if valid[b, t] else 1), 0)
+    got = np.asarray(default_positions(jnp.asarray(valid), jnp.asarray(segments)))
+    np.testing.assert_array_equal(got, expected)

@@ -4,6 +4,7 @@
   out = softmax(q k^T / sqrt(head_dim) + mask) v, then o_proj.
 The same module serves the full forward (`__call__`) and cached decode (`decode`): decode
 first writes this call's k/v at their positions, then attends over the whole cache.
+Calls longer than `chunk_size` queries attend chunk by chunk (`chunked_attention`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,56 @@ from spopp_jax.models.cache import AttentionCache, write_at_positions
 from spopp_jax.models.config import ModelConfig
 from spopp_jax.models.layers import (Linear, RMSNorm, apply_rope, grouped_query_attention,
                                      rope_inverse_frequencies)
-from spopp_jax.models.masks import TokenLayout
+from spopp_jax.models.masks import TokenLayout, mask_block
+
+# Queries per attention block: longer calls scan over query chunks of this size, so the
+# float32 scores are [B, H, chunk, S] rather than [B, H, T, S].
+DEFAULT_ATTENTION_CHUNK = 1024
+
+
+def chunked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                      layout: TokenLayout, chunk_size: int) -> jax.Array:
+    """`grouped_query_attention` with the mask of `layout`, over query chunks.
+
+    query [B, T, K, G, D], key/value [B, S, K, D] -> [B, T, K, G, D]. T <= chunk_size: one
+    block. Otherwise queries are padded to a multiple of chunk_size (padding queries
+    attend to nothing) and scanned; each chunk is rematerialised in the backward pass, so
+    memory holds one chunk's scores at a time.
+    """
+    batch, time = query.shape[:2]
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if time <= chunk_size:
+        mask = mask_block(layout.query_index, layout.query_segment, layout.key_valid,
+                          layout.key_segment)
+        return grouped_query_attention(query, key, value, mask)
+    num_chunks = -(-time // chunk_size)
+    pad = num_chunks * chunk_size - time
+    query_index = jnp.pad(layout.query_index, ((0, 0), (0, pad)), constant_values=-1)
+    query_segment = jnp.pad(layout.query_segment, ((0, 0), (0, pad)))
+    query = jnp.pad(query, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+
+    def to_chunks(x):  # [B, n * C, ...] -> [n, B, C, ...]
+        return jnp.moveaxis(x.reshape(batch, num_chunks, chunk_size, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def attend_chunk(_, chunk):
+        q, index, segment = chunk
+        mask = mask_block(index, segment, layout.key_valid, layout.key_segment)
+        return None, grouped_query_attention(q, key, value, mask)
+
+    _, out = jax.lax.scan(attend_chunk, None,
+                          (to_chunks(query), to_chunks(query_index), to_chunks(query_segment)))
+    out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk_size, *out.shape[3:])
+    return out[:, :time]
 
 
 class Attention(nnx.Module):
     """Qwen3 / Qwen2 attention token mixer (HF name: `self_attn`)."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs,
+                 chunk_size: int = DEFAULT_ATTENTION_CHUNK):
+        self.chunk_size = chunk_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -64,13 +108,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, layout: TokenLayout) -> jax.Array:
         q, k, v = self._project(x, layout.positions)
-        return self._output(grouped_query_attention(q, k, v, layout.may_attend))
+        return self._output(chunked_attention(q, k, v, layout, self.chunk_size))
 
     def decode(self, x: jax.Array, layout: TokenLayout,
                cache: AttentionCache) -> tuple[jax.Array, AttentionCache]:
         q, k, v = self._project(x, layout.positions)
         cache = AttentionCache(key=write_at_positions(cache.key, k, layout.positions),
                                value=write_at_positions(cache.value, v, layout.positions))
-        attended = grouped_query_attention(q.astype(cache.key.dtype), cache.key, cache.value,
-                                           layout.may_attend)
+        attended = chunked_attention(q.astype(cache.key.dtype), cache.key, cache.value, layout,
+                                     self.chunk_size)
         return self._output(attended.astype(x.dtype)), cache

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from spopp_jax.models.attention import DEFAULT_ATTENTION_CHUNK
 from spopp_jax.models.config import ARCHITECTURES, ModelConfig
 from spopp_jax.models.partitioning import parameter_shardings, path_name
 from spopp_jax.models.qwen3 import Qwen3ForCausalLM
@@ -53,10 +54,11 @@ def hf_tensor_name(param_name: str) -> tuple[str, bool]:
 
 
 def abstract_model(config: ModelConfig, dtype="float32",
-                   remat: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state of ShapeDtypeStructs) without allocating any parameter."""
+                   **model_options: Any) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) without allocating any parameter.
+    `model_options`: `remat`, `attention_chunk_size` (see `init_model`)."""
     abstract = nnx.eval_shape(
-        lambda: Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), remat=remat))
+        lambda: Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), **model_options))
     return nnx.split(abstract)
 
 
@@ -86,14 +88,14 @@ def _slice_reader(tensor_slice, transposed: bool, dtype: np.dtype):
 
 
 def load_parameters(path: str, config: ModelConfig, dtype="float32", mesh: Mesh | None = None,
-                    remat: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+                    **model_options: Any) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, parameter state) read from an HF checkpoint folder.
 
     Each array gets the partition rules' sharding on `mesh` (default: first device).
     Raises KeyError for a parameter missing from the checkpoint, ValueError for a shape
     mismatch or an unexpected checkpoint tensor.
     """
-    graphdef, abstract_state = abstract_model(config, dtype, remat)
+    graphdef, abstract_state = abstract_model(config, dtype, **model_options)
     files = _checkpoint_files(path)
     shardings = (parameter_shardings(abstract_state, mesh) if mesh is not None else
                  jax.tree_util.tree_map(lambda _: SingleDeviceSharding(jax.devices()[0]),
@@ -131,14 +133,15 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
                                              and name == "lm_head.weight")
 
 
-def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None,
-                    remat: bool = False) -> Qwen3ForCausalLM:
+def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None, remat: bool = False,
+                    attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK) -> Qwen3ForCausalLM:
     """The model of a local HF checkpoint folder (config.json + safetensors), with
     parameters in `dtype` ("float32" / "bfloat16") and, given `mesh` (Auto axis types,
     axes "fsdp" / "tensor"), sharded by the partition rules. `remat=True` recomputes
-    each layer in the backward pass."""
+    each layer in the backward pass; `attention_chunk_size` queries per attention block."""
     config = ModelConfig.from_hf(path)
-    graphdef, state = load_parameters(path, config, dtype, mesh, remat)
+    graphdef, state = load_parameters(path, config, dtype, mesh, remat=remat,
+                                      attention_chunk_size=attention_chunk_size)
     return nnx.merge(graphdef, state)
 
 

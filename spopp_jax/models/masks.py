@@ -1,10 +1,16 @@
-"""Attention masks and default positions, as [B, T, S] booleans (never [B, H, T, S]).
+"""Token layouts: positions and the ingredients of the attention mask.
 
-Full-sequence forward (training / scoring):
-  may_attend[b, t, s] = (s <= t) & real[b, s] & (segment[b, s] == segment[b, t])
-Cached decode (the rollout engine):
-  may_attend[b, t, s] = (s <= position[b, t]) & (position[b, t] >= 0)
-where s indexes the cache by absolute position.
+The mask is built per query chunk by `mask_block` as [B, Tq, S] booleans (never
+[B, H, T, S], and never [B, T, T] for sequences longer than one chunk).
+
+  may_attend[b, t, s] = (key_index[s] <= query_index[b, t]) & key_valid[b, s]
+                        & (query_segment[b, t] == key_segment[b, s])
+
+Full-sequence forward (training / scoring): query_index = t, key_index = s (causal by
+index), key_valid = real tokens, segments = packed-sequence ids.
+Cached decode (the rollout engine): query_index = positions[b, t] (< 0 = padding, attends
+to nothing), key_index = cache index s, every key valid, one segment. Row b's token at
+position p attends to cache indices <= p.
 """
 
 from __future__ import annotations
@@ -16,18 +22,50 @@ import jax.numpy as jnp
 
 
 class TokenLayout(NamedTuple):
-    """What a token mixer needs to know about the tokens of one call.
+    """What a token mixer needs to know about the tokens of one call ([B, T] / [B, S]).
 
-    positions: [B, T] int32 rotary positions (< 0 = padding in cached decode).
-    may_attend: [B, T, S] bool; S = T for the full forward, S = cache length for decode.
-    token_valid: [B, T] bool, real (non-padding) tokens.
-    segment_ids: [B, T] int32 packed-sequence ids (all 0 when not packed).
+    positions: rotary positions (int32; < 0 marks padding in cached decode).
+    token_valid: real (non-padding) query tokens.
+    query_index, query_segment: causal index and segment id of each query token.
+    key_valid, key_segment: per key (S = T for the full forward, S = cache length).
     """
 
     positions: jax.Array
-    may_attend: jax.Array
     token_valid: jax.Array
-    segment_ids: jax.Array
+    query_index: jax.Array
+    query_segment: jax.Array
+    key_valid: jax.Array
+    key_segment: jax.Array
+
+
+def mask_block(query_index: jax.Array, query_segment: jax.Array, key_valid: jax.Array,
+               key_segment: jax.Array) -> jax.Array:
+    """[B, Tq, S] bool: (s <= query_index) & key_valid[s] & same segment."""
+    key_index = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
+    return ((key_index[None, None, :] <= query_index[:, :, None])
+            & key_valid[:, None, :]
+            & (query_segment[:, :, None] == key_segment[:, None, :]))
+
+
+def may_attend(layout: TokenLayout) -> jax.Array:
+    """The whole [B, T, S] mask of a layout (short sequences; long ones go by chunks)."""
+    return mask_block(layout.query_index, layout.query_segment, layout.key_valid,
+                      layout.key_segment)
+
+
+def default_positions(token_valid: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Number of earlier real tokens in the same (contiguous) segment: left padding and
+    every packed segment start at position 0; padding gets the last real position (>= 0).
+
+    With c[t] = sum_{s<=t} valid[s] and base[t] = c just before t's segment starts,
+    position[t] = max(c[t] - base[t] - 1, 0). O(B T).
+    """
+    valid = token_valid.astype(jnp.int32)
+    count = jnp.cumsum(valid, axis=1)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    base = jax.lax.cummax(jnp.where(starts, count - valid, 0), axis=1)
+    return jnp.maximum(count - base - 1, 0)
 
 
 def sequence_layout(input_ids: jax.Array, attention_mask: jax.Array | None = None,
@@ -37,8 +75,8 @@ def sequence_layout(input_ids: jax.Array, attention_mask: jax.Array | None = Non
 
     attention_mask: [B, T] (bool or 0/1), True for real tokens (default all real).
     segment_ids: [B, T] int, tokens attend only within their segment (default one segment).
-    positions: [B, T] int; default = number of earlier real tokens of the same segment, so
-    left padding and packed sequences both start at position 0.
+    positions: [B, T] int; default `default_positions` (packed segments and left-padded
+    rows start at 0).
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
@@ -47,15 +85,13 @@ def sequence_layout(input_ids: jax.Array, attention_mask: jax.Array | None = Non
                    else _checked(attention_mask, shape, "attention_mask").astype(bool))
     segment_ids = (jnp.zeros(shape, jnp.int32) if segment_ids is None
                    else _checked(segment_ids, shape, "segment_ids").astype(jnp.int32))
-    time = jnp.arange(shape[1])
-    causal = time[None, :] <= time[:, None]                               # [T, S]
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]     # [B, T, S]
-    may_attend = causal[None] & same_segment & token_valid[:, None, :]
     if positions is None:
-        positions = jnp.maximum(jnp.sum(may_attend, axis=-1, dtype=jnp.int32) - 1, 0)
+        positions = default_positions(token_valid, segment_ids)
     else:
         positions = _checked(positions, shape, "positions").astype(jnp.int32)
-    return TokenLayout(positions, may_attend, token_valid, segment_ids)
+    query_index = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
+    return TokenLayout(positions, token_valid, query_index, segment_ids, token_valid,
+                       segment_ids)
 
 
 def cached_layout(positions: jax.Array, cache_len: int) -> TokenLayout:
@@ -64,10 +100,11 @@ def cached_layout(positions: jax.Array, cache_len: int) -> TokenLayout:
     if positions.ndim != 2:
         raise ValueError(f"positions must be [B, T], got shape {positions.shape}")
     positions = positions.astype(jnp.int32)
-    token_valid = positions >= 0
-    cache_index = jnp.arange(cache_len)
-    may_attend = (cache_index[None, None, :] <= positions[:, :, None]) & token_valid[:, :, None]
-    return TokenLayout(positions, may_attend, token_valid, jnp.zeros_like(positions))
+    batch = positions.shape[0]
+    return TokenLayout(positions=positions, token_valid=positions >= 0,
+                       query_index=positions, query_segment=jnp.zeros_like(positions),
+                       key_valid=jnp.ones((batch, cache_len), bool),
+                       key_segment=jnp.zeros((batch, cache_len), jnp.int32))
 
 
 def _checked(x: jax.Array, shape: tuple[int, ...], name: str) -> jax.Array:

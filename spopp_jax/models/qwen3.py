@@ -7,7 +7,7 @@
 `mixer_l` is chosen by `config.layer_types[l]` from `TOKEN_MIXERS`, so a hybrid model
 (e.g. Gated DeltaNet + gated attention) adds a mixer class there without touching the
 block. Each mixer implements `__call__(x, layout)`, `decode(x, layout, cache)` and
-`init_cache(batch, max_len, dtype)`.
+`init_cache(batch, max_len, dtype)`, and takes `chunk_size` (queries per block).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spopp_jax.models.attention import Attention
+from spopp_jax.models.attention import DEFAULT_ATTENTION_CHUNK, Attention
 from spopp_jax.models.cache import AttentionCache, KVCache
 from spopp_jax.models.config import ModelConfig
 from spopp_jax.models.layers import Embed, Linear, RMSNorm, SwiGLU
@@ -33,12 +33,14 @@ def _dtype(dtype) -> jnp.dtype:
 class DecoderLayer(nnx.Module):
     """Pre-norm block: token mixer then SwiGLU MLP, each with a residual."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs,
+                 attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK):
         layer_type = config.layer_types[layer_index]
         if layer_type not in TOKEN_MIXERS:
             raise NotImplementedError(f"layer_types[{layer_index}] = {layer_type!r}")
         self.mixer_name, mixer_class = TOKEN_MIXERS[layer_type]
-        setattr(self, self.mixer_name, mixer_class(config, dtype=dtype, rngs=rngs))
+        setattr(self, self.mixer_name, mixer_class(config, dtype=dtype, rngs=rngs,
+                                                   chunk_size=attention_chunk_size))
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
@@ -73,11 +75,14 @@ class Qwen3Model(nnx.Module):
     O(layers x B x T x hidden) instead of keeping attention scores and MLP activations).
     """
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, remat: bool = False,
+                 attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK):
         self.remat = remat
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs)
-                                for i in range(config.num_hidden_layers)])
+        self.layers = nnx.List([
+            DecoderLayer(config, i, dtype=dtype, rngs=rngs,
+                         attention_chunk_size=attention_chunk_size)
+            for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
     def __call__(self, input_ids: jax.Array, layout: TokenLayout) -> jax.Array:
@@ -100,10 +105,11 @@ class Qwen3ForCausalLM(nnx.Module):
     """Causal LM head over `Qwen3Model`; also serves Qwen2 (config.model_type == "qwen2")."""
 
     def __init__(self, config: ModelConfig, *, dtype="float32", rngs: nnx.Rngs,
-                 remat: bool = False):
+                 remat: bool = False, attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK):
         self.config = config
         self.dtype = _dtype(dtype)
-        self.model = Qwen3Model(config, dtype=self.dtype, rngs=rngs, remat=remat)
+        self.model = Qwen3Model(config, dtype=self.dtype, rngs=rngs, remat=remat,
+                                attention_chunk_size=attention_chunk_size)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, use_bias=False,
                                dtype=self.dtype, rngs=rngs))
@@ -168,8 +174,12 @@ def _attention_cache_len(cache: KVCache) -> int:
     raise ValueError("the cache has no attention layer")
 
 
-def init_model(config: ModelConfig, seed: int = 0, dtype="float32",
-               remat: bool = False) -> Qwen3ForCausalLM:
-    """A randomly initialised model (normal(0, 0.02) matrices, unit norm scales);
-    `remat=True` rematerialises each decoder layer in the backward pass."""
-    return Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(params=seed), remat=remat)
+def init_model(config: ModelConfig, seed: int = 0, dtype="float32", remat: bool = False,
+               attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK) -> Qwen3ForCausalLM:
+    """A randomly initialised model (normal(0, 0.02) matrices, unit norm scales).
+
+    remat: rematerialise each decoder layer in the backward pass.
+    attention_chunk_size: queries per attention block (longer calls are scanned by chunks).
+    """
+    return Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(params=seed), remat=remat,
+                            attention_chunk_size=attention_chunk_size)
