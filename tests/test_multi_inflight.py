@@ -228,3 +228,49 @@ def test_config_validation():
     with pytest.raises(ValueError, match="GRPO"):
         OrchestratorConfig(method="grpo", batch_size=8, group_size=4, max_in_flight_per_task=2)
     assert OrchestratorConfig().max_in_flight_per_task == 1
+
+
+# ----------------------------------------------------------------------------- benchmark
+def _bench_module():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import multi_inflight
+
+    return multi_inflight
+
+
+def test_bench_accounting_hand_numbers():
+    from types import SimpleNamespace as NS
+
+    bench = _bench_module()
+    d = lambda x: ("dispatch", NS(task_id=x))  # noqa: E731
+    r = lambda x: ("receive", NS(task_id=x, usable=True))  # noqa: E731
+    # task 0: dispatch, sibling (same H), receipt, sibling (H changed), task 1 alone.
+    log = NS(num_tasks=2, events=[d(0), d(0), r(0), d(0), d(1), r(0), r(0), r(1)])
+    assert bench.sibling_shares(log) == (2 / 4, 1 / 4)
+    points = [(0.0, 0.3), (5.0, 0.4), (9.0, 0.6)]
+    assert [bench.step_value(points, t) for t in (4.9, 5.0, 100.0)] == [0.3, 0.4, 0.6]
+    assert bench.time_to(points, 0.35) == 5.0 and bench.time_to(points, 0.7) == float("inf")
+
+
+def test_bench_bandit_learner_follows_its_formula(chat):
+    bench = _bench_module()
+    spec = bench.Bench(per_task=2, seed=0, tasks=4, slots=8, batch=4, updates=3, latency_s=5.0, learner_s=1.0)
+    world, engine, orch = run_virtual_bench(bench, spec, chat)
+    assert engine.max_concurrent <= 8 and replay(orch, np.full(4, 0.5), np.full(4, 0.5), per_task=2)["siblings"] > 0
+    theta = world.thetas[0].copy()
+    for record in orch.records:  # θ_x += lr Σ Ã_i (R_i − sigmoid(θ_x(k_i))), from the orchestrator's record
+        for traj, whitened in zip(record.trajectories, record.advantages):
+            p_then = 1 / (1 + math.exp(-world.thetas[traj.policy_event][traj.task_id]))
+            theta[traj.task_id] += spec.lr * whitened * (traj.reward - p_then)
+        np.testing.assert_allclose(world.thetas[record.update], theta, rtol=1e-6)
+    result = bench.run_once(spec, chat)
+    assert 0 < result["useful"] <= result["utilisation"] <= 1 and result["peak"] <= 8
+
+
+def run_virtual_bench(bench, spec, chat):
+    from rollout_bridge.engine.fake import run_virtual
+
+    return run_virtual(bench._simulate(spec, chat))
