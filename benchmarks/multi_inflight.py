@@ -2,7 +2,7 @@
 
     python benchmarks/multi_inflight.py [--per-task 1 2 4 8] [--seeds 0 1 2] [--tasks 16]
         [--slots 64] [--batch 32] [--updates 40] [--rule balanced] [--lr 0.1]
-        [--sigma 1.0] [--drain finish]
+        [--sigma 1.0] [--drain finish] [--publish-every 1]
 
 Few tasks, many rollout slots (16 tasks, 64 slots by default): with m = 1 at most 16
 requests can be in flight, so most slots idle. The real ``Orchestrator`` (and the real
@@ -15,8 +15,8 @@ agent loop) runs under ``run_virtual`` on a simulated clock:
   draws for the same visit (common random numbers).
 * the fake learner is a Bernoulli bandit per task trained with the orchestrator's
   whitened advantages: θ_x += lr · Σ_{i of x in the batch} Ã_i · (R_i − p_x(k_i))
-  (REINFORCE for a logit), taking ``learner_s`` simulated seconds; every update is
-  published (``publish_s``), drain "finish".
+  (REINFORCE for a logit), taking ``learner_s`` simulated seconds; published every
+  ``--publish-every`` updates (``publish_s``) after the ``--drain``.
 
 Printed per m (mean ± std over seeds): simulated time to K updates, trained trajectories
 per simulated second, slot utilisation (engine busy slot-time / (slots · time)), mean
@@ -65,6 +65,7 @@ class Bench:
     updates: int = 40
     rule: str = "balanced"
     drain: str = "finish"
+    publish_every: int = 1
     latency_s: float = 20.0
     latency_sigma: float = 1.0
     learner_s: float = 4.0
@@ -162,7 +163,8 @@ async def _simulate(bench: Bench, chat: ChatFormat):
     world = Bandit(bench, chat)
     config = OrchestratorConfig(
         batch_size=bench.batch, max_in_flight=bench.slots, max_in_flight_per_task=bench.per_task,
-        sibling_rule=bench.rule, drain=bench.drain, seed=bench.seed, pad_to_multiple=8,
+        sibling_rule=bench.rule, drain=bench.drain,
+        publish_every=bench.publish_every, seed=bench.seed, pad_to_multiple=8,
     )
     agent = AgentConfig(max_turns=1, max_total_tokens=256, sampling=SamplingParams(max_new_tokens=8),
                         env_timeout_s=None)
@@ -278,6 +280,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--sigma", type=float, default=1.0, help="latency tail: std of ln(latency)")
     parser.add_argument("--drain", default="finish", choices=["finish", "abort"])
+    parser.add_argument("--publish-every", type=int, default=1)
     parser.add_argument("--target", type=float, default=0.6)
     args = parser.parse_args(argv)
     import jax
@@ -286,7 +289,8 @@ def main(argv=None) -> None:
           f"{os.cpu_count()} CPUs; python {platform.python_version()}, jax {jax.__version__} "
           f"({jax.default_backend()}); simulated clock (run_virtual), real Orchestrator + agent loop")
     print(f"tasks {args.tasks}, slots {args.slots}, batch {args.batch}, updates {args.updates}, rule {args.rule}, "
-          f"lr {args.lr}, sigma {args.sigma}, drain {args.drain}, seeds {args.seeds}; defaults: {Bench(per_task=1, seed=0)}")
+          f"lr {args.lr}, sigma {args.sigma}, drain {args.drain}, "
+          f"publish every {args.publish_every}, seeds {args.seeds}; defaults: {Bench(per_task=1, seed=0)}")
     with tempfile.TemporaryDirectory() as directory:
         tokenizer = build_tiny_tokenizer(["task visit win lose 0123456789"] * 20, directory, 300)
         chat = ChatFormat.from_tokenizer(tokenizer)
@@ -295,7 +299,8 @@ def main(argv=None) -> None:
             for seed in args.seeds:
                 bench = Bench(per_task=m, seed=seed, tasks=args.tasks, slots=args.slots, batch=args.batch,
                               updates=args.updates, rule=args.rule, lr=args.lr,
-                              latency_sigma=args.sigma, drain=args.drain)
+                              latency_sigma=args.sigma, drain=args.drain,
+                              publish_every=args.publish_every)
                 result = run_once(bench, chat)
                 results.append(result)
                 print(f"  m={m} seed={seed}: simulated {result['wall']:.0f} s, real {result['real']:.1f} s, "
