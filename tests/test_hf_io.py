@@ -96,6 +96,10 @@ def test_bfloat16_save_and_load(tmp_path):
     model = from_pretrained(str(tmp_path / "hf"), dtype="bfloat16")
     leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
     assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16)}
+    as_declared = from_pretrained(str(tmp_path / "hf"), dtype=None)  # config says bfloat16
+    assert as_declared.dtype == jnp.bfloat16
+    as_float32 = from_pretrained(str(tmp_path / "hf"), dtype="float32")
+    assert as_float32.model.norm.scale[...].dtype == jnp.float32
     # bf16 -> bf16 is exact.
     reference = {n: p.detach().float().numpy() for n, p in hf_model.named_parameters()}
     q_kernel = np.asarray(model.model.layers[0].self_attn.q_proj.kernel[...], np.float32)

@@ -136,13 +136,26 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
 def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None, remat: bool = False,
                     attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK) -> Qwen3ForCausalLM:
     """The model of a local HF checkpoint folder (config.json + safetensors), with
-    parameters in `dtype` ("float32" / "bfloat16") and, given `mesh` (Auto axis types,
+    parameters in `dtype` ("float32" / "bfloat16"; None: the config's `dtype` /
+    `torch_dtype`) and, given `mesh` (Auto axis types,
     axes "fsdp" / "tensor"), sharded by the partition rules. `remat=True` recomputes
     each layer in the backward pass; `attention_chunk_size` queries per attention block."""
     config = ModelConfig.from_hf(path)
+    if dtype is None:
+        dtype = checkpoint_dtype(config)
     graphdef, state = load_parameters(path, config, dtype, mesh, remat=remat,
                                       attention_chunk_size=attention_chunk_size)
     return nnx.merge(graphdef, state)
+
+
+def checkpoint_dtype(config: ModelConfig) -> str:
+    """The parameter dtype a HF config declares ("dtype", else "torch_dtype"; "float32"
+    when neither is set)."""
+    hf = config.hf_config
+    declared = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if declared not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"config dtype {declared!r} is not a floating parameter dtype")
+    return declared
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -240,4 +253,5 @@ def param_count(model: Qwen3ForCausalLM) -> int:
 
 
 __all__ = ["from_pretrained", "save_pretrained", "load_parameters", "hf_tensor_name",
+           "checkpoint_dtype",
            "abstract_model", "hf_tensors", "param_count"]
