@@ -299,3 +299,18 @@ def test_default_positions_count_real_tokens_of_the_segment(rows):
             expected[b, t] = max(int(same.sum()) - (0 if valid[b, t] else 1), 0)
     got = np.asarray(default_positions(jnp.asarray(valid), jnp.asarray(segments)))
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.slow
+def test_qwen3_0p6b_shaped_layers_match_transformers(tmp_path):
+    """Qwen3-0.6B's layer shapes (hidden 1024, 16/8 heads of 128, MLP 3072), 2 layers,
+    a 4096-token vocabulary, 256 tokens."""
+    hf_config = tiny_hf_config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                               num_key_value_heads=8, head_dim=128, vocab_size=4096,
+                               rope_theta=1e6, tie_word_embeddings=True)
+    hf_model = random_hf_model(hf_config, seed=12)
+    hf_model.save_pretrained(str(tmp_path))
+    model = from_pretrained(str(tmp_path), attention_chunk_size=128)
+    ids = np.random.default_rng(13).integers(0, 4096, size=(1, 256))
+    np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(ids))),
+                               hf_logits(hf_model, ids), atol=TOL, rtol=0)
