@@ -236,7 +236,8 @@ class JaxEngine(RolloutEngine):
             return await request.future
         except asyncio.CancelledError:
             request.cancelled = True
-            with self._wakeup:  # wake the scheduler so the slot is freed
+            with self._wakeup:  # wake the scheduler (and end its pipelined round) to free the slot
+                self._inbox.append(None)
                 self._wakeup.notify()
             raise
 
@@ -315,13 +316,15 @@ class JaxEngine(RolloutEngine):
                 self._install_publish_when_drained()
                 self._admit_pending()
                 if self._any_active():
-                    self._decode_chunk()
+                    self._decode_round()
         except BaseException as error:  # fail every waiter instead of hanging them
             self._error = error
             self._fail_everything(error)
 
     def _handle(self, commands: list[Any]) -> bool:
         for command in commands:
+            if command is None:  # a wake-up (cancelled request)
+                continue
             if command is _CLOSE:
                 self._closed = True
                 self._abort_everything()
@@ -379,14 +382,42 @@ class JaxEngine(RolloutEngine):
         for slot, request in admitted:
             self._slots[slot] = request
 
-    def _decode_chunk(self) -> None:
+    def _decode_round(self) -> None:
+        """Decode chunks until a command arrives or the pipeline should stop.
+
+        While nobody waits for a slot, the next chunk is dispatched BEFORE the host syncs
+        on the current one (the device never idles on host wake-ups), as long as some
+        request is sure to still be running after the current chunk. With requests
+        waiting, each chunk is synced first so a freed slot is refilled at once.
+        """
+        output = self._dispatch_chunk()
+        while True:
+            pipelined = None
+            if not self._inbox and not self._pending and self._some_request_outlives_chunk():
+                pipelined = self._dispatch_chunk()
+            self._consume_chunk(output)
+            if pipelined is None:
+                return
+            output = pipelined
+
+    def _dispatch_chunk(self) -> slot_decode.DecodeOutput:
         self._state, output = self._transitions.decode(self._param_leaves, self._state, self._steps_per_call)
+        return output
+
+    def _some_request_outlives_chunk(self) -> bool:
+        """True if a request will still be below its length limit after the chunk in flight
+        (``token_ids`` holds the tokens of the chunks consumed so far), i.e. the next chunk
+        has work unless that request samples a stop token first."""
+        return any(r is not None and r.max_new_tokens - len(r.token_ids) > self._steps_per_call
+                   for r in self._slots)
+
+    def _consume_chunk(self, output: slot_decode.DecodeOutput) -> None:
         tokens, logprobs, emitted, finish = jax.device_get(
             (output.token_ids, output.logprobs, output.emitted, output.finish)
         )
         for slot in np.flatnonzero(emitted.any(axis=0)).tolist():
             request = self._slots[slot]
-            if request is None:  # released (abort / cancel) while the chunk ran
+            if request is None:  # not running on the host side any more
                 continue
             mask = emitted[:, slot]
             request.token_ids.extend(tokens[mask, slot].tolist())
@@ -418,7 +449,7 @@ class JaxEngine(RolloutEngine):
     def _fail_everything(self, error: BaseException) -> None:
         waiters = [r for r in self._slots if r is not None] + list(self._pending) + list(self._publishes)
         with self._wakeup:
-            waiters += [c for c in self._inbox if c is not _CLOSE]
+            waiters += [c for c in self._inbox if c is not _CLOSE and c is not None]
             self._inbox.clear()
         for waiter in waiters:
             _notify(waiter.loop, waiter.future, error=RuntimeError(f"JaxEngine stopped: {error!r}"))
