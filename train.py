@@ -365,21 +365,29 @@ class PolicyLearner:
         self.state, metrics = self.train_step(self.state, learner_input.batch)
         metrics = {k: float(v) for k, v in metrics.items()}
         divergence = None
-        if self.method == "spo" and learner_input.previous:
+        if self.method == "spo":
             divergence = self._divergences(learner_input.previous)
         return LearnerOutput(self.weights(), metrics, divergence)
 
-    def _divergences(self, previous) -> dict[int, float]:
+    def _divergences(self, previous) -> list[float | None]:
+        """D_i = token-mean |log pi_then - log pi_now| over y'_i, the task's previous
+        response (pi_then = its recorded rollout log-probs, pi_now = after this update);
+        None where the task has no previous response (D = 0)."""
         from rollout_bridge.baselines import token_mean_abs_log_ratio
         from rollout_bridge.trajectory import pack_train_batch
 
-        task_ids = list(previous)
-        trajectories = [previous[t] for t in task_ids]
-        batch = pack_train_batch(trajectories, np.zeros(len(trajectories), np.float32),
+        rows = [i for i, p in enumerate(previous) if p is not None]
+        divergence: list[float | None] = [None] * len(previous)
+        if not rows:
+            return divergence
+        trajectories = [previous[i] for i in rows]
+        batch = pack_train_batch(trajectories, np.zeros(len(rows), np.float32),
                                  pad_to_multiple=64)
         logp_now = np.asarray(self.compute_logprobs(self.state.params, batch))
-        return {t: token_mean_abs_log_ratio(batch.action_mask[i], batch.rollout_logp[i],
-                                            logp_now[i]) for i, t in enumerate(task_ids)}
+        for row, i in enumerate(rows):
+            divergence[i] = token_mean_abs_log_ratio(batch.action_mask[row],
+                                                     batch.rollout_logp[row], logp_now[row])
+        return divergence
 
 
 def orchestrator_config(cfg: TrainConfig):
@@ -389,6 +397,7 @@ def orchestrator_config(cfg: TrainConfig):
     return OrchestratorConfig(
         method=cfg.method, measure=cfg.advantage.measure, batch_size=r.batch_size,
         publish_every=r.publish_every, drain=r.drain, max_in_flight=r.max_inflight,
+        max_buffered_batches=r.max_buffered_batches,
         group_size=r.group_size, rho=cfg.tracker.rho, sampler_form=cfg.sampler.form,
         sampler_floor=cfg.sampler.floor, spo_d_half=cfg.tracker.spo_d_half,
         spo_rho_min=cfg.tracker.spo_rho_min, spo_rho_max=cfg.tracker.spo_rho_max,

@@ -237,13 +237,16 @@ class OptimSection:
 class RolloutSection:
     """Rollout engine and decoding. `batch_size` trajectories per update (SPEC 3),
     `publish_every` updates per policy event, `max_inflight` concurrent episodes (one per
-    task at most, SPEC 2), `drain` of old-policy work on publish (SPEC 3)."""
+    task at most, SPEC 2), `max_buffered_batches`: dispatch only while finished-but-unconsumed
+    plus in-flight trajectories < this x batch_size (bounds policy lag), `drain` of
+    old-policy work on publish (SPEC 3)."""
 
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
     batch_size: int = 16
     group_size: int = 8
     publish_every: int = 1
     max_inflight: int = 16
+    max_buffered_batches: int = 2
     drain: Literal["finish", "abort"] = "finish"
     temperature: float = 1.0
     top_p: float = 1.0
@@ -255,6 +258,7 @@ class RolloutSection:
     def __post_init__(self):
         _check_literals("rollout", self)
         _positive("rollout", self, "batch_size", "group_size", "publish_every", "max_inflight",
+                  "max_buffered_batches",
                   "temperature", "max_new_tokens", "max_seq_len")
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "-1 or > 0", self.top_k)
