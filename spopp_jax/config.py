@@ -98,7 +98,7 @@ class EnvSection:
 
     kind: Literal["textworld", "synthetic", "math_tir"] = "textworld"
     game_dir: Optional[str] = None
-    data_dir: str = "data/textworld"
+    data_dir: str = "artifacts/textworld_games"
     num_games: int = 16
     game_seed: int = 0
     world_size: int = 1
