@@ -1,0 +1,305 @@
+"""Learner train-step throughput: our jitted SPO++ `train_step` against the same step in
+PyTorch (transformers `Qwen3ForCausalLM` + the SPEC 5 clipped loss written in torch +
+global-norm clipping + AdamW), eager and `torch.compile`, on the same weights and batch.
+
+    python benchmarks/learner_step.py                 # model M: vocab 512, hidden 256, 4 layers
+    python benchmarks/learner_step.py --breakdown     # + forward / forward+backward timings
+
+Methods are timed in interleaved rounds (jax, torch eager, torch.compile, jax, ...) and the
+median per method is reported, so load from other users of a shared machine hits all of
+them alike. tokens/s counts every position of the [batch, seq] batch. MFU = achieved
+FLOP/s / peak, FLOPs per step ~ 6 * matmul params * tokens + 12 * layers * batch * heads *
+head_dim * seq^2 (causal attention computed densely, as both implementations do), and the
+peak is a measured fp32 1024^3 matmul (jax) on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        help="our num_micro_batches values to time (each is a separate jitted step)",
+    )
+    parser.add_argument(
+        "--torch-micro-batches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="gradient-accumulation micro-batches of the torch reference steps",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per method")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch / XLA intra-op threads (0 = all cores)"
+    )
+    parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="also time forward and fwd+bwd")
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.threads:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_cpu_multi_thread_eigen=true"
+        f" intra_op_parallelism_threads={ARGS.threads}"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from spopp_jax import learner  # noqa: E402
+from spopp_jax.models import from_pretrained  # noqa: E402
+from spopp_jax.models.testing import random_hf_model, tiny_hf_config  # noqa: E402
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_batch(args, rng):
+    """Prompt = first quarter of each row, then action tokens with one 8-token observation
+    span in the middle; 10% of rows end early (right padding)."""
+    b, t = args.batch, args.seq
+    ids = rng.integers(0, args.vocab, size=(b, t)).astype(np.int32)
+    pos = np.arange(t)[None, :]
+    lengths = np.where(rng.random(b) < 0.1, t // 2, t)[:, None]
+    attention = pos < lengths
+    action = attention & (pos >= t // 4) & ~((pos >= t // 2) & (pos < t // 2 + 8))
+    rollout = np.where(action, rng.normal(-6.2, 0.3, size=(b, t)), 0.0).astype(np.float32)
+    advantages = np.repeat(rng.normal(size=(b, 1)), t, axis=1).astype(np.float32)
+    return ids, attention, action, rollout, advantages
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def torch_step_fns(hf_model, batch_np, args):
+    import torch
+
+    ids_np, attention_np, action_np, rollout_np, adv_np = batch_np
+    ids = torch.as_tensor(ids_np, dtype=torch.long)
+    attention = torch.as_tensor(attention_np, dtype=torch.long)
+    mask = torch.as_tensor(action_np[:, 1:])
+    rollout = torch.as_tensor(rollout_np[:, 1:])
+    adv = torch.as_tensor(adv_np[:, 1:])
+    total_tokens = mask.sum().clamp(min=1)
+    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-6, weight_decay=0.1, eps=1e-8)
+
+    def loss_fn(model, rows=slice(None)):
+        """Σ over the rows' action tokens / action tokens of the WHOLE batch."""
+        ids_r, mask_r, adv_r, rollout_r = ids[rows], mask[rows], adv[rows], rollout[rows]
+        logits = model(input_ids=ids_r, attention_mask=attention[rows]).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        logp = logp.gather(-1, ids_r[:, 1:, None])[..., 0]
+        old = logp.detach()  # old policy = the step's starting params, as ours by default
+        ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        surrogate = torch.minimum(ratio * adv_r, torch.clamp(ratio, 0.8, 1.28) * adv_r)
+        surrogate = torch.where(adv_r < 0, torch.maximum(surrogate, 2.0 * adv_r), surrogate)
+        weight = torch.clamp(torch.exp(torch.clamp(old - rollout_r, -20.0, 20.0)), max=2.0)
+        per_token = torch.where(mask_r, weight * -surrogate, torch.zeros_like(surrogate))
+        return per_token.sum() / total_tokens
+
+    def make_step(model, micro_batches=1):
+        rows = args.batch // micro_batches
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            loss = 0.0
+            for m in range(micro_batches):  # gradient accumulation, global token count
+                micro_loss = loss_fn(model, slice(m * rows, (m + 1) * rows))
+                micro_loss.backward()
+                loss += micro_loss.detach()
+            torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0)
+            optimizer.step()
+            return float(loss)
+
+        def forward():
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=attention).logits.sum().item()
+
+        def forward_backward():
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model).backward()
+
+        return step, forward, forward_backward
+
+    return make_step
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def measured_peak_flops(n=1024, repeats=10):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def step_flops(args, matmul_params):
+    tokens = args.batch * args.seq
+    attention = 12 * args.layers * args.batch * args.heads * args.head_dim * args.seq**2
+    return 6 * matmul_params * tokens + attention
+
+
+def interleaved_medians(fns, rounds):
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(args):
+    import torch
+    import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_config = tiny_hf_config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.ffn,
+        tie_word_embeddings=False,
+        max_position_embeddings=max(4096, args.seq),
+        rope_theta=1e6,
+    )
+    hf_model = random_hf_model(hf_config, seed=0).train()
+    hf_model.config._attn_implementation = "sdpa"
+    with tempfile.TemporaryDirectory() as folder:
+        hf_model.save_pretrained(folder)
+        model = from_pretrained(folder, dtype="float32")
+
+    rng = np.random.default_rng(0)
+    batch_np = make_batch(args, rng)
+    batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
+    holders, jax_steps = {}, {}
+    for micro_batches in args.micro_batches:
+        config = learner.LearnerConfig(num_micro_batches=micro_batches)
+        model_def, state = learner.init_train_state(model, config)
+        # Own copies: each step donates its state, and the states would share the arrays.
+        holders[micro_batches] = {"state": jax.tree.map(jnp.copy, state)}
+        jax_steps[micro_batches] = make_jax_step(
+            learner.make_train_step(model_def, config), holders[micro_batches], batch
+        )
+    holder = holders[args.micro_batches[0]]
+
+    matmul_params = sum(
+        p.numel()
+        for n, p in hf_model.named_parameters()
+        if "embed_tokens" not in n and "norm" not in n
+    )
+    tokens = args.batch * args.seq
+    flops = step_flops(args, matmul_params)
+    peak = measured_peak_flops()
+    load = os.getloadavg()
+
+    print(
+        f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+        f"load avg {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (shared machine), "
+        f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"versions: jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+    )
+    print(
+        f"model: Qwen3 vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
+        f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, ffn {args.ffn}, untied, fp32, "
+        f"{matmul_params / 1e6:.2f}M matmul params; batch {args.batch} x {args.seq} = {tokens} "
+        f"tokens, {int(batch_np[2].sum())} action tokens, {args.micro_batches} micro-batch(es)"
+    )
+
+    fns = {}
+    for micro_batches, jax_step in jax_steps.items():
+        start = time.perf_counter()
+        jax_step()
+        print(f"jax compile + first step (M={micro_batches}): {time.perf_counter() - start:.1f} s")
+        fns[f"jax train_step M={micro_batches}"] = jax_step
+    if args.breakdown:
+        config = learner.LearnerConfig(num_micro_batches=args.micro_batches[0])
+        forward = jax.jit(lambda p, b: model_def.apply(p, b.input_ids, b.attention_mask))
+        grad = learner.make_loss_and_grad(model_def, config)
+        fns["jax forward"] = lambda: forward(holder["state"].params, batch).block_until_ready()
+        fns[f"jax fwd+bwd M={config.num_micro_batches}"] = lambda: jax.block_until_ready(
+            grad(holder["state"].params, batch)
+        )
+    if not args.no_torch:
+        make_step = torch_step_fns(hf_model, batch_np, args)
+        compiled_model = None if args.no_torch_compile else torch.compile(hf_model)
+        for micro_batches in args.torch_micro_batches:
+            eager_step, eager_fwd, eager_fb = make_step(hf_model, micro_batches)
+            fns[f"torch eager step M={micro_batches}"] = eager_step
+            if args.breakdown and micro_batches == 1:
+                fns["torch eager forward"] = eager_fwd
+                fns["torch eager fwd+bwd M=1"] = eager_fb
+            if compiled_model is not None:
+                compiled_step, compiled_fwd, compiled_fb = make_step(compiled_model, micro_batches)
+                start = time.perf_counter()
+                compiled_step()
+                compiled_step()
+                print(
+                    f"torch.compile compile + 2 steps (M={micro_batches}): "
+                    f"{time.perf_counter() - start:.1f} s"
+                )
+                fns[f"torch.compile step M={micro_batches}"] = compiled_step
+                if args.breakdown and micro_batches == 1:
+                    fns["torch.compile forward"] = compiled_fwd
+                    fns["torch.compile fwd+bwd M=1"] = compiled_fb
+    for fn in fns.values():  # warm-up (compiles the breakdown functions)
+        fn()
+    medians = interleaved_medians(fns, args.rounds)
+    for name, seconds in medians.items():
+        mfu = ""
+        if "step" in name:
+            mfu = f"  MFU {flops / seconds / peak * 100:5.1f}%"
+        print(f"{name:32s} {seconds * 1e3:9.1f} ms  {tokens / seconds:9.0f} tok/s{mfu}")
+    best_jax = min((s, n) for n, s in medians.items() if n.startswith("jax train_step"))
+    for name, seconds in medians.items():
+        if name.startswith("torch") and "step" in name:
+            print(f"{best_jax[1]} / {name} tokens/s ratio: {seconds / best_jax[0]:.2f}")
+
+
+def make_jax_step(train_step, holder, batch):
+    def jax_step():
+        holder["state"], metrics = train_step(holder["state"], batch)
+        jax.block_until_ready((holder["state"], metrics))
+
+    return jax_step
+
+
+if __name__ == "__main__":
+    main(ARGS)
