@@ -564,9 +564,12 @@ def run_rl(cfg: TrainConfig, paths: RunPaths, policy: Path, chat, tasks, alpha0,
     write_json_atomic(paths.eval_after, {"successes": successes.tolist(),
                                          "trials": trials.tolist(), "success_rate": after})
     rows = read_metrics(paths.root / "metrics.jsonl")
-    plot_learning_curve(rows, paths.curve, title=f"SPO++ ({cfg.method}) on TextWorld")
+    before = None if prior is None else prior["success_rate"]
+    plot_learning_curve(rows, paths.curve, title=f"SPO++ ({cfg.method}) on TextWorld",
+                        reference_lines={"success before RL (prior rollouts)": before,
+                                         "success after RL (same rollouts)": after})
     summary = {
-        "success_before_rl": None if prior is None else prior["success_rate"],
+        "success_before_rl": before,
         "success_after_rl": after,
         "success_per_step": [r.get("success_rate") for r in rows],
         "rl_wall_s": time.time() - start,

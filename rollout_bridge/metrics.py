@@ -115,8 +115,10 @@ def trailing_mean(values: Sequence[float], window: int) -> np.ndarray:
 
 def plot_learning_curve(rows: Iterable[Mapping], path: str | os.PathLike,
                         key: str = "success_rate", window: int = 5,
-                        title: str = "SPO++ on TextWorld") -> Path:
-    """PNG of the per-step `key` and its trailing mean over `window` steps."""
+                        title: str = "SPO++ on TextWorld",
+                        reference_lines: Mapping[str, float] | None = None) -> Path:
+    """PNG of the per-step `key`, its trailing mean over `window` steps and optional
+    horizontal reference lines (e.g. success before / after RL from evaluation rollouts)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,6 +132,9 @@ def plot_learning_curve(rows: Iterable[Mapping], path: str | os.PathLike,
     ax.plot(steps, values, "o-", alpha=0.4, label=f"{key} per step")
     ax.plot(steps, trailing_mean(values, window), "-", lw=2,
             label=f"trailing mean ({window} steps)")
+    for (label, value), style in zip((reference_lines or {}).items(), ("--", ":", "-.")):
+        if value is not None and math.isfinite(value):
+            ax.axhline(value, ls=style, color="gray", label=f"{label}: {value:.2f}")
     ax.set_xlabel("learner update")
     ax.set_ylabel(key)
     ax.set_ylim(-0.02, 1.02)

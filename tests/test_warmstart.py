@@ -175,7 +175,8 @@ def test_metrics_writer_resume_drops_rows_after_checkpoint(tmp_path):
         writer.write(4, {"success_rate": 0.9})
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["success_rate"]) for r in rows] == [(1, .1), (2, .2), (3, .3), (4, .9)]
-    png = plot_learning_curve(rows, tmp_path / "curve.png")
+    png = plot_learning_curve(rows, tmp_path / "curve.png",
+                              reference_lines={"before": 0.25, "after": 0.5, "none": None})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no rows"):
         plot_learning_curve([{"step": 1}], tmp_path / "x.png")
