@@ -140,6 +140,26 @@ def check_inputs(cfg: TrainConfig) -> None:
                          "JAX engine only in this build")
 
 
+class _GenerationBar:
+    """tqdm over game generation (only shown when games are actually being made)."""
+
+    def __init__(self, cfg: TrainConfig, what: str):
+        self.cfg, self.what, self.bar = cfg, what, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"generating {self.what}",
+                            disable=not self.cfg.progress, leave=False)
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def build_task_sets(cfg: TrainConfig):
     """(train_tasks, warm_tasks or None) for env.kind == textworld."""
     from rollout_bridge.envs import textworld_games as games
@@ -158,7 +178,9 @@ def build_task_sets(cfg: TrainConfig):
         train = TextWorldTasks(files, root, env.max_turns, style)
     else:
         log(f"games: {spec.folder_name} in {env.data_dir} (generated once, then reused)")
-        files = games.generate_game_set(spec, env.data_dir)
+        bar = _GenerationBar(cfg, "training games")
+        files = games.generate_game_set(spec, env.data_dir, progress=bar)
+        bar.close()
         train = TextWorldTasks(files, files[0].parent, env.max_turns, style)
     warm = None
     if cfg.warmstart.enabled and env.warmstart_games > 0:
@@ -168,7 +190,10 @@ def build_task_sets(cfg: TrainConfig):
         warm_spec = games.GameSetSpec("warmstart", env.warmstart_games, env.warmstart_seed,
                                       env.world_size, env.nb_objects, env.quest_length)
         log(f"warm-start games: {warm_spec.folder_name} (disjoint from the training games)")
-        warm_files = games.generate_disjoint_game_set(warm_spec, env.data_dir, [spec])
+        bar = _GenerationBar(cfg, "warm-start games")
+        warm_files = games.generate_disjoint_game_set(warm_spec, env.data_dir, [spec],
+                                                      progress=bar)
+        bar.close()
         warm = TextWorldTasks(warm_files, warm_files[0].parent, env.max_turns, style)
     return train, warm
 
