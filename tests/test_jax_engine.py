@@ -324,6 +324,44 @@ def test_publish_switches_weights_and_waits_for_in_flight_requests(model_a, mode
     np.testing.assert_allclose(new.logprobs, logp_b, atol=LOGP_ATOL)
 
 
+def test_publish_lets_running_requests_finish_and_starts_queued_ones_on_new_weights(model_a, model_b):
+    """2 slots busy + 1 queued at publish: the running ones finish on A (event 0), the
+    queued one starts after the swap on B (event 1)."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8]]
+    params = SamplingParams(top_k=1, max_new_tokens=60)
+
+    async def body(engine):
+        tasks = [asyncio.create_task(engine.generate(p, params)) for p in prompts]
+        await wait_until(lambda: engine.num_running == 2)
+        await engine.publish(nnx.state(model_b), policy_event=1)
+        return await asyncio.gather(*tasks)
+
+    results = run(with_engine(model_a, body, **LONG))
+    assert [r.policy_event for r in results] == [0, 0, 1]
+    for prompt, result, model in zip(prompts, results, [model_a, model_a, model_b]):
+        argmaxes, logps, _ = replay(model, prompt, result.token_ids)
+        assert list(result.token_ids) == argmaxes
+        np.testing.assert_allclose(result.logprobs, logps, atol=LOGP_ATOL)
+
+
+def test_prefill_is_bucketed_and_decode_compiles_once(model_a):
+    """10 prompt lengths admitted one at a time: at most the 3 prefix-width buckets of
+    max_len 64 (16, 32, 64) compile for admission, and decode compiles at most once."""
+    lengths = [1, 2, 5, 9, 17, 20, 31, 33, 47, 60]
+
+    async def body(engine):
+        transitions = engine._transitions
+        before = transitions.admit._cache_size(), transitions.decode._cache_size()
+        for n in lengths:
+            await engine.generate([i % VOCAB for i in range(n)], SamplingParams(max_new_tokens=3))
+        after = transitions.admit._cache_size(), transitions.decode._cache_size()
+        return before, after
+
+    (admit0, decode0), (admit1, decode1) = run(with_engine(model_a, body))
+    assert admit1 - admit0 <= 3
+    assert decode1 - decode0 <= 1
+
+
 def test_publish_rejects_weights_of_another_shape(model_a):
     other = init_model(ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8))
