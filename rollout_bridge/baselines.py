@@ -2,7 +2,8 @@
 
 * SPO++ and SPO (single stream): A_i = R_i − v̂_i with v̂_i the baseline FROZEN at
   dispatch (SPEC 2); then whitening under the configured measure (SPEC 4).
-* GRPO: A_i = R_i − mean_{j in group(i)} R_j (group-relative), then the same whitening.
+* GRPO: A_i = R_i − mean_{j in group(i)} R_j (group-relative) over whole groups of G,
+  then the same whitening.
 
 Also the SPEC-4 batch diagnostics and SPO's divergence D (SPEC 2, "Baseline").
 """
@@ -31,12 +32,23 @@ def frozen_baseline_advantages(trajectories: Sequence[Trajectory]) -> np.ndarray
     return rewards - frozen
 
 
-def group_relative_advantages(trajectories: Sequence[Trajectory]) -> np.ndarray:
-    """GRPO: A_i = R_i − mean of R over trajectory i's group (``stamp.group_id``). float32 [n]."""
+def group_relative_advantages(trajectories: Sequence[Trajectory], group_size: int | None = None) -> np.ndarray:
+    """GRPO: A_i = R_i − mean of R over trajectory i's group (``stamp.group_id``). float32 [n].
+
+    ``group_size`` (G): when given, every group of the batch must appear with exactly G
+    members (a batch of whole groups); a split or shrunken group raises ValueError, since
+    its mean is not the group mean GRPO defines (a one-member fragment has A = 0).
+    """
     rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
     groups = np.array([t.stamp.group_id for t in trajectories])
     if np.any(groups < 0):
         raise ValueError("GRPO trajectories must carry a group_id >= 0")
+    if group_size is not None:
+        ids, counts = np.unique(groups, return_counts=True)
+        partial = {int(g): int(c) for g, c in zip(ids, counts) if c != group_size}
+        if partial:
+            raise ValueError(f"trajectories must hold whole groups of group_size={group_size}; "
+                             f"group_id -> members in batch: {partial}")
     advantages = np.empty_like(rewards)
     for group in np.unique(groups):
         members = groups == group

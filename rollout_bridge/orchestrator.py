@@ -17,6 +17,16 @@ Single stream (SPO++ "spopp", and the original SPO "spo"):
     ``engine.abort_all``, drop the in-flight trajectories and free their tasks, publish.
 GRPO ("grpo"): G rollouts of one task per group, a group barrier (a group joins the ready
 buffer only when all its members finished), A_i = R_i − mean(group), same whitening.
+Group integrity: a batch is whole groups only (``batch_size`` a multiple of ``group_size``;
+every ready group has exactly G members, so cutting N from the ready list never splits
+one). A group with any aborted member (drain "abort", an engine abort) is dropped WHOLE:
+its finished members are not trained on (a shrunken group's mean is not the group mean; a
+one-member fragment has A = 0). A failed member (env error / time-out) follows
+``train_on_failed``: True: it stays a member with its reward R = 0 (as single stream
+trains on it); False: the group is dropped whole, like an abort. Drops are logged as
+("drop_group", DroppedGroup) events and counted in the update diagnostics
+(``dropped_groups_total``, ``dropped_group_trajectories_total`` = finished members
+discarded); the single-stream methods never drop groups.
 
 Failures (environment exception / time-out) are recorded and counted; by default they are
 neither evidence for the tracker nor training samples (``train_on_failed``). Nothing stops.
@@ -248,18 +258,34 @@ class UpdateRecord:
     end_time: float
 
 
+class DroppedGroup(NamedTuple):
+    """A GRPO group dropped whole: ``reason`` "aborted" | "failed" (the first spoiling
+    member), ``finished`` the members that had finished and are discarded untrained."""
+
+    group_id: int
+    task_id: int
+    reason: str
+    finished: tuple[Trajectory, ...]
+
+
 @dataclasses.dataclass
 class _Group:
-    expected: int
+    """A GRPO group in flight: ``resolved`` members came back (any outcome) of ``size``;
+    ``members`` are the trainable ones; ``spoiled`` names why the group will be dropped."""
+
+    task_id: int
+    size: int
     members: list
+    resolved: int = 0
+    spoiled: str | None = None
 
 
 class Orchestrator:
     """Runs rollouts and updates; ``await run(num_updates)``; ``await close()`` at the end.
 
     ``events`` is the processing log in order: ("dispatch", DispatchStamp),
-    ("receive", Trajectory), ("drop", DispatchStamp), ("publish", int), ("consume",
-    UpdateRecord). Checkpoint with :meth:`state_dict` / :meth:`load_state_dict`.
+    ("receive", Trajectory), ("drop", DispatchStamp), ("drop_group", DroppedGroup) (GRPO),
+    ("publish", int), ("consume", UpdateRecord). Checkpoint with :meth:`state_dict` / :meth:`load_state_dict`.
     """
 
     def __init__(
@@ -292,6 +318,7 @@ class Orchestrator:
         self._ready: list[Trajectory] = []
         self._groups: dict[int, _Group] = {}
         self._next_group = 0
+        self.dropped_groups = self.dropped_group_trajectories = 0  # GRPO; diagnostics only
         self._spo_previous: dict[int, Trajectory] = {}
         self._learner_task: asyncio.Task | None = None
         self._completions: asyncio.Queue = asyncio.Queue()  # futures, in completion order
@@ -422,7 +449,7 @@ class Orchestrator:
     def _start_group(self, task_id: int) -> None:
         group_id = self._next_group
         self._next_group += 1
-        self._groups[group_id] = _Group(expected=self.config.group_size, members=[])
+        self._groups[group_id] = _Group(task_id=task_id, size=self.config.group_size, members=[])
         for _ in range(self.config.group_size):
             self._launch(task_id, float("nan"), group_id)
 
@@ -468,7 +495,7 @@ class Orchestrator:
         self.events.append(("receive", traj))
         if traj.aborted:
             self.aborted += 1
-            self._shrink_group(stamp)
+            self._resolve_member(stamp, None, spoil="aborted")
             return
         self._failure_streak = self._failure_streak + 1 if traj.failed else 0
         if self._failure_streak >= self.config.max_consecutive_failures:
@@ -478,29 +505,38 @@ class Orchestrator:
         if traj.failed:
             self.failed += 1
             if not self.config.train_on_failed:
-                self._shrink_group(stamp)
+                self._resolve_member(stamp, None, spoil="failed")
                 return
         if self.config.method == "spopp":  # evidence visible to later dispatches at once
             self.tracker = _observe(self.tracker, np.array([traj.task_id], np.int32),
                                     np.array([traj.z], np.float32), np.array([traj.reward], np.float32))
         if self.config.method == "grpo":
-            group = self._groups[stamp.group_id]
-            group.members.append(traj)
-            self._maybe_close_group(stamp.group_id)
+            self._resolve_member(stamp, traj)
         else:
             self._ready.append(traj)
 
-    def _shrink_group(self, stamp: DispatchStamp) -> None:
-        if stamp.group_id >= 0:
-            self._groups[stamp.group_id].expected -= 1
-            self._maybe_close_group(stamp.group_id)
-
-    def _maybe_close_group(self, group_id: int) -> None:
-        """The GRPO barrier: a group is ready only when every member has finished."""
-        group = self._groups[group_id]
-        if len(group.members) == group.expected:
-            del self._groups[group_id]
+    def _resolve_member(self, stamp: DispatchStamp, traj: Trajectory | None, spoil: str | None = None) -> None:
+        """GRPO barrier: count one member of ``stamp``'s group as back (``traj`` trainable,
+        or None with ``spoil`` naming why not). When all G are back, the group joins the
+        ready buffer whole, or is dropped whole if any member spoiled it."""
+        if stamp.group_id < 0:
+            return
+        group = self._groups[stamp.group_id]
+        group.resolved += 1
+        if traj is not None:
+            group.members.append(traj)
+        if spoil is not None and group.spoiled is None:
+            group.spoiled = spoil
+        if group.resolved < group.size:
+            return
+        del self._groups[stamp.group_id]
+        if group.spoiled is None:
             self._ready.extend(group.members)
+            return
+        self.dropped_groups += 1
+        self.dropped_group_trajectories += len(group.members)
+        self.events.append(("drop_group", DroppedGroup(stamp.group_id, group.task_id, group.spoiled,
+                                                       tuple(group.members))))
 
     async def _abort_in_flight(self) -> None:
         """Drain "abort": finished work is received normally; the rest is dropped."""
@@ -517,22 +553,21 @@ class Orchestrator:
             self._busy[stamp.task_id] -= 1
             self.aborted += 1
             self.events.append(("drop", stamp))
-            self._shrink_group(stamp)
+            self._resolve_member(stamp, None, spoil="aborted")
 
     # ------------------------------------------------------------------ consumption
     def _maybe_start_update(self) -> None:
         n = self.config.batch_size
         if self._learner_task is not None or self._has_publish_pending or self.updates >= self._target:
             return
-        if self.config.method == "grpo":
-            n = (n // self.config.group_size) * self.config.group_size
         if len(self._ready) < n:
             return
         trajectories = tuple(self._ready[:n])
         del self._ready[:n]
         lengths = baselines.action_lengths(trajectories)
         if self.config.method == "grpo":
-            raw = baselines.group_relative_advantages(trajectories)
+            # whole groups by construction (ready groups have G members, G divides N); checked
+            raw = baselines.group_relative_advantages(trajectories, self.config.group_size)
         else:
             raw = baselines.frozen_baseline_advantages(trajectories)
         whitened = baselines.whiten(raw, lengths, self.config.measure)
@@ -546,6 +581,8 @@ class Orchestrator:
             policy_lag_max=float(lag.max()),
             failed_total=float(self.failed),
             aborted_total=float(self.aborted),
+            dropped_groups_total=float(self.dropped_groups),
+            dropped_group_trajectories_total=float(self.dropped_group_trajectories),
         )
         start = asyncio.get_running_loop().time()
         self._learner_pending = (trajectories, raw, whitened, lag, diagnostics, start, self.policy_event)

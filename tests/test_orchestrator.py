@@ -352,6 +352,105 @@ def test_grpo_group_barrier_and_group_relative_advantages(chat):
     assert slow_group not in first_batch_groups
 
 
+def replay_check_whole_groups(orch, group_size):
+    """Replay the log: every consumed GRPO group is whole (G members, one batch, all
+    received before the consume), a dropped group is never trained on, the diagnostics
+    count the drops so far, and every group ends consumed, dropped or still pending."""
+    members, outcome, consumed_in, dropped = {}, {}, {}, {}
+    for kind, item in orch.events:
+        if kind == "dispatch":
+            members.setdefault(item.group_id, []).append(item.request_id)
+        elif kind == "receive":
+            outcome[item.stamp.request_id] = "aborted" if item.aborted else "failed" if item.failed else "ok"
+        elif kind == "drop":
+            outcome[item.request_id] = "aborted"
+        elif kind == "drop_group":
+            group = members[item.group_id]
+            assert all(r in outcome for r in group), "a group was dropped before all members came back"
+            spoilers = {outcome[r] for r in group} - {"ok"}
+            assert item.reason in spoilers
+            assert {t.stamp.request_id for t in item.finished} == {r for r in group if outcome[r] == "ok"}
+            assert item.group_id not in consumed_in and item.group_id not in dropped
+            dropped[item.group_id] = item
+        elif kind == "consume":
+            counts = {}
+            for t in item.trajectories:
+                counts[t.stamp.group_id] = counts.get(t.stamp.group_id, 0) + 1
+                assert outcome.get(t.stamp.request_id) in ("ok", "failed")  # received before the consume
+            assert set(counts.values()) == {group_size}, f"update {item.update}: group sizes {counts}"
+            for group_id in counts:
+                assert group_id not in consumed_in, f"group {group_id} split across updates"
+                assert group_id not in dropped, f"dropped group {group_id} trained on"
+                consumed_in[group_id] = item.update
+            assert item.diagnostics["dropped_groups_total"] == len(dropped)
+            assert item.diagnostics["dropped_group_trajectories_total"] == sum(
+                len(d.finished) for d in dropped.values())
+    assert orch.dropped_groups == len(dropped)
+    return consumed_in, dropped
+
+
+@pytest.mark.parametrize("seed", [13, 14, 15])
+def test_grpo_abort_drain_trains_whole_groups_only(chat, seed):
+    # Uneven latencies + an abort drain after every update: on the old code, aborted
+    # members shrank groups (fragments with A = 0) and batches cut across groups.
+    world = World(chat, 6, reward_table(seed), uneven_latency(seed))
+    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=6, max_in_flight=9, drain="abort",
+                                pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 5, learner=FakeLearner(latency=2.0))
+    consumed_in, dropped = replay_check_whole_groups(orch, 3)
+    assert orch.updates == 5 and len(consumed_in) == 10
+    assert dropped and all(d.reason == "aborted" for d in dropped.values())
+    assert sum(len(d.finished) for d in dropped.values()) > 0  # finished members were discarded
+    for record in orch.records:
+        rewards = {}
+        for t in record.trajectories:
+            rewards.setdefault(t.stamp.group_id, []).append(t.reward)
+        expected = [t.reward - np.mean(rewards[t.stamp.group_id]) for t in record.trajectories]
+        np.testing.assert_allclose(record.raw_advantages, expected, atol=1e-6)
+
+
+def test_grpo_finish_drain_drops_nothing(chat):
+    world = World(chat, 6, reward_table(16), uneven_latency(16))
+    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 4, learner=FakeLearner(latency=2.0))
+    consumed_in, dropped = replay_check_whole_groups(orch, 3)
+    assert len(consumed_in) == 8 and not dropped and orch.aborted == 0
+
+
+@pytest.mark.parametrize("train_on_failed", [False, True])
+def test_grpo_failed_member_follows_train_on_failed(chat, train_on_failed):
+    # Visit 1 of every task faults: the second member of each task's first group fails.
+    fault = lambda task, visit: visit == 1
+    world = World(chat, 4, lambda task, visit: (task * 7 + visit) % 3 == 0, lambda task, visit: 1.0 + visit % 2,
+                  fault=fault)
+    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=3, max_in_flight=6, pad_to_multiple=8,
+                                train_on_failed=train_on_failed)
+    orch = run_orchestrator(world, config, 4)
+    consumed_in, dropped = replay_check_whole_groups(orch, 3)
+    failed_groups = {t.stamp.group_id for k, t in orch.events if k == "receive" and t.failed}
+    assert failed_groups and orch.failed == len(failed_groups)
+    if not train_on_failed:
+        # Dropped whole: its two finished members are not trained on.
+        assert set(dropped) == failed_groups and all(d.reason == "failed" for d in dropped.values())
+        assert all(len(d.finished) == 2 for d in dropped.values())
+        assert not failed_groups & set(consumed_in)
+        return
+    assert not dropped and failed_groups & set(consumed_in)
+    # GRPO with R = 0 for the failed member: A_i = R_i − (1/G) Σ_group R_j, scripted rewards.
+    def scripted_reward(t):
+        if t.failed:  # the env raised at reset: no observation, R = 0
+            return 0.0
+        text = chat.tokenizer.decode(list(t.token_ids[:t.prompt_length]))
+        visit = int(text.split("visit ", 1)[1].split()[0].split("<")[0])
+        return float((t.task_id * 7 + visit) % 3 == 0)
+
+    for record in orch.records:
+        for row, t in enumerate(record.trajectories):
+            group = [u for u in record.trajectories if u.stamp.group_id == t.stamp.group_id]
+            expected = scripted_reward(t) - sum(scripted_reward(u) for u in group) / 3
+            assert record.raw_advantages[row] == pytest.approx(expected, abs=1e-6)
+
+
 def test_spo_tracker_updates_in_arrival_order_after_the_actor_update(chat):
     def divergence(learner_input):
         return [None if prev is None else 0.03 * (1 + t.task_id % 3)
@@ -435,7 +534,7 @@ def test_config_validation():
         OrchestratorConfig(method="ppo")
     with pytest.raises(ValueError, match="drain"):
         OrchestratorConfig(drain="later")
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ValueError, match=r"batch_size \(10\) must be a multiple of group_size \(3\)"):
         OrchestratorConfig(method="grpo", batch_size=10, group_size=3)
 
 
@@ -465,6 +564,11 @@ def test_group_relative_advantages_hand_numbers():
     np.testing.assert_allclose(frozen_baseline_advantages([_bare(0, 1.0, 1, frozen=0.3)]), [0.7], atol=1e-7)
     with pytest.raises(ValueError, match="group_id"):
         group_relative_advantages([_bare(0, 1.0, 1)])
+    # Whole groups of G only: a split / shrunken group (old abort behaviour) is refused.
+    with pytest.raises(ValueError, match=r"whole groups of group_size=3; group_id -> members in batch: \{7: 2\}$"):
+        group_relative_advantages(trajs, group_size=3)
+    np.testing.assert_allclose(group_relative_advantages(trajs[:1] + trajs[2:4], group_size=3), [2 / 3, -1 / 3, -1 / 3],
+                               atol=1e-7)
     with pytest.raises(ValueError, match="frozen_baseline"):
         frozen_baseline_advantages([_bare(0, 1.0, 1, frozen=float("nan"))])
 
