@@ -407,6 +407,22 @@ def test_cancelled_request_frees_its_slot(model_a):
     assert stats == {"cancelled": 2, "length": 1}
 
 
+def test_close_aborts_in_flight_requests_and_refuses_new_ones(model_a):
+    async def body():
+        engine = JaxEngine(model_a, steps_per_call=4, **LONG)
+        task = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=500)))
+        await wait_until(lambda: engine.num_running == 1)
+        await engine.close()
+        result = await task
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.generate([1], GREEDY)
+        await engine.close()  # idempotent
+        return result
+
+    result = run(body())
+    assert result.finish_reason == "abort" and len(result.token_ids) < 500
+
+
 def test_generate_validates_its_inputs(model_a):
     async def body(engine):
         with pytest.raises(ValueError, match="prompt_ids"):

@@ -261,8 +261,9 @@ class JaxEngine(RolloutEngine):
 
     async def close(self) -> None:
         """Abort everything in flight and stop the scheduler thread."""
-        if not self._closed:
+        if not self._closed and self._error is None:
             self._submit(_CLOSE)
+            self._closed = True  # later calls raise at once
         await asyncio.to_thread(self._thread.join)
 
     # ------------------------------------------------------------------ validation
@@ -322,12 +323,14 @@ class JaxEngine(RolloutEngine):
             self._fail_everything(error)
 
     def _handle(self, commands: list[Any]) -> bool:
-        for command in commands:
+        for index, command in enumerate(commands):
             if command is None:  # a wake-up (cancelled request)
                 continue
             if command is _CLOSE:
                 self._closed = True
                 self._abort_everything()
+                with self._wakeup:  # what came after the close fails with it
+                    self._inbox.extendleft(reversed(commands[index + 1:]))
                 self._fail_everything(RuntimeError("JaxEngine is closed"))
                 return False
             if isinstance(command, _Request):
