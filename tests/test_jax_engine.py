@@ -369,9 +369,30 @@ def test_publish_rejects_weights_of_another_shape(model_a):
     async def body(engine):
         with pytest.raises(ValueError, match="weights"):
             await engine.publish(nnx.state(other), policy_event=1)
+        with pytest.raises(ValueError, match="weights"):
+            await engine.publish(nnx.to_pure_dict(nnx.state(other)), policy_event=1)
         return engine.policy_event
 
     assert run(with_engine(model_a, body)) == 0
+
+
+def test_publish_accepts_a_module_and_a_pure_dict(model_a, model_b):
+    """The learner publishes a merged module (train.py) or its pure-dict params."""
+    prompt = [3, 1, 4]
+
+    async def body(engine):
+        await engine.publish(model_b, policy_event=1)
+        from_module = await engine.generate(prompt, GREEDY)
+        await engine.publish(nnx.to_pure_dict(nnx.state(model_a)), policy_event=2)
+        from_dict = await engine.generate(prompt, GREEDY)
+        return from_module, from_dict
+
+    from_module, from_dict = run(with_engine(model_a, body))
+    assert (from_module.policy_event, from_dict.policy_event) == (1, 2)
+    for model, result in [(model_b, from_module), (model_a, from_dict)]:
+        argmaxes, logps, _ = replay(model, prompt, result.token_ids)
+        assert list(result.token_ids) == argmaxes
+        np.testing.assert_allclose(result.logprobs, logps, atol=LOGP_ATOL)
 
 
 def test_abort_all_finishes_in_flight_and_queued_requests(model_a):

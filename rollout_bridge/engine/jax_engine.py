@@ -102,6 +102,8 @@ def _transitions_for(graphdef: nnx.GraphDef, param_treedef: Any) -> _Transitions
         admit=jax.jit(admit, donate_argnums=1),
         decode=jax.jit(decode, static_argnums=2, donate_argnums=1),
     )
+
+
 _FINISH_NAMES = {slot_decode.FINISH_STOP: "stop", slot_decode.FINISH_LENGTH: "length"}
 
 
@@ -242,7 +244,7 @@ class JaxEngine(RolloutEngine):
             raise
 
     async def publish(self, weights: Any, policy_event: int) -> None:
-        """Install ``weights`` (nnx.State, nnx.Module or HF folder) as ``policy_event``.
+        """Install ``weights`` (nnx.State, its pure dict, nnx.Module or HF folder) as ``policy_event``.
 
         Waits until every request already decoding has finished on the old weights.
         """
@@ -287,6 +289,14 @@ class JaxEngine(RolloutEngine):
             weights = from_pretrained(os.fspath(weights))
         if isinstance(weights, nnx.Module):
             weights = nnx.state(weights)
+        elif isinstance(weights, dict) and not isinstance(weights, nnx.State):
+            # a pure dict (nnx.to_pure_dict, as the learner's TrainState.params holds)
+            template = jax.tree.unflatten(self._param_treedef, self._param_leaves)
+            try:
+                nnx.replace_by_pure_dict(template, weights)
+            except (KeyError, ValueError, TypeError) as error:
+                raise ValueError(f"weights: pure dict does not match the engine model: {error!r}") from error
+            weights = template
         leaves, treedef = jax.tree.flatten(weights)
         specs = [(jnp.shape(x), jnp.asarray(x).dtype) for x in leaves]
         if treedef != self._param_treedef or specs != self._param_specs:
