@@ -198,8 +198,14 @@ def make_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
 def init_train_state(
     model: nnx.Module, config: LearnerConfig, policy_event: int = 0
 ) -> tuple[ModelDef, TrainState]:
-    """Splits `model` and builds the initial `TrainState` (step 0)."""
+    """Splits `model` and builds the initial `TrainState` (step 0).
+
+    The params are copied: train steps donate their state, which would otherwise delete
+    the arrays still held by `model` (e.g. by a rollout engine). To get a module back for
+    publishing, use ``model_def.merge(state.params)``.
+    """
     model_def, params = split_model(model)
+    params = jax.tree.map(jnp.copy, params)
     opt_state = make_optimizer(config).init(params)
     state = TrainState(
         params=params,
