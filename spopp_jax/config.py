@@ -104,8 +104,8 @@ class EnvSection:
     world_size: int = 1
     nb_objects: int = 3
     quest_length: int = 1
-    max_turns: int = 3
-    max_feedback_chars: int = 100
+    max_turns: int = 2
+    max_feedback_chars: int = 60
     numbered_actions: bool = True
     warmstart_games: int = 48
     warmstart_seed: int = 100_000
@@ -221,7 +221,7 @@ class OptimSection:
     """AdamW (SPEC 5). The paper's lr 1e-6 is for 0.8B-2B models; the tiny CPU model of the
     default job needs a much larger one (see configs/default.yaml)."""
 
-    learning_rate: float = 2e-3
+    learning_rate: float = 3e-3
     weight_decay: float = 0.1
     max_grad_norm: Optional[float] = 1.0
     num_micro_batches: int = 1
@@ -246,13 +246,13 @@ class RolloutSection:
     group_size: int = 8
     publish_every: int = 1
     max_inflight: int = 16
-    max_buffered_batches: int = 2
+    max_buffered_batches: int = 1
     drain: Literal["finish", "abort"] = "finish"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 16
-    max_seq_len: int = 512
+    max_seq_len: int = 320
     server_urls: Optional[str] = None
 
     def __post_init__(self):
@@ -297,10 +297,10 @@ class TrainConfig:
     method: Literal["spopp", "spo", "grpo"] = "spopp"
     stage: Literal["all", "warmstart", "prior", "rl"] = "all"
     seed: int = 0
-    steps: int = 40
+    steps: int = 80
     output_dir: str = "runs/default"
     resume: bool = False
-    checkpoint_every: int = 5
+    checkpoint_every: int = 10
     keep_checkpoints: int = 2
     progress: bool = True
     tensorboard: bool = True
