@@ -226,7 +226,9 @@ class Checkpointer:
         extras: Mapping[str, Any] | None = None,
         config: Any = None,
     ) -> None:
-        """Writes one checkpoint at `step` (atomically; an existing step raises)."""
+        """Writes one checkpoint at `step` (atomically; an existing step raises FileExistsError)."""
+        if int(step) in self._manager.all_steps():
+            raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
         extras = dict(extras or {})
         for name in extras:
             if not name.isidentifier():
@@ -239,7 +241,8 @@ class Checkpointer:
             items[_EXTRA_PREFIX + name] = ocp.args.StandardSave({"tree": _to_savable(tree)})
         items[_CONFIG] = ocp.args.JsonSave(to_json_config(config if config is not None else {}))
         items[_MANIFEST] = ocp.args.JsonSave({"extras": sorted(extras), "prng_keys": key_impls})
-        self._manager.save(int(step), args=ocp.args.Composite(**items))
+        if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
+            raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
         if not self._async:
             self._manager.wait_until_finished()
 

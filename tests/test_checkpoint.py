@@ -152,6 +152,17 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path, trained):
     assert_bitwise_equal(resumed_key, straight_key)
 
 
+def test_existing_step_is_not_overwritten_and_config_is_readable(tmp_path):
+    tree = {"w": jnp.arange(4.0)}
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, tree, config={"run": "a"})
+        with pytest.raises(FileExistsError, match="step 3 already exists"):
+            ckpt.save(3, {"w": jnp.zeros(4)}, config={"run": "b"})
+        assert ckpt.read_config() == {"run": "a"}
+        restored = ckpt.restore({"w": jnp.zeros(4)})
+    np.testing.assert_array_equal(restored.train_state["w"], np.arange(4.0))
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
