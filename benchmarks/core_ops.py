@@ -22,17 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spopp_jax import advantages, losses, tracker
+from _hardware import cpu_model
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _time(fn, repeats: int) -> tuple[float, float]:
@@ -105,7 +97,7 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=10_000)
     args = p.parse_args()
 
-    print(f"CPU: {_cpu_model()}  logical cores: {os.cpu_count()}  "
+    print(f"CPU: {cpu_model()}  logical cores: {os.cpu_count()}  "
           f"affinity: {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}")
     print(f"JAX devices: {jax.devices()}")
     print(f"python {platform.python_version()}  jax {jax.__version__}  "

@@ -34,7 +34,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -48,6 +47,7 @@ from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.engine.jax_engine import JaxEngine
 from rollout_bridge.engine.sampling_ops import sample_tokens
 from spopp_jax.models import ModelConfig, init_model, save_pretrained
+from _hardware import cpu_model  # noqa: E402
 
 MODELS = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
@@ -59,15 +59,6 @@ MODELS = {
 }
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _rounds(run_once, repeats: int) -> tuple[float, float, float]:
@@ -216,7 +207,7 @@ def _print_header(args) -> None:
         torch_version = torch.__version__
     except ImportError:
         torch_version = "not installed"
-    print(f"hardware: {_cpu_model()}, {os.cpu_count()} cores visible, jax devices {jax.devices()}, "
+    print(f"hardware: {cpu_model()}, {os.cpu_count()} cores visible, jax devices {jax.devices()}, "
           f"load average at start {os.getloadavg()[0]:.1f} (shared machine)")
     print(f"python {platform.python_version()}, jax {jax.__version__}, flax {nnx.__name__ and __import__('flax').__version__}, "
           f"transformers {transformers.__version__}, torch {torch_version}")

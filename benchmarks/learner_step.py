@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -73,6 +72,7 @@ import jax.numpy as jnp  # noqa: E402
 from spopp_jax import learner  # noqa: E402
 from spopp_jax.models import from_pretrained  # noqa: E402
 from spopp_jax.models.testing import random_hf_model, tiny_hf_config  # noqa: E402
+from _hardware import cpu_model  # noqa: E402
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -227,7 +227,7 @@ def main(args):
     load = os.getloadavg()
 
     print(
-        f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+        f"hardware: {cpu_model()}, {os.cpu_count()} cpus, "
         f"load avg {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (shared machine), "
         f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
     )

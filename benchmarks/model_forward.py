@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -22,6 +21,7 @@ from flax import nnx
 
 from spopp_jax.models import from_pretrained
 from spopp_jax.models.testing import random_hf_model, tiny_hf_config
+from _hardware import cpu_model
 
 
 def timed(fn, repeats: int) -> float:
@@ -66,7 +66,7 @@ def main() -> None:
     mask = jnp.ones_like(ids, bool)
     tokens = args.batch * args.seq
 
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+    print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads)")
     print(f"model: hidden {args.hidden}, layers {args.layers}, heads {args.heads}/"

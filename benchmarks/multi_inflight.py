@@ -36,7 +36,6 @@ import os
 import platform
 import re
 import statistics
-import sys
 import tempfile
 import time
 
@@ -49,6 +48,7 @@ from rollout_bridge.envs.base import AsyncEnvironment, StepResult
 from rollout_bridge.envs.synthetic import first_word
 from rollout_bridge.orchestrator import LearnerInput, LearnerOutput, Orchestrator, OrchestratorConfig
 from rollout_bridge.tokenizer import build_tiny_tokenizer
+from _hardware import cpu_model  # noqa: E402
 
 _OBSERVATION = re.compile(r"task (\d+) visit (\d+)")
 
@@ -285,7 +285,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import jax
 
-    print(f"host: {platform.platform()}, {platform.processor() or platform.machine()}, "
+    print(f"host: {platform.platform()}, {cpu_model()}, "
           f"{os.cpu_count()} CPUs; python {platform.python_version()}, jax {jax.__version__} "
           f"({jax.default_backend()}); simulated clock (run_virtual), real Orchestrator + agent loop")
     print(f"tasks {args.tasks}, slots {args.slots}, batch {args.batch}, updates {args.updates}, rule {args.rule}, "

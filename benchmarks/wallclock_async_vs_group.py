@@ -48,6 +48,7 @@ from rollout_bridge.envs.base import AsyncEnvironment, StepResult  # noqa: E402
 from rollout_bridge.envs.synthetic import first_word  # noqa: E402
 from rollout_bridge.orchestrator import LearnerOutput, Orchestrator, OrchestratorConfig  # noqa: E402
 from rollout_bridge.tokenizer import build_tiny_tokenizer  # noqa: E402
+from _hardware import cpu_model  # noqa: E402
 
 METHODS = ("spopp", "grpo")
 _OBSERVATION = re.compile(r"task (\d+) visit (\d+) turn (\d+)")
@@ -347,15 +348,6 @@ def plot(results: list[dict], tails: list[float], path: str, title: str = "") ->
     fig.savefig(path, dpi=120)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv=None) -> list[dict]:
@@ -378,7 +370,7 @@ def main(argv=None) -> list[dict]:
     import transformers
 
     start = time.perf_counter()
-    print(f"host: {_cpu_model()}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}; "
+    print(f"host: {cpu_model()}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}; "
           f"python {platform.python_version()}, jax {jax.__version__} ({jax.default_backend()}), "
           f"numpy {np.__version__}, transformers {transformers.__version__}")
     print(f"slots S={args.slots}, batch N={args.batch}, GRPO G={args.group}, updates K={args.updates}, "

@@ -19,7 +19,6 @@ into its target sharding.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple

@@ -77,7 +77,7 @@ def test_history_is_the_exact_concatenation_of_ids_never_retokenized(tokenizer, 
     observations = [SyntheticEnv(num_tasks=8, max_turns=3).reset(2)]
     replies = [char_ids(tokenizer, w) + [chat.stop_token_ids[0]] for w in task.words]
     for r in range(1, 3):
-        observations.append(f"Correct. " + _round_text(2, r))
+        observations.append("Correct. " + _round_text(2, r))
     messages = [{"role": "user", "content": observations[0]}]
     expected = list(_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)))
     expected_mask = [False] * len(expected)
