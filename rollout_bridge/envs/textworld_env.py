@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -99,11 +100,18 @@ def _wrappers_for(path: str) -> list:
     return []
 
 
+# TextWorld parses its logic grammar (tatsu) when a game is first loaded, and that parser is
+# not thread-safe: concurrent first loads (episodes reset from a thread pool) fail with
+# FailedParse / IndexError. Loads are serialized; stepping a running game is not affected.
+_START_LOCK = threading.Lock()
+
+
 def start_game(path: str):
-    """Load a game with the infos this env needs (admissible commands, walkthrough, won)."""
+    """Load a game with the infos this env needs (admissible commands, walkthrough, won).
+    Thread-safe: loads are serialized by a module lock (see `_START_LOCK`)."""
     import textworld
 
-    with warnings.catch_warnings():   # jericho: "not fully supported" (score via TextWorld)
+    with _START_LOCK, warnings.catch_warnings():   # jericho: "not fully supported" (score via TextWorld)
         warnings.filterwarnings("ignore", message=".*not fully supported.*")
         return textworld.start(path, request_infos=_request_infos(),
                                wrappers=_wrappers_for(path))
