@@ -221,7 +221,7 @@ class OptimSection:
     """AdamW (SPEC 5). The paper's lr 1e-6 is for 0.8B-2B models; the tiny CPU model of the
     default job needs a much larger one (see configs/default.yaml)."""
 
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     weight_decay: float = 0.1
     max_grad_norm: Optional[float] = 1.0
     num_micro_batches: int = 1
@@ -297,7 +297,7 @@ class TrainConfig:
     method: Literal["spopp", "spo", "grpo"] = "spopp"
     stage: Literal["all", "warmstart", "prior", "rl"] = "all"
     seed: int = 0
-    steps: int = 80
+    steps: int = 160
     output_dir: str = "runs/default"
     resume: bool = False
     checkpoint_every: int = 10
