@@ -39,6 +39,8 @@ __all__ = [
     "make_optimizer",
     "init_train_state",
     "token_logprobs",
+    "chunked_token_logprobs",
+    "model_token_logprobs",
     "split_micro_batches",
     "make_compute_logprobs",
     "loss_and_grads",
@@ -60,7 +62,9 @@ class LearnerConfig:
     ``"rollout"`` = the engine's ``rollout_logp`` (then the IS weight is 1).
     ``num_micro_batches``: gradient accumulation; micro-batch m holds rows m, m+M, m+2M, ...
     (strided, so a batch sharded by rows stays local). ``max_grad_norm=None`` disables
-    clipping.
+    clipping. ``logprob_chunk_size``: None = log-probs from the full [B, T, V] logits;
+    an int C = the LM head and logsumexp run over C positions at a time (rematerialised in
+    the backward pass), so at most [B, C, V] logits are live (`chunked_token_logprobs`).
     """
 
     learning_rate: float = 1e-6
@@ -75,8 +79,15 @@ class LearnerConfig:
     dual_clip: float | None = 2.0
     is_cap: float = 2.0
     old_logp_source: Literal["current", "rollout"] = "current"
+    logprob_chunk_size: int | None = None
 
     def __post_init__(self):
+        if self.logprob_chunk_size is not None and not (
+            isinstance(self.logprob_chunk_size, int) and self.logprob_chunk_size > 0
+        ):
+            raise ValueError(
+                f"logprob_chunk_size must be a positive int or None, got {self.logprob_chunk_size!r}"
+            )
         if self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -129,7 +140,8 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelDef:
-    """Static half of a split NNX model: merge(params) -> module, `apply` -> logits."""
+    """Static half of a split NNX model: merge(params) -> module, `apply` -> logits,
+    `apply_hidden` -> final hidden states, `head` -> logits of given hidden states."""
 
     graphdef: Any
     param_state_def: Any  # treedef of the nnx.Param State
@@ -150,6 +162,16 @@ class ModelDef:
     def apply(self, params: Params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """logits[B, T, V] (float32) = model(input_ids, attention_mask)."""
         return self.merge(params)(input_ids, attention_mask=attention_mask)
+
+    def apply_hidden(
+        self, params: Params, input_ids: jax.Array, attention_mask: jax.Array
+    ) -> jax.Array:
+        """Final-norm hidden states [B, T, H]; ``head(params, ·)`` of them = `apply`."""
+        return self.merge(params).hidden_states(input_ids, attention_mask=attention_mask)
+
+    def head(self, params: Params, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., V] of hidden states [..., H] (the LM head)."""
+        return self.merge(params).logits_from_hidden(hidden)
 
 
 def _path_key(entry: Any) -> str:
@@ -242,6 +264,76 @@ def token_logprobs(logits: jax.Array, input_ids: jax.Array) -> jax.Array:
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
+def _target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log_softmax(logits)[..., targets] in float32 by iota compare (no one-hot)."""
+    logits = logits.astype(jnp.float32)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    return target_logit - jax.nn.logsumexp(logits, axis=-1)
+
+
+def chunked_token_logprobs(
+    head: Callable[[Params, jax.Array], jax.Array],
+    params: Params,
+    hidden: jax.Array,
+    input_ids: jax.Array,
+    chunk_size: int,
+) -> jax.Array:
+    """`token_logprobs(head(params, hidden), input_ids)` without the [B, T, V] logits.
+
+    logp[b, t] = log_softmax(head(hidden[b, t-1]))[input_ids[b, t]] for t >= 1,
+    logp[:, 0] = 0 (SPEC 5 token log-probs). The T-1 shifted positions are padded to a
+    multiple of `chunk_size` and mapped over chunks with `lax.map`; the per-chunk
+    head + float32 logsumexp is wrapped in `jax.checkpoint`, so the forward and the
+    backward pass each hold the logits of one [B, chunk_size, V] chunk at a time.
+    """
+    _checks.check_rank("hidden", hidden, 3)
+    _checks.check_rank("input_ids", input_ids, 2)
+    _checks.check_integer("input_ids", input_ids)
+    if hidden.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"`hidden` has shape {hidden.shape} but `input_ids` has shape {input_ids.shape}; "
+            "the leading [B, T] must match"
+        )
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
+    batch, length, width = hidden.shape
+    shifted = length - 1
+    if shifted == 0:
+        return jnp.zeros((batch, 1), jnp.float32)
+    num_chunks = -(-shifted // chunk_size)
+    pad = num_chunks * chunk_size - shifted
+    source = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(input_ids[:, 1:], ((0, 0), (0, pad)))
+    # [B, n*C, ...] -> [n, B, C, ...]: one leading entry per chunk for lax.map.
+    source = jnp.swapaxes(source.reshape(batch, num_chunks, chunk_size, width), 0, 1)
+    targets = jnp.swapaxes(targets.reshape(batch, num_chunks, chunk_size), 0, 1)
+
+    @jax.checkpoint
+    def chunk_logprobs(p, chunk_hidden, chunk_targets):
+        return _target_logprobs(head(p, chunk_hidden), chunk_targets)
+
+    logp = jax.lax.map(lambda xs: chunk_logprobs(params, *xs), (source, targets))
+    logp = jnp.swapaxes(logp, 0, 1).reshape(batch, num_chunks * chunk_size)[:, :shifted]
+    return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def model_token_logprobs(
+    model_def: ModelDef,
+    params: Params,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    logprob_chunk_size: int | None = None,
+) -> jax.Array:
+    """Token log-probs [B, T] of the model: `token_logprobs` of the full logits when
+    `logprob_chunk_size` is None, else `chunked_token_logprobs` of the hidden states."""
+    if logprob_chunk_size is None:
+        logits = model_def.apply(params, input_ids, attention_mask)
+        return token_logprobs(logits, input_ids)
+    hidden = model_def.apply_hidden(params, input_ids, attention_mask)
+    return chunked_token_logprobs(model_def.head, params, hidden, input_ids, logprob_chunk_size)
+
+
 def _check_batch(batch: TrainBatch) -> None:
     fields = {
         "input_ids": batch.input_ids,
@@ -281,18 +373,22 @@ def split_micro_batches(batch: TrainBatch, num_micro_batches: int) -> TrainBatch
     return jax.tree.map(split, batch)
 
 
-def make_compute_logprobs(model_def: ModelDef) -> Callable[[Params, TrainBatch], jax.Array]:
+def make_compute_logprobs(
+    model_def: ModelDef, logprob_chunk_size: int | None = None
+) -> Callable[[Params, TrainBatch], jax.Array]:
     """Jitted `compute_logprobs(params, batch) -> [B, T]` float32 (0 off the action mask).
 
     One extra forward to recompute the old policy's log-probs; store the result as
-    ``batch.old_logp`` (``dataclasses.replace``) before `train_step`.
+    ``batch.old_logp`` (``dataclasses.replace``) before `train_step`. Pass the learner's
+    `LearnerConfig.logprob_chunk_size` to avoid materialising [B, T, V] logits.
     """
 
     @jax.jit
     def compute_logprobs(params: Params, batch: TrainBatch) -> jax.Array:
         _check_batch(batch)
-        logits = model_def.apply(params, batch.input_ids, batch.attention_mask)
-        logp = token_logprobs(logits, batch.input_ids)
+        logp = model_token_logprobs(
+            model_def, params, batch.input_ids, batch.attention_mask, logprob_chunk_size
+        )
         return jnp.where(batch.action_mask != 0, logp, 0.0)
 
     return compute_logprobs
@@ -312,6 +408,7 @@ def _accumulate_grads(
     num_micro_batches: int,
     token_loss: TokenLossFn,
     combine: Callable[[dict, dict], dict],
+    logprob_chunk_size: int | None = None,
 ):
     """Σ_m ∇(loss_sum_m / N) and Σ_m loss_sum_m / N with N the batch's global token count.
 
@@ -321,8 +418,9 @@ def _accumulate_grads(
     denom = jnp.maximum(total_tokens, 1).astype(jnp.float32)
 
     def micro_loss(p, micro):
-        logits = model_def.apply(p, micro.input_ids, micro.attention_mask)
-        logp = token_logprobs(logits, micro.input_ids)
+        logp = model_token_logprobs(
+            model_def, p, micro.input_ids, micro.attention_mask, logprob_chunk_size
+        )
         loss_sum, count, metrics = token_loss(logp, micro)
         return loss_sum / denom, (count, metrics)
 
@@ -400,7 +498,13 @@ def loss_and_grads(
     else:
         raise ValueError(f"objective must be 'policy' or 'sft', got {objective!r}")
     loss, grads, tokens, sums = _accumulate_grads(
-        model_def, params, batch, config.num_micro_batches, token_loss, combine
+        model_def,
+        params,
+        batch,
+        config.num_micro_batches,
+        token_loss,
+        combine,
+        config.logprob_chunk_size,
     )
     metrics = {"loss": loss, "tokens": tokens}
     if objective == "policy":

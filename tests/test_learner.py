@@ -447,3 +447,152 @@ def test_config_and_batch_validation(tiny):
         learner.make_loss_and_grad(model_def, learner.LearnerConfig())(params, bad)
     with pytest.raises(ValueError, match="objective"):
         learner.make_loss_and_grad(model_def, learner.LearnerConfig(), "dpo")(params, batch)
+
+
+# ----------------------------------------------------------------------------- chunked head
+
+CHUNK = 5  # T - 1 = 27 shifted positions: 6 chunks, the last one padded by 3
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 27, 40])
+def test_chunked_token_logprobs_matches_float64_log_softmax(maybe_jit, np_rng, chunk_size):
+    batch, length, width, vocab = 3, 28, 6, 11
+    hidden = np_rng.normal(size=(batch, length, width)).astype(np.float32)
+    kernel = np_rng.normal(scale=3.0, size=(width, vocab)).astype(np.float32)
+    ids = np_rng.integers(0, vocab, size=(batch, length)).astype(np.int32)
+    logits = hidden.astype(np.float64) @ kernel.astype(np.float64)
+    expected = np.zeros((batch, length))
+    for b in range(batch):
+        for t in range(1, length):  # position t reads the logits of position t-1
+            expected[b, t] = np_log_softmax(logits[b, t - 1])[ids[b, t]]
+
+    def head(p, h):
+        return jnp.einsum("...h,hv->...v", h, p["kernel"])
+
+    fn = maybe_jit(
+        lambda p, h, i: learner.chunked_token_logprobs(head, p, h, i, chunk_size)
+    )
+    got = fn({"kernel": jnp.asarray(kernel)}, jnp.asarray(hidden), jnp.asarray(ids))
+    assert got.shape == (batch, length) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    length=st.integers(1, 13),
+    chunk_size=st.integers(1, 15),
+    seed=st.integers(0, 2**16),
+)
+def test_property_chunking_never_changes_token_logprobs_or_their_gradient(
+    length, chunk_size, seed
+):
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.normal(size=(2, length, 4)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(4, 9)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 9, size=(2, length)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(2, length)), jnp.float32)
+
+    def head(p, h):
+        return h @ p
+
+    def full(p, h):
+        return jnp.sum(weights * learner.token_logprobs(head(p, h), ids))
+
+    def chunked(p, h):
+        return jnp.sum(weights * learner.chunked_token_logprobs(head, p, h, ids, chunk_size))
+
+    np.testing.assert_allclose(
+        np.asarray(learner.chunked_token_logprobs(head, kernel, hidden, ids, chunk_size)),
+        np.asarray(learner.token_logprobs(head(kernel, hidden), ids)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    for want, got in zip(
+        jax.grad(full, argnums=(0, 1))(kernel, hidden),
+        jax.grad(chunked, argnums=(0, 1))(kernel, hidden),
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_compute_logprobs_equals_full_logits(tiny):
+    model_def, params, batch, logp = tiny
+    chunked = learner.make_compute_logprobs(model_def, logprob_chunk_size=CHUNK)(params, batch)
+    full = learner.make_compute_logprobs(model_def)(params, batch)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(full), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(chunked)).sum() > 0  # not vacuous: real action tokens
+
+
+@pytest.mark.parametrize("objective", ["policy", "sft"])
+@pytest.mark.parametrize("num_micro_batches", [1, 4])
+def test_chunked_loss_and_grads_equal_full_logits(tiny, objective, num_micro_batches):
+    """Chunked (and chunked x micro-batched) == the unchunked single micro-batch."""
+    model_def, params, batch, _ = tiny
+    loss, grads, metrics = _cached_loss_and_grad(model_def, 1, objective)(params, batch)
+    config = learner.LearnerConfig(
+        num_micro_batches=num_micro_batches, logprob_chunk_size=CHUNK
+    )
+    c_loss, c_grads, c_metrics = learner.make_loss_and_grad(model_def, config, objective)(
+        params, batch
+    )
+    np.testing.assert_allclose(float(c_loss), float(loss), rtol=1e-5)
+    assert int(c_metrics["tokens"]) == int(metrics["tokens"])
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) > 1e-4
+    assert_trees_close(c_grads, grads, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["policy", "sft"])
+def test_chunked_train_step_equals_full_logits_step(tiny, objective):
+    model_def, params, batch, _ = tiny
+    make = learner.make_train_step if objective == "policy" else learner.make_sft_step
+    results = []
+    for chunk in (None, CHUNK):
+        config = learner.LearnerConfig(learning_rate=1e-3, logprob_chunk_size=chunk)
+        state = learner.TrainState(
+            params=copy_tree(params),
+            opt_state=learner.make_optimizer(config).init(params),
+            step=jnp.zeros((), jnp.int32),
+            policy_event=jnp.zeros((), jnp.int32),
+        )
+        results.append(make(model_def, config)(state, batch))
+    (full_state, full_metrics), (chunk_state, chunk_metrics) = results
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(
+            float(chunk_metrics[key]), float(full_metrics[key]), rtol=1e-5, err_msg=key
+        )
+    assert_trees_close(chunk_state.params, full_state.params, rtol=1e-5, atol=1e-6)
+
+
+def _array_shapes(jaxpr):
+    """Shapes of every value in a jaxpr, its sub-jaxprs (scan/remat bodies) included."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            shapes |= _array_shapes(sub)
+    return shapes
+
+
+def test_chunked_gradient_never_builds_full_logits():
+    """No value of the chunked loss-and-gradient jaxpr (remat/scan bodies included) has a
+    vocabulary axis with more than one chunk of positions in front of it."""
+    vocab = 97  # a size no other axis of the tiny model has
+    model_def, params = learner.split_model(
+        init_model(tiny_config("qwen3", vocab_size=vocab, num_hidden_layers=1))
+    )
+    batch, _ = make_batch(vocab=vocab)
+
+    def shapes(chunk):
+        config = learner.LearnerConfig(logprob_chunk_size=chunk)
+        fn = lambda p, b: learner.loss_and_grads(model_def, p, b, config, "policy")
+        found = _array_shapes(jax.make_jaxpr(fn)(params, batch).jaxpr)
+        return {s for s in found if len(s) == 3 and s[-1] == vocab}
+
+    assert (B, T - 1, vocab) in shapes(None)  # the check can fail
+    assert shapes(CHUNK) == {(B, CHUNK, vocab)}
+
+
+def test_logprob_chunk_size_validation():
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="logprob_chunk_size"):
+            learner.LearnerConfig(logprob_chunk_size=bad)
+    assert learner.LearnerConfig(logprob_chunk_size=1).logprob_chunk_size == 1
