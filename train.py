@@ -238,6 +238,7 @@ def learner_config(cfg: TrainConfig):
                          weight_decay=cfg.optim.weight_decay,
                          max_grad_norm=cfg.optim.max_grad_norm,
                          num_micro_batches=cfg.optim.num_micro_batches,
+                         logprob_chunk_size=cfg.optim.logprob_chunk_size,
                          clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high,
                          dual_clip=cfg.loss.dual_clip, is_cap=cfg.loss.is_cap)
 
@@ -294,7 +295,8 @@ def run_warmstart(cfg: TrainConfig, paths: RunPaths, base: Path, chat, warm_task
         f"{ws.epochs} epochs, batch {ws.batch_size}, lr {ws.learning_rate}")
     model = load_model(base, cfg)
     sft_cfg = LearnerConfig(learning_rate=ws.learning_rate, weight_decay=ws.weight_decay,
-                            max_grad_norm=cfg.optim.max_grad_norm)
+                            max_grad_norm=cfg.optim.max_grad_norm,
+                            logprob_chunk_size=cfg.optim.logprob_chunk_size)
     model_def, state = init_train_state(model, sft_cfg)
     sft_step = make_sft_step(model_def, sft_cfg)
     start = time.time()
@@ -379,7 +381,7 @@ class PolicyLearner:
         self.state = state
         self.method = cfg.method
         self.train_step = make_train_step(model_def, learner_config(cfg))
-        self.compute_logprobs = make_compute_logprobs(model_def) if cfg.method == "spo" else None
+        self.compute_logprobs = make_compute_logprobs(model_def, cfg.optim.logprob_chunk_size) if cfg.method == "spo" else None
 
     def weights(self):
         return self.model_def.merge(self.state.params)

@@ -225,9 +225,14 @@ class OptimSection:
     weight_decay: float = 0.1
     max_grad_norm: Optional[float] = 1.0
     num_micro_batches: int = 1
+    # Log-probs in chunks of this many positions from the final hidden states, so no
+    # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
+    logprob_chunk_size: Optional[int] = None
 
     def __post_init__(self):
         _positive("optim", self, "learning_rate", "num_micro_batches")
+        if self.logprob_chunk_size is not None:
+            _positive("optim", self, "logprob_chunk_size")
         _check(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
         if self.max_grad_norm is not None:
             _positive("optim", self, "max_grad_norm")

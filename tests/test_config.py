@@ -78,6 +78,7 @@ def test_resume_flag_forms():
     (["--tracker.rho", "1.5"], "tracker.rho"),
     (["--steps", "0"], "steps"),
     (["--optim.learning_rate=-1e-3"], "optim.learning_rate"),
+    (["--optim.logprob_chunk_size", "0"], "optim.logprob_chunk_size"),
     (["--loss.clip_low", "1.5"], "loss.clip_low"),
     (["--loss.dual_clip", "0.5"], "loss.dual_clip"),
     (["--rollout.top_p", "0"], "rollout.top_p"),
