@@ -256,11 +256,7 @@ def token_logprobs(logits: jax.Array, input_ids: jax.Array) -> jax.Array:
             f"`logits` has shape {logits.shape} but `input_ids` has shape {input_ids.shape}; "
             "the leading [B, T] must match"
         )
-    logits = logits[:, :-1].astype(jnp.float32)
-    targets = input_ids[:, 1:]
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-    target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    logp = target_logit - jax.nn.logsumexp(logits, axis=-1)
+    logp = _target_logprobs(logits[:, :-1], input_ids[:, 1:])
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
