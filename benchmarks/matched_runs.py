@@ -1,0 +1,141 @@
+"""Matched TextWorld runs: SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
+
+Issue #7, evidence items 1-3. Every run is `python train.py --stage rl` (the command users
+run), from ONE shared warm-start checkpoint and ONE shared offline prior, so that arms differ
+only in the flags listed in ARMS below (SPEC 7: matched runs share checkpoint, prompts,
+prior, decoding, budget, optimizer and runtime).
+
+    python benchmarks/matched_runs.py run --arms spopp spo grpo --seeds 0 1 2 3 4
+    python benchmarks/matched_runs.py run --arms event_traj receipt_token receipt_traj \
+        --seeds 0 1 2 3 4 --steps 80
+    python benchmarks/matched_runs.py report            # tables + figures from what is there
+
+`run` is resumable: a run whose `summary.json` exists is skipped, a run that crashed is
+redone from scratch (its folder is removed first). Runs go in the order seed-major
+(seed 0 of every arm, then seed 1, ...), so a partial campaign is still paired.
+Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
+
+`report` (see `matched_report.py`) reads the runs' `metrics.jsonl` and prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+# Arm -> train.py flags on top of the shared defaults (configs/default.yaml).
+# SPO++: event-time tracker (fixed rho 0.875), action-token measure, dual-clip c = 2.
+# SPO:   receipt-order tracker with KL-adaptive retention clip(2^(-D/0.06), 0.875, 0.96),
+#        trajectory measure, dual-clip c = 10 (SPEC 2 baseline, SPEC 5, the paper's recipe).
+# GRPO:  groups of G = 8 siblings of one task behind a group barrier, A = R - group mean,
+#        then the same token-measure whitening and loss as SPO++ (2 groups per batch of 16).
+# The 2x2 ablation (SPEC 7 open question): tracker x measure with retention FIXED at 0.875
+# and dual-clip FIXED at c = 2; its event-time x token cell is `spopp`.
+FIXED_RECEIPT = ["--method", "spo", "--tracker.spo_rho_min", "0.875",
+                 "--tracker.spo_rho_max", "0.875", "--loss.dual_clip", "2.0"]
+ARMS: dict[str, list[str]] = {
+    "spopp": ["--method", "spopp", "--advantage.measure", "token", "--loss.dual_clip", "2.0"],
+    "spo": ["--method", "spo", "--advantage.measure", "trajectory", "--loss.dual_clip", "10.0"],
+    "grpo": ["--method", "grpo", "--rollout.group_size", "8", "--advantage.measure", "token",
+             "--loss.dual_clip", "2.0"],
+    "event_traj": ["--method", "spopp", "--advantage.measure", "trajectory",
+                   "--loss.dual_clip", "2.0"],
+    "receipt_token": FIXED_RECEIPT + ["--advantage.measure", "token"],
+    "receipt_traj": FIXED_RECEIPT + ["--advantage.measure", "trajectory"],
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train the missing runs")
+    run.add_argument("--arms", nargs="+", default=["spopp", "spo", "grpo"], choices=sorted(ARMS))
+    run.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    run.add_argument("--steps", type=int, default=160, help="learner updates per run")
+    run.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
+    run.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                     help="flags passed to every train.py call (after --extra)")
+    report = sub.add_parser("report", help="tables and figures from the finished runs")
+    report.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
+    report.add_argument("--updates-per-step", type=int, default=8,
+                        help="learner updates per plotted step (8 x 16 = 128 trajectories, "
+                             "the paper's plotted step)")
+    report.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
+    report.add_argument("--out", type=Path, default=None, help="also write the markdown here")
+    return parser.parse_args(argv)
+
+
+def python() -> str:
+    return sys.executable
+
+
+def shared_stage(root: Path, extra: list[str]) -> tuple[Path, Path]:
+    """Warm start + offline prior, once: (model folder, prior.json) every run starts from."""
+    shared = root / "shared"
+    model, prior = shared / "warmstart_model", shared / "prior.json"
+    if not (model.is_dir() and prior.is_file()):
+        command = [python(), str(REPO / "train.py"), "--stage", "prior", "--output_dir",
+                   str(shared), "--progress", "false", "--tensorboard", "false", *extra]
+        print("shared stage:", " ".join(command), flush=True)
+        subprocess.run(command, cwd=REPO, check=True)
+    return model, prior
+
+
+def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Path,
+            extra: list[str]) -> float | None:
+    """Train one run unless it is done; returns its wall time (None when skipped)."""
+    out = root / arm / f"seed{seed}"
+    if (out / "summary.json").is_file():
+        return None
+    if out.exists():
+        shutil.rmtree(out)  # an interrupted run: redo it from scratch (no partial curves)
+    out.mkdir(parents=True)
+    command = [python(), str(REPO / "train.py"), "--stage", "rl", "--output_dir", str(out),
+               "--model.path", str(model), "--warmstart.enabled", "false",
+               "--prior.path", str(prior), "--seed", str(seed), "--steps", str(steps),
+               "--progress", "false", "--tensorboard", "false", *ARMS[arm], *extra]
+    (out / "command.json").write_text(json.dumps(command, indent=1))
+    start = time.time()
+    with open(out / "train.log", "w") as log:
+        result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.time() - start
+    if result.returncode != 0:
+        raise SystemExit(f"{arm} seed {seed} failed (exit {result.returncode}): see {out / 'train.log'}")
+    return wall
+
+
+def run(args) -> None:
+    from _hardware import cpu_model
+
+    print(f"hardware: {cpu_model()}; python {platform.python_version()}", flush=True)
+    model, prior = shared_stage(args.root, args.extra)
+    todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    for i, (arm, seed) in enumerate(todo, 1):
+        wall = run_one(arm, seed, args.steps, args.root, model, prior, args.extra)
+        state = "done already" if wall is None else f"{wall:.0f} s"
+        summary = json.loads((args.root / arm / f"seed{seed}" / "summary.json").read_text())
+        print(f"[{i}/{len(todo)}] {arm} seed {seed}: {state}; success after RL "
+              f"{summary['success_after_rl']:.3f}", flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.command == "run":
+        run(args)
+    else:
+        from matched_report import report
+
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
