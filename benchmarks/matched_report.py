@@ -208,8 +208,38 @@ def covariance_section(runs, ups: int, figures: Path) -> list[str]:
     for arm, by_seed in sorted(runs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99):
         cells = [pm([window_mean(r, k, absolute=a) for r in by_seed.values()]) for k, a in keys]
         lines.append(f"| {LABELS.get(arm, arm)} | " + " | ".join(cells) + " |")
-    lines += ["", *prediction_lines(runs, ups, figures)]
+    covariance_figure(runs, ups, figures / "centre_through_training.png")
+    lines += ["", "![centre through training](figures/centre_through_training.png)", "",
+              *prediction_lines(runs, ups, figures)]
     return lines
+
+
+def covariance_figure(runs, ups: int, path: Path) -> None:
+    """Per plotted step, mean over seeds: Cov_n(L, A), the trajectory-whitening centre and
+    the median length, for every arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = (("diag/cov_n_length_advantage", "Cov_n(L, A), raw advantages"),
+            ("diag/center_after_trajectory_whitening", "centre after trajectory whitening"),
+            ("diag/length_q50", "median action tokens L"))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    order = [*MAIN_ARMS, *(a for a in CELLS.values() if a not in MAIN_ARMS)]
+    for color, arm in zip(("C0", "C3", "C2", "C1", "C4", "C5"), [a for a in order if a in runs]):
+        for ax, (key, title) in zip(axes, keys):
+            series = [plotted_steps(r.series(key), ups) for r in runs[arm].values()]
+            t = min(len(x) for x in series)
+            mean = np.mean([x[:t] for x in series], axis=0)
+            ax.plot(np.arange(1, t + 1), mean, color=color, label=LABELS.get(arm, arm))
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("plotted step")
+            ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def prediction_lines(runs, ups: int, figures: Path) -> list[str]:
