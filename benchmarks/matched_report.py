@@ -154,35 +154,51 @@ def c10_by_arm(runs, ups: int) -> dict[str, dict[int, float]]:
     return out
 
 
-def ablation_section(runs, ups: int) -> list[str]:
-    c10 = c10_by_arm(runs, ups)
-    if not all(arm in c10 for arm in CELLS.values()):
-        return [f"(2x2 incomplete: have {sorted(c10)})"]
-    lines = [f"C10 = (AUC(r_1..r_10) + mean(r_6..r_10))/2 over the first 10 plotted steps "
-             f"({10 * ups} updates, {10 * ups * 16} trajectories); retention 0.875 (fixed) and "
-             "dual-clip c = 2 in all four cells; mean ± sample std over seeds (runs).", "",
-             "| tracker \\ measure | token | trajectory |", "|---|---|---|"]
+def auc_by_arm(runs, ups: int, arms) -> tuple[dict[str, dict[int, float]], int]:
+    """AUC over the plotted steps all runs of ``arms`` share, and that step count."""
+    arms = [a for a in arms if a in runs]
+    t = min(len(r.curve(ups)) for a in arms for r in runs[a].values())
+    return {a: {s: area_under_curve(r.curve(ups)[:t]) for s, r in runs[a].items()} for a in arms}, t
+
+
+def two_by_two(g: dict, score: str) -> list[str]:
+    """The 2x2 table of one score and its paired effects (points)."""
+    lines = [f"| {score}: tracker \\ measure | token | trajectory |", "|---|---|---|"]
     for tracker in ("event-time", "receipt-order"):
-        cells = [c10[CELLS[(tracker, m)]] for m in ("token", "trajectory")]
+        cells = [g[(tracker, m)] for m in ("token", "trajectory")]
         lines.append(f"| {tracker} | " + " | ".join(f"{pm(list(c.values()))} (n={len(c)})" for c in cells) + " |")
-    g = {key: c10[arm] for key, arm in CELLS.items()}
-    lines += ["", *PAIRED_HEADER,
-              paired_line("token − trajectory, event-time tracker", g[("event-time", "token")], g[("event-time", "trajectory")]),
-              paired_line("token − trajectory, receipt-order tracker", g[("receipt-order", "token")], g[("receipt-order", "trajectory")]),
-              paired_line("event-time − receipt-order, token measure", g[("event-time", "token")], g[("receipt-order", "token")]),
-              paired_line("event-time − receipt-order, trajectory measure", g[("event-time", "trajectory")], g[("receipt-order", "trajectory")])]
     interaction = {}
     for s in set.intersection(*(set(v) for v in g.values())):
         interaction[s] = (g[("event-time", "token")][s] - g[("event-time", "trajectory")][s]
                           - g[("receipt-order", "token")][s] + g[("receipt-order", "trajectory")][s])
-    lines.append(paired_line("interaction (token gain at event-time − at receipt-order)", interaction,
-                             {s: 0.0 for s in interaction}))
+    return lines + [
+        "", *PAIRED_HEADER,
+        paired_line(f"{score}: token − trajectory, event-time tracker", g[("event-time", "token")], g[("event-time", "trajectory")]),
+        paired_line(f"{score}: token − trajectory, receipt-order tracker", g[("receipt-order", "token")], g[("receipt-order", "trajectory")]),
+        paired_line(f"{score}: event-time − receipt-order, token measure", g[("event-time", "token")], g[("receipt-order", "token")]),
+        paired_line(f"{score}: event-time − receipt-order, trajectory measure", g[("event-time", "trajectory")], g[("receipt-order", "trajectory")]),
+        paired_line(f"{score}: interaction (token gain at event-time − at receipt-order)", interaction,
+                    {s: 0.0 for s in interaction})]
+
+
+def ablation_section(runs, ups: int) -> list[str]:
+    c10 = c10_by_arm(runs, ups)
+    if not all(arm in c10 for arm in CELLS.values()):
+        return [f"(2x2 incomplete: have {sorted(c10)})"]
+    auc, t = auc_by_arm(runs, ups, [*CELLS.values(), "spo"])
+    lines = [f"C10 = (AUC(r_1..r_10) + mean(r_6..r_10))/2 over the first 10 plotted steps "
+             f"({10 * ups} updates, {10 * ups * 16} trajectories: the paper's short ablation); AUC over "
+             f"all T = {t} common plotted steps. Retention 0.875 (fixed) and dual-clip c = 2 in all four "
+             "cells; mean ± sample std over seeds (runs); the event-time x token cell is SPO++.", ""]
+    for score, values in (("C10", c10), (f"AUC (T = {t})", auc)):
+        lines += [*two_by_two({key: values[arm] for key, arm in CELLS.items()}, score), ""]
     if "spo" in c10:
-        lines += ["", "The paper's Table 2 (against the full SPO recipe: KL-adaptive retention, c = 10, "
-                  "trajectory measure):", "", *PAIRED_HEADER,
-                  paired_line("SPO++ with trajectory measure − SPO", g[("event-time", "trajectory")], c10["spo"]),
-                  paired_line("SPO++ (token measure) − SPO", g[("event-time", "token")], c10["spo"]),
-                  paired_line("token − trajectory (SPO++)", g[("event-time", "token")], g[("event-time", "trajectory")])]
+        lines += ["The paper's Table 2 (against the full SPO recipe: KL-adaptive retention, c = 10, "
+                  "trajectory measure):", "", *PAIRED_HEADER]
+        for score, values in (("C10", c10), (f"AUC (T = {t})", auc)):
+            lines += [paired_line(f"{score}: SPO++ with trajectory measure − SPO", values["event_traj"], values["spo"]),
+                      paired_line(f"{score}: SPO++ (token measure) − SPO", values["spopp"], values["spo"]),
+                      paired_line(f"{score}: token − trajectory (SPO++)", values["spopp"], values["event_traj"])]
     return lines
 
 
@@ -243,35 +259,42 @@ def covariance_figure(runs, ups: int, path: Path) -> None:
 
 
 def prediction_lines(runs, ups: int, figures: Path) -> list[str]:
-    """Token-measure gain (C10 token − C10 trajectory, same tracker and seed) against the mean
-    abs(centre) of the trajectory-measure run's first 10 plotted steps."""
     c10 = c10_by_arm(runs, ups)
+    auc, t = auc_by_arm(runs, ups, CELLS.values()) if all(a in runs for a in CELLS.values()) else ({}, 0)
+    return [*predicts(runs, "C10", c10, 10 * ups, figures / "centre_vs_token_gain.png"), "",
+            *predicts(runs, f"AUC (T = {t})", auc, t * ups, figures / "centre_vs_token_gain_auc.png")]
+
+
+def predicts(runs, score: str, values: dict, window: int, path: Path) -> list[str]:
+    """Token-measure gain of ``score`` (token − trajectory, same tracker and seed) against the
+    mean abs(centre) of the trajectory-measure run over the updates the score covers."""
     pairs = []
     for tracker in ("event-time", "receipt-order"):
         token, traj = CELLS[(tracker, "token")], CELLS[(tracker, "trajectory")]
-        if token not in c10 or traj not in c10:
+        if token not in values or traj not in values:
             continue
-        for s in sorted(set(c10[token]) & set(c10[traj])):
-            centre = window_mean(runs[traj][s], "diag/center_after_trajectory_whitening", 10 * ups, absolute=True)
-            pairs.append((tracker, s, centre, c10[token][s] - c10[traj][s]))
+        for s in sorted(set(values[token]) & set(values[traj])):
+            centre = window_mean(runs[traj][s], "diag/center_after_trajectory_whitening", window, absolute=True)
+            pairs.append((tracker, s, centre, values[token][s] - values[traj][s]))
     if len(pairs) < 3:
-        return ["(too few token/trajectory pairs to relate the centre to the gain)"]
+        return [f"({score}: too few token/trajectory pairs to relate the centre to the gain)"]
     x, y = np.array([p[2] for p in pairs]), np.array([p[3] for p in pairs])
     if np.ptp(x) == 0 or np.ptp(y) == 0:
-        return [f"(centre or gain constant over the {len(pairs)} pairs: no correlation defined)"]
+        return [f"({score}: centre or gain constant over the {len(pairs)} pairs: no correlation defined)"]
     r = float(np.corrcoef(x, y)[0, 1])
     rng = np.random.default_rng(0)
     null = np.array([np.corrcoef(x, rng.permutation(y))[0, 1] for _ in range(20000)])
     p_value = float(np.mean(np.abs(null) >= abs(r)))
-    scatter(pairs, figures / "centre_vs_token_gain.png")
-    return [f"Does the centre's size predict the token-measure gain? {len(pairs)} pairs (tracker x seed): "
-            f"Pearson r = {r:+.2f}, permutation p = {p_value:.2f} (two-sided, 20,000 permutations); "
+    scatter(pairs, path, score)
+    return [f"Does the centre's size predict the token-measure gain in {score}? {len(pairs)} pairs "
+            f"(tracker x seed), centre averaged over the first {window} updates of the trajectory-measure "
+            f"run: Pearson r = {r:+.2f}, permutation p = {p_value:.2f} (two-sided, 20,000 permutations); "
             f"mean abs(centre) {x.mean():.3f} (range {x.min():.3f} to {x.max():.3f}); gain "
             f"{100 * y.mean():+.2f} ± {100 * y.std(ddof=1):.2f} points.", "",
-            "![centre vs gain](figures/centre_vs_token_gain.png)"]
+            f"![centre vs gain]({path.parent.name}/{path.name})"]
 
 
-def scatter(pairs, path: Path) -> None:
+def scatter(pairs, path: Path, score: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,7 +307,7 @@ def scatter(pairs, path: Path) -> None:
             ax.scatter(*zip(*pts), marker=marker, label=tracker)
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xlabel("mean abs(centre) after trajectory whitening")
-    ax.set_ylabel("C10 gain, token − trajectory (points)")
+    ax.set_ylabel(f"{score} gain, token − trajectory (points)", fontsize=8)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

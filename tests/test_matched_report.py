@@ -63,7 +63,9 @@ def test_ablation_and_centre_prediction(tmp_path):
         write_run(root, "receipt_traj", seed, [0.125] * steps, centre=centre)
     text = matched_report.report(args_for(root, tmp_path))
     # constant curves: C10 = the constant; token - trajectory = 6.25, 12.5, 18.75 points
-    assert "| token − trajectory, event-time tracker | +12.50 ± 6.25 | +++ (3+/0-) |" in text
-    assert "| event-time − receipt-order, token measure | +12.50 ± 0.00 |" in text
-    assert "interaction (token gain at event-time − at receipt-order) | +0.00 ± 0.00 | 000 (0+/0-)" in text
-    assert "Pearson r = +1.00" in text
+    assert "| C10: token − trajectory, event-time tracker | +12.50 ± 6.25 | +++ (3+/0-) |" in text
+    assert "| C10: event-time − receipt-order, token measure | +12.50 ± 0.00 |" in text
+    assert "C10: interaction (token gain at event-time − at receipt-order) | +0.00 ± 0.00 | 000 (0+/0-)" in text
+    # constant curves: the AUC over all 10 steps equals C10 here
+    assert "| AUC (T = 10): token − trajectory, event-time tracker | +12.50 ± 6.25 |" in text
+    assert "in C10? 6 pairs" in text and "Pearson r = +1.00" in text
