@@ -20,7 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from spopp_jax.evaluation import area_under_curve, c10_score, last_mean, paired_differences, plotted_steps
+from spopp_jax.evaluation import (
+    area_under_curve,
+    c10_score,
+    last_mean,
+    paired_differences,
+    plotted_steps,
+)
 
 MAIN_ARMS = ("spopp", "spo", "grpo")
 LABELS = {"spopp": "SPO++", "spo": "SPO", "grpo": "GRPO (G=8)", "event_traj": "event x trajectory",
@@ -320,7 +326,6 @@ def scatter(pairs, path: Path, score: str) -> None:
 
 def report(args) -> str:
     import jax
-
     from _hardware import cpu_model
 
     runs = load_runs(args.root)

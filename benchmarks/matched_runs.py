@@ -106,7 +106,7 @@ def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Pat
     (out / "command.json").write_text(json.dumps(command, indent=1))
     start = time.time()
     with open(out / "train.log", "w") as log:
-        result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
     wall = time.time() - start
     if result.returncode != 0:
         raise SystemExit(f"{arm} seed {seed} failed (exit {result.returncode}): see {out / 'train.log'}")

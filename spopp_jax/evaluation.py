@@ -15,12 +15,19 @@ floats and return Python floats; they are host-side NumPy (reports, not training
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["plotted_steps", "area_under_curve", "last_mean", "c10_score",
-           "PairedDifferences", "paired_differences"]
+__all__ = [
+    "PairedDifferences",
+    "area_under_curve",
+    "c10_score",
+    "last_mean",
+    "paired_differences",
+    "plotted_steps",
+]
 
 
 def _curve(rewards: Sequence[float], name: str = "rewards") -> np.ndarray:

@@ -7,25 +7,23 @@ import os
 import sys
 
 import numpy as np
-import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-import matched_report  # noqa: E402
+import matched_report
 
 
 def write_run(root, arm, seed, success, centre=-0.1):
     folder = root / arm / f"seed{seed}"
     folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as f:
-        for step, s in enumerate(success, 1):
-            f.write(json.dumps({
+        f.writelines(json.dumps({
                 "step": step, "success_rate": s,
                 "diag/cov_n_length_advantage": 2 * centre,
                 "diag/center_after_trajectory_whitening": centre,
                 "diag/center_after_token_whitening": 0.0,
                 "diag/length_q10": 2.0, "diag/length_q50": 3.0, "diag/length_q90": 4.0,
-            }) + "\n")
+            }) + "\n" for step, s in enumerate(success, 1))
     (folder / "summary.json").write_text(json.dumps({
         "success_before_rl": 0.2, "success_after_rl": float(np.mean(success[-8:])),
         "rl_wall_s": 10.0}))
