@@ -148,6 +148,34 @@ def figure_one(runs, arms, ups: int, t_common: int, path: Path) -> None:
     plt.close(fig)
 
 
+COLLAPSE_LEVEL = 0.05  # a plotted step below this success is "collapsed" (prior success ~0.2)
+
+
+def collapse_onset(run: Run, ups: int) -> int | None:
+    """First update of the final stretch of plotted steps with success < COLLAPSE_LEVEL,
+    when that stretch covers at least the last 5 plotted steps; else None."""
+    curve = run.curve(ups)
+    alive = np.flatnonzero(curve >= COLLAPSE_LEVEL)
+    first_dead = 0 if alive.size == 0 else int(alive[-1]) + 1
+    if curve.size - first_dead < min(5, curve.size):
+        return None
+    return first_dead * ups + 1
+
+
+def collapse_section(runs, ups: int) -> list[str]:
+    lines = [f"A run counts as collapsed when its last plotted steps (at least 5, to the end) all have "
+             f"training success < {COLLAPSE_LEVEL} (prior success is about 0.2): the policy has fallen "
+             "into an absorbing reply (e.g. an empty reply, whose saturated softmax carries no gradient).", "",
+             "| arm | runs | collapsed | seed (first update of the collapsed stretch) |", "|---|---|---|---|"]
+    order = [*MAIN_ARMS, *(a for a in CELLS.values() if a not in MAIN_ARMS)]
+    for arm in [a for a in order if a in runs]:
+        onsets = {s: collapse_onset(r, ups) for s, r in sorted(runs[arm].items())}
+        hit = {s: u for s, u in onsets.items() if u is not None}
+        where = ", ".join(f"{s} ({u})" for s, u in hit.items()) or "none"
+        lines.append(f"| {LABELS.get(arm, arm)} | {len(onsets)} | {len(hit)} | {where} |")
+    return lines
+
+
 # ----------------------------------------------------------------------------- 2. the 2x2
 
 
@@ -337,6 +365,7 @@ def report(args) -> str:
              + f". Hardware: {cpu_model()}; python {platform.python_version()}, jax {jax.__version__}. "
              f"RL wall time per run {min(walls):.0f} to {max(walls):.0f} s, {sum(walls) / 60:.0f} min in all.",
              "", "### SPO++ vs SPO vs GRPO", "", *main_section(runs, ups, args.figures),
+             "", "### Collapsed runs", "", *collapse_section(runs, ups),
              "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups),
              "", "### Length-advantage covariance and the loss-weighted centre", "",
              *covariance_section(runs, ups, args.figures)]

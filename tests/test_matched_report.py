@@ -67,3 +67,13 @@ def test_ablation_and_centre_prediction(tmp_path):
     # constant curves: the AUC over all 10 steps equals C10 here
     assert "| AUC (T = 10): token − trajectory, event-time tracker | +12.50 ± 6.25 |" in text
     assert "in C10? 6 pairs" in text and "Pearson r = +1.00" in text
+
+
+def test_collapse_is_counted_with_its_onset(tmp_path):
+    root = tmp_path / "runs"
+    # plotted steps (2 updates each): 0.25 x 4, then 0 x 6 -> collapsed from update 9
+    write_run(root, "spopp", 0, [0.25] * 8 + [0.0] * 12)
+    # a dip of 4 plotted steps that recovers is not a collapse
+    write_run(root, "spopp", 1, [0.25] * 4 + [0.0] * 8 + [0.25] * 8)
+    text = matched_report.report(args_for(root, tmp_path))
+    assert "| SPO++ | 2 | 1 | 0 (9) |" in text
