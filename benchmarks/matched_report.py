@@ -148,6 +148,7 @@ def figure_one(runs, arms, ups: int, t_common: int, path: Path) -> None:
     plt.close(fig)
 
 
+WARMUP = 8  # updates: the first plotted step
 COLLAPSE_LEVEL = 0.05  # a plotted step below this success is "collapsed" (prior success ~0.2)
 
 
@@ -299,33 +300,49 @@ def prediction_lines(runs, ups: int, figures: Path) -> list[str]:
             *predicts(runs, f"AUC (T = {t})", auc, t * ups, figures / "centre_vs_token_gain_auc.png")]
 
 
+def correlation(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Pearson r and its two-sided permutation p-value (20,000 permutations, seed 0)."""
+    r = float(np.corrcoef(x, y)[0, 1])
+    rng = np.random.default_rng(0)
+    null = np.array([np.corrcoef(x, rng.permutation(y))[0, 1] for _ in range(20000)])
+    return r, float(np.mean(np.abs(null) >= abs(r)))
+
+
 def predicts(runs, score: str, values: dict, window: int, path: Path) -> list[str]:
     """Token-measure gain of ``score`` (token − trajectory, same tracker and seed) against the
-    mean abs(centre) of the trajectory-measure run over the updates the score covers."""
+    mean abs(centre) from three sources: the trajectory-measure run and the token-measure run
+    over the updates the score covers, and both runs' first plotted step (before they differ
+    much). The first two are outcomes of the runs themselves (a run's success rate moves
+    its centre), so only the third is a predictor measured before the effect."""
+    key = "diag/center_after_trajectory_whitening"
     pairs = []
     for tracker in ("event-time", "receipt-order"):
         token, traj = CELLS[(tracker, "token")], CELLS[(tracker, "trajectory")]
         if token not in values or traj not in values:
             continue
         for s in sorted(set(values[token]) & set(values[traj])):
-            centre = window_mean(runs[traj][s], "diag/center_after_trajectory_whitening", window, absolute=True)
-            pairs.append((tracker, s, centre, values[token][s] - values[traj][s]))
+            a, b = runs[traj][s], runs[token][s]
+            sources = (window_mean(a, key, window, absolute=True), window_mean(b, key, window, absolute=True),
+                       0.5 * (window_mean(a, key, WARMUP, absolute=True) + window_mean(b, key, WARMUP, absolute=True)))
+            pairs.append((tracker, s, sources, values[token][s] - values[traj][s]))
     if len(pairs) < 3:
         return [f"({score}: too few token/trajectory pairs to relate the centre to the gain)"]
-    x, y = np.array([p[2] for p in pairs]), np.array([p[3] for p in pairs])
-    if np.ptp(x) == 0 or np.ptp(y) == 0:
-        return [f"({score}: centre or gain constant over the {len(pairs)} pairs: no correlation defined)"]
-    r = float(np.corrcoef(x, y)[0, 1])
-    rng = np.random.default_rng(0)
-    null = np.array([np.corrcoef(x, rng.permutation(y))[0, 1] for _ in range(20000)])
-    p_value = float(np.mean(np.abs(null) >= abs(r)))
-    scatter(pairs, path, score)
-    return [f"Does the centre's size predict the token-measure gain in {score}? {len(pairs)} pairs "
-            f"(tracker x seed), centre averaged over the first {window} updates of the trajectory-measure "
-            f"run: Pearson r = {r:+.2f}, permutation p = {p_value:.2f} (two-sided, 20,000 permutations); "
-            f"mean abs(centre) {x.mean():.3f} (range {x.min():.3f} to {x.max():.3f}); gain "
-            f"{100 * y.mean():+.2f} ± {100 * y.std(ddof=1):.2f} points.", "",
-            f"![centre vs gain]({path.parent.name}/{path.name})"]
+    y = np.array([p[3] for p in pairs])
+    lines = [f"Does the centre's size predict the token-measure gain in {score}? {len(pairs)} pairs "
+             f"(tracker x seed); gain (token − trajectory) {100 * y.mean():+.2f} ± {100 * y.std(ddof=1):.2f} "
+             "points; Pearson r with a two-sided permutation p (20,000 permutations):", "",
+             "| mean abs(centre) taken from | range | r | p |", "|---|---|---|---|"]
+    names = (f"trajectory-measure run, first {window} updates", f"token-measure run, first {window} updates",
+             f"both runs, first {WARMUP} updates (before the arms diverge)")
+    for i, name in enumerate(names):
+        x = np.array([p[2][i] for p in pairs])
+        if np.ptp(x) == 0 or np.ptp(y) == 0:
+            lines.append(f"| {name} | constant | n/a | n/a |")
+            continue
+        r, p_value = correlation(x, y)
+        lines.append(f"| {name} | {x.min():.3f} to {x.max():.3f} | {r:+.2f} | {p_value:.3f} |")
+    scatter([(p[0], p[1], p[2][0], p[3]) for p in pairs], path, score)
+    return [*lines, "", f"![centre vs gain]({path.parent.name}/{path.name})"]
 
 
 def scatter(pairs, path: Path, score: str) -> None:
