@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from spopp_jax import learner
@@ -103,8 +104,6 @@ def test_one_mini_batch_is_the_plain_step_with_one_forward(tiny, monkeypatch):
     def reference(params, opt_state, batch):
         _, grads, metrics = learner.loss_and_grads(model_def, params, batch, config, "policy")
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        import optax
-
         return optax.apply_updates(params, updates), {
             **metrics,
             "grad_norm": optax.global_norm(grads),
