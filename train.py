@@ -238,6 +238,7 @@ def learner_config(cfg: TrainConfig):
                          weight_decay=cfg.optim.weight_decay,
                          max_grad_norm=cfg.optim.max_grad_norm,
                          num_micro_batches=cfg.optim.num_micro_batches,
+                         num_mini_batches=cfg.optim.num_mini_batches,
                          logprob_chunk_size=cfg.optim.logprob_chunk_size,
                          clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high,
                          dual_clip=cfg.loss.dual_clip, is_cap=cfg.loss.is_cap)

@@ -225,12 +225,16 @@ class OptimSection:
     weight_decay: float = 0.1
     max_grad_norm: Optional[float] = 1.0
     num_micro_batches: int = 1
+    # PPO mini-batches: each update's batch is split into this many mini-batches, one AdamW
+    # step each, all against the policy of the update's start (verl's ppo_mini_batch_size =
+    # batch_size / this); > 1 makes the clip and dual clip act. 1 = one step per update.
+    num_mini_batches: int = 1
     # Log-probs in chunks of this many positions from the final hidden states, so no
     # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
     logprob_chunk_size: Optional[int] = None
 
     def __post_init__(self):
-        _positive("optim", self, "learning_rate", "num_micro_batches")
+        _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches")
         if self.logprob_chunk_size is not None:
             _positive("optim", self, "logprob_chunk_size")
         _check(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
@@ -335,6 +339,13 @@ class TrainConfig:
         _check(self.checkpoint_every % self.rollout.publish_every == 0, "checkpoint_every",
                f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
                "holds exactly the published policy)", self.checkpoint_every)
+        if self.optim.num_mini_batches > 1:
+            rows = self.optim.num_mini_batches * self.optim.num_micro_batches
+            _check(self.rollout.batch_size % rows == 0, "optim.num_mini_batches",
+                   f"such that num_mini_batches x optim.num_micro_batches divides "
+                   f"rollout.batch_size={self.rollout.batch_size} (each mini-batch is split "
+                   f"into micro-batches; here {self.optim.num_mini_batches} x "
+                   f"{self.optim.num_micro_batches} = {rows})", self.optim.num_mini_batches)
         if self.method == "grpo":
             _check(self.rollout.batch_size % self.rollout.group_size == 0, "rollout.batch_size",
                    f"a multiple of rollout.group_size={self.rollout.group_size} for grpo",

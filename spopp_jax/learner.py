@@ -42,6 +42,7 @@ __all__ = [
     "chunked_token_logprobs",
     "model_token_logprobs",
     "split_micro_batches",
+    "split_mini_batches",
     "make_compute_logprobs",
     "loss_and_grads",
     "make_loss_and_grad",
@@ -61,7 +62,14 @@ class LearnerConfig:
     without gradient (identical to a recomputed old policy for 1 epoch; no extra forward),
     ``"rollout"`` = the engine's ``rollout_logp`` (then the IS weight is 1).
     ``num_micro_batches``: gradient accumulation; micro-batch m holds rows m, m+M, m+2M, ...
-    (strided, so a batch sharded by rows stays local). ``max_grad_norm=None`` disables
+    (strided, so a batch sharded by rows stays local).
+    ``num_mini_batches`` = K: PPO mini-batches (verl's ``ppo_mini_batch_size`` = B/K). The
+    batch's rows are split into K mini-batches, each ONE optimizer step, taken in sequence,
+    all against the same π_old recorded once at the step's starting params (so the ratio
+    leaves 1 from mini-batch 2 on and the clip / dual clip act). Mini-batch k holds rows
+    k, k+K, k+2K, ...; its micro-batch m holds its rows m, m+M, ..., i.e. batch rows
+    k + K·m + K·M·i (see `split_mini_batches`). B must be divisible by K·M. K = 1 is the
+    single-step learner, unchanged. ``max_grad_norm=None`` disables
     clipping. ``logprob_chunk_size``: None = log-probs from the full [B, T, V] logits;
     an int C = the LM head and logsumexp run over C positions at a time (rematerialised in
     the backward pass), so at most [B, C, V] logits are live (`chunked_token_logprobs`).
@@ -74,6 +82,7 @@ class LearnerConfig:
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
     num_micro_batches: int = 1
+    num_mini_batches: int = 1
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = 2.0
@@ -90,6 +99,10 @@ class LearnerConfig:
             )
         if self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
+        if not (isinstance(self.num_mini_batches, int) and self.num_mini_batches >= 1):
+            raise ValueError(
+                f"num_mini_batches must be an int >= 1, got {self.num_mini_batches!r}"
+            )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         if self.old_logp_source not in ("current", "rollout"):
@@ -124,7 +137,8 @@ class TrainState:
     """Immutable learner state; update with `dataclasses.replace`.
 
     ``params``: graphdef-free pure-dict parameter pytree; ``opt_state``: optax state;
-    ``step``: int32 number of optimizer updates; ``policy_event``: int32 index of the policy
+    ``step``: int32 number of optimizer updates (K per train step with
+    ``num_mini_batches`` = K); ``policy_event``: int32 index of the policy
     event (SPEC 2) these params were last published as (set by the caller on publish;
     `train_step` leaves it unchanged).
     """
@@ -369,6 +383,37 @@ def split_micro_batches(batch: TrainBatch, num_micro_batches: int) -> TrainBatch
     return jax.tree.map(split, batch)
 
 
+def split_mini_batches(
+    batch: TrainBatch, num_mini_batches: int, num_micro_batches: int = 1
+) -> TrainBatch:
+    """[B, T] fields -> [K, B/K, T]; mini-batch k holds rows k, k+K, k+2K, ...
+
+    The same strided split as `split_micro_batches` (rows sharded in contiguous blocks over
+    devices stay on their device). Nesting: micro-batch m of mini-batch k (split again by
+    `split_micro_batches`) holds batch rows k + K·m + K·M·i, i = 0, 1, ..., which is
+    piece k + K·m of ``split_micro_batches(batch, K·M)``. Raises ValueError naming B, K
+    and M unless B is divisible by K·M.
+    """
+    _check_mini_batch_rows(batch.input_ids.shape[0], num_mini_batches, num_micro_batches)
+    return split_micro_batches(batch, num_mini_batches)
+
+
+def _check_mini_batch_rows(size: int, num_mini_batches: int, num_micro_batches: int) -> None:
+    if size % (num_mini_batches * num_micro_batches):
+        raise ValueError(
+            f"batch size {size} (`input_ids` rows) is not divisible by "
+            f"num_mini_batches={num_mini_batches} x num_micro_batches={num_micro_batches} "
+            f"= {num_mini_batches * num_micro_batches} (each mini-batch is split into "
+            "micro-batches)"
+        )
+
+
+def _merge_rows(x: jax.Array) -> jax.Array:
+    """Inverse of the strided split: [n, B/n, ...] -> [B, ...] with piece p = rows p, p+n, ..."""
+    x = jnp.swapaxes(x, 0, 1)
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
 def make_compute_logprobs(
     model_def: ModelDef, logprob_chunk_size: int | None = None
 ) -> Callable[[Params, TrainBatch], jax.Array]:
@@ -475,6 +520,39 @@ def _sft_token_loss(logp, micro: TrainBatch):
     return nll_sum, jnp.sum(mask, dtype=jnp.int32), {}
 
 
+def _objective(config: LearnerConfig, objective: str):
+    """(per-micro-batch token loss, metric combiner) of ``objective``."""
+    if objective == "policy":
+        return _policy_token_loss(config), combine_loss_metrics
+    if objective == "sft":
+        return _sft_token_loss, lambda a, b: {}
+    raise ValueError(f"objective must be 'policy' or 'sft', got {objective!r}")
+
+
+def _loss_grads_sums(
+    model_def: ModelDef, params: Params, batch: TrainBatch, config: LearnerConfig, objective: str
+):
+    """(loss, grads, token_count, metric sums) of one batch; see `loss_and_grads`."""
+    _check_batch(batch)
+    token_loss, combine = _objective(config, objective)
+    return _accumulate_grads(
+        model_def,
+        params,
+        batch,
+        config.num_micro_batches,
+        token_loss,
+        combine,
+        config.logprob_chunk_size,
+    )
+
+
+def _batch_metrics(objective: str, loss, tokens, sums) -> dict[str, jax.Array]:
+    metrics = {"loss": loss, "tokens": tokens}
+    if objective == "policy":
+        metrics.update(loss_metric_means(sums, tokens))
+    return metrics
+
+
 def loss_and_grads(
     model_def: ModelDef, params: Params, batch: TrainBatch, config: LearnerConfig, objective: str
 ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
@@ -484,28 +562,12 @@ def loss_and_grads(
     ``objective="sft"``: loss = −Σ_{action tokens} log p(x_t | x_<t) / N;
     N = action tokens of the whole batch. Metrics: ``loss``, ``tokens`` (= N) and, for
     "policy", the `policy_loss` metrics aggregated over the batch (`loss_metric_means`).
-    Pure; call inside jit (see `make_loss_and_grad`).
+    The whole batch is one gradient: `config.num_mini_batches` is not used here (it is
+    the number of optimizer steps of `make_train_step`). Pure; call inside jit (see
+    `make_loss_and_grad`).
     """
-    _check_batch(batch)
-    if objective == "policy":
-        token_loss, combine = _policy_token_loss(config), combine_loss_metrics
-    elif objective == "sft":
-        token_loss, combine = _sft_token_loss, lambda a, b: {}
-    else:
-        raise ValueError(f"objective must be 'policy' or 'sft', got {objective!r}")
-    loss, grads, tokens, sums = _accumulate_grads(
-        model_def,
-        params,
-        batch,
-        config.num_micro_batches,
-        token_loss,
-        combine,
-        config.logprob_chunk_size,
-    )
-    metrics = {"loss": loss, "tokens": tokens}
-    if objective == "policy":
-        metrics.update(loss_metric_means(sums, tokens))
-    return loss, grads, metrics
+    loss, grads, tokens, sums = _loss_grads_sums(model_def, params, batch, config, objective)
+    return loss, grads, _batch_metrics(objective, loss, tokens, sums)
 
 
 def make_loss_and_grad(model_def: ModelDef, config: LearnerConfig, objective: str = "policy"):
@@ -523,10 +585,103 @@ def _apply_update(optimizer, state: TrainState, grads: Params) -> tuple[TrainSta
     return new_state, grad_norm
 
 
+def _starting_old_logp(
+    model_def: ModelDef, params: Params, batch: TrainBatch, config: LearnerConfig
+) -> jax.Array:
+    """π_old [B, T] of every row, fixed for all mini-batches of one train step.
+
+    ``batch.old_logp`` when given, else the rollout log-probs (``old_logp_source=
+    "rollout"``), else (``"current"``) the log-probs under the step's STARTING `params`:
+    one pass without gradient over the K·M pieces of `split_mini_batches` x
+    `split_micro_batches` (`lax.map`, one training micro-batch of rows at a time, so no
+    more logits are live than in the gradient pass). 0 off the action mask.
+    """
+    if batch.old_logp is not None:
+        return batch.old_logp
+    if config.old_logp_source == "rollout":
+        return batch.rollout_logp
+    pieces = split_micro_batches(batch, config.num_mini_batches * config.num_micro_batches)
+
+    def piece_logp(piece: TrainBatch) -> jax.Array:
+        return model_token_logprobs(
+            model_def, params, piece.input_ids, piece.attention_mask, config.logprob_chunk_size
+        )
+
+    logp = jax.lax.stop_gradient(_merge_rows(jax.lax.map(piece_logp, pieces)))
+    return jnp.where(batch.action_mask != 0, logp, 0.0)
+
+
+def _mini_batch_steps(model_def, config, objective, optimizer, state: TrainState, batch):
+    """K = `config.num_mini_batches` sequential optimizer steps on the K mini-batches.
+
+    Each step is exactly the K = 1 step on its mini-batch (global token-mean over its own
+    N_k action tokens, micro-batch accumulation, clipping, AdamW) with ``old_logp`` the
+    π_old of `_starting_old_logp`. A mini-batch without action tokens has loss 0 and an
+    exactly-zero gradient (N_k is floored at 1, masked tokens add 0); its AdamW step is
+    still taken and counted in ``step``: the moments decay, the bias-correction count
+    advances and the params move by the remaining momentum and the weight decay (what
+    `make_train_step` does on that mini-batch alone).
+
+    Metrics over the K steps: ``tokens`` = Σ_k N_k; ``loss`` and the `policy_loss`
+    fractions / means are TOKEN-weighted (Σ_k sum_k / Σ_k N_k, each token evaluated at the
+    params of its own step); ``ratio_max`` = max over all steps; ``grad_norm`` = the
+    unweighted mean over the K steps of the pre-clipping norm, ``grad_norm_last`` = the
+    last step's.
+    """
+    _check_batch(batch)
+    _check_mini_batch_rows(
+        batch.input_ids.shape[0], config.num_mini_batches, config.num_micro_batches
+    )
+    _, combine = _objective(config, objective)
+    if objective == "policy":
+        old_logp = _starting_old_logp(model_def, state.params, batch, config)
+        batch = dataclasses.replace(batch, old_logp=old_logp)
+    mini_batches = split_mini_batches(batch, config.num_mini_batches, config.num_micro_batches)
+
+    def one_step(state: TrainState, mini: TrainBatch):
+        loss, grads, tokens, sums = _loss_grads_sums(
+            model_def, state.params, mini, config, objective
+        )
+        state, grad_norm = _apply_update(optimizer, state, grads)
+        return state, (loss, tokens, sums, grad_norm)
+
+    first = jax.tree.map(lambda x: x[0], mini_batches)
+    _, (_, _, sums_shape, _) = jax.eval_shape(one_step, state, first)
+    zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+
+    def body(carry, mini):
+        state, loss_sum, tokens_acc, sums_acc, norm_sum, _ = carry
+        state, (loss, tokens, sums, grad_norm) = one_step(state, mini)
+        # loss = Σ_k / max(N_k, 1), so loss · N_k is the mini-batch's token-sum (0 if empty).
+        loss_sum = loss_sum + loss * tokens.astype(jnp.float32)
+        carry = (
+            state,
+            loss_sum,
+            tokens_acc + tokens,
+            combine(sums_acc, sums),
+            norm_sum + grad_norm,
+            grad_norm,
+        )
+        return carry, None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = (state, zero, jnp.zeros((), jnp.int32), zero_sums, zero, zero)
+    (state, loss_sum, tokens, sums, norm_sum, last_norm), _ = jax.lax.scan(
+        body, init, mini_batches
+    )
+    loss = loss_sum / jnp.maximum(tokens, 1).astype(jnp.float32)
+    metrics = _batch_metrics(objective, loss, tokens, sums)
+    metrics["grad_norm"] = norm_sum / config.num_mini_batches
+    metrics["grad_norm_last"] = last_norm
+    return state, metrics
+
+
 def _make_step(model_def, config, objective, state_sharding, batch_sharding):
     optimizer = make_optimizer(config)
 
     def step(state: TrainState, batch: TrainBatch):
+        if config.num_mini_batches > 1:
+            return _mini_batch_steps(model_def, config, objective, optimizer, state, batch)
         _, grads, metrics = loss_and_grads(model_def, state.params, batch, config, objective)
         new_state, grad_norm = _apply_update(optimizer, state, grads)
         return new_state, {**metrics, "grad_norm": grad_norm}
@@ -551,7 +706,8 @@ def make_train_step(
 
     loss = Σ_{all action tokens of the batch} w·(−s) / N (global token-mean, see module doc),
     gradient accumulated over `config.num_micro_batches` with `lax.scan`, clipped to global
-    norm `config.max_grad_norm`, AdamW update; ``step`` += 1. The state argument is donated.
+    norm `config.max_grad_norm`, AdamW update; ``step`` += 1 (K = 1). The state argument is
+    donated.
 
     The ratio is taken against ``batch.old_logp`` when given, else per
     `config.old_logp_source`. Metrics: ``loss``, ``grad_norm`` (before clipping),
@@ -560,6 +716,16 @@ def make_train_step(
 
     `state_sharding` / `batch_sharding` (pytrees of `Sharding`, e.g. from
     `spopp_jax.sharding`) pin the layouts; without them the inputs' shardings propagate.
+
+    PPO mini-batches (``config.num_mini_batches`` = K > 1): π_old of ALL rows is fixed
+    first (``batch.old_logp``, the rollout log-probs, or for ``"current"`` one no-grad
+    forward at the starting params), then a `lax.scan` takes K optimizer steps, step k on
+    mini-batch k (rows k, k+K, ...; `split_mini_batches`) with loss Σ_{its action tokens}
+    w·(−s) / N_k, N_k = that mini-batch's global action-token count, w = min(π_old /
+    π_rollout, is_cap); ``step`` += K. From step 2 on the ratio differs from 1, so the clip
+    and dual clip act. Metrics are aggregated over the K steps (token-weighted loss and
+    fractions, max ``ratio_max``, mean ``grad_norm`` plus ``grad_norm_last``; see
+    `_mini_batch_steps`). K = 1 is the single step above, with no extra forward.
     """
     return _make_step(model_def, config, "policy", state_sharding, batch_sharding)
 
@@ -575,7 +741,8 @@ def make_sft_step(
     loss = −Σ_{b,t} action_mask·log p(x_t | x_<t) / Σ action_mask over the whole batch
     (SPEC 6 cold start: "loss on the final assistant message only" = its action mask).
     ``rollout_logp`` / ``advantages`` / ``old_logp`` are ignored (pass zeros). Same
-    optimizer, micro-batching and donation as `make_train_step`. Metrics: ``loss``,
-    ``grad_norm``, ``tokens``.
+    optimizer, micro-batching, mini-batching (K sequential steps, no old policy) and
+    donation as `make_train_step`. Metrics: ``loss``, ``grad_norm``, ``tokens`` (and
+    ``grad_norm_last`` when K > 1).
     """
     return _make_step(model_def, config, "sft", state_sharding, batch_sharding)

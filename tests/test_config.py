@@ -79,6 +79,10 @@ def test_resume_flag_forms():
     (["--steps", "0"], "steps"),
     (["--optim.learning_rate=-1e-3"], "optim.learning_rate"),
     (["--optim.logprob_chunk_size", "0"], "optim.logprob_chunk_size"),
+    (["--optim.num_mini_batches", "0"], "optim.num_mini_batches"),
+    (["--optim.num_mini_batches", "3"], "optim.num_mini_batches"),  # 16 rows
+    (["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "8"],
+     "optim.num_mini_batches"),
     (["--loss.clip_low", "1.5"], "loss.clip_low"),
     (["--loss.dual_clip", "0.5"], "loss.dual_clip"),
     (["--rollout.top_p", "0"], "rollout.top_p"),
@@ -133,3 +137,14 @@ def test_train_py_reports_bad_value_and_exits_2():
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
     assert "config error: tracker.rho must be in (0, 1), got 2.0" in result.stderr
+
+
+def test_mini_batches_reach_the_learner_config():
+    from train import learner_config
+
+    cfg = load_config(["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "2"])
+    assert (cfg.optim.num_mini_batches, cfg.optim.num_micro_batches) == (4, 2)
+    assert learner_config(cfg).num_mini_batches == 4
+    assert learner_config(TrainConfig()).num_mini_batches == 1
+    message = _error(["--optim.num_mini_batches", "3"])
+    assert "rollout.batch_size=16" in message and "3 x 1 = 3" in message, message

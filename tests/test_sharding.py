@@ -2,6 +2,7 @@
 device (this process) and on 8 simulated CPU devices with a (data=2, fsdp=2, tensor=2)
 mesh (a subprocess: `python tests/test_sharding.py OUT_DIR` is the 8-device worker)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -63,6 +64,22 @@ def run_steps(model_def, state, batch, config, state_sharding=None, batch_shardi
     return out, state
 
 
+def mini_batch_config(config):
+    """K = 2 PPO mini-batches (rows 0,2,4,6 / 1,3,5,7), one micro-batch each."""
+    return dataclasses.replace(config, num_mini_batches=2, num_micro_batches=1)
+
+
+def run_mini_batch_step(model_def, state, batch, config, state_sharding=None,
+                        batch_sharding=None):
+    """One train step of K = 2 optimizer steps; flat numpy metrics, params, moments."""
+    step = learner.make_train_step(model_def, config, state_sharding, batch_sharding)
+    state, metrics = step(state, batch)
+    out = {f"metrics/{k}": np.asarray(v) for k, v in metrics.items()}
+    out.update({f"params/{k}": v for k, v in flat_numpy(state.params).items()})
+    out.update({f"opt/{k}": v for k, v in flat_numpy(state.opt_state).items()})
+    return out, state
+
+
 def flat_numpy(tree):
     return {
         jax.tree_util.keystr(path): np.asarray(leaf)
@@ -91,6 +108,12 @@ def worker(out_dir):
     mu = new_state.opt_state[1][0].mu["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"]
     checks["adam_mu_spec"] = str(mu.sharding.spec)
     np.savez(os.path.join(out_dir, "result.npz"), **out)
+    model_def, state, batch, config = build_case()
+    config = mini_batch_config(config)
+    state = sharding.shard_train_state(state, state_sharding)
+    batch = sharding.shard_batch(batch, mesh)
+    mini, _ = run_mini_batch_step(model_def, state, batch, config, state_sharding, batch_sharding)
+    np.savez(os.path.join(out_dir, "mini_batches.npz"), **mini)
     with open(os.path.join(out_dir, "checks.txt"), "w") as f:
         f.write(repr(checks))
 
@@ -164,12 +187,12 @@ def eight_device_result(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out_dir / "checks.txt") as f:
         checks = eval(f.read())  # our own repr of a dict of strings
-    with np.load(out_dir / "result.npz") as data:
-        return checks, dict(data)
+    with np.load(out_dir / "result.npz") as data, np.load(out_dir / "mini_batches.npz") as mini:
+        return checks, dict(data), dict(mini)
 
 
 def test_eight_device_mesh_really_shards_params_and_batch(eight_device_result):
-    checks, _ = eight_device_result
+    checks, _, _ = eight_device_result
     assert checks["q_kernel_spec"] == str(P("fsdp", "tensor"))
     assert checks["q_kernel_shard_shape"] == "(32, 32)"  # [64, 64] over fsdp=2 x tensor=2
     assert checks["batch_spec"] == str(P(("data", "fsdp")))
@@ -181,7 +204,7 @@ def test_eight_device_mesh_really_shards_params_and_batch(eight_device_result):
 def test_same_step_on_one_and_eight_devices(eight_device_result):
     """Loss, gradients, metrics and params after 2 steps agree within float tolerance."""
     assert jax.device_count() == 1
-    _, sharded = eight_device_result
+    _, sharded, _ = eight_device_result
     model_def, state, batch, config = build_case()
     single, _ = run_steps(model_def, state, batch, config)
     assert set(single) == set(sharded)
@@ -196,6 +219,22 @@ def test_same_step_on_one_and_eight_devices(eight_device_result):
             # Adam's g/sqrt(v) amplifies reduction-order noise on near-zero gradients.
             np.testing.assert_allclose(sharded[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
     assert int(single["metrics0/tokens"]) == 53
+
+
+def test_same_mini_batch_step_on_one_and_eight_devices(eight_device_result):
+    """K = 2 mini-batches (strided rows, local to each device) on the (2, 2, 2) mesh agree
+    with 1 device: metrics, params and Adam moments after the K optimizer steps."""
+    _, _, sharded = eight_device_result
+    model_def, state, batch, config = build_case()
+    single, new_state = run_mini_batch_step(model_def, state, batch, mini_batch_config(config))
+    assert int(new_state.step) == 2
+    assert set(single) == set(sharded)
+    for key, value in single.items():
+        if key.startswith("metrics"):
+            np.testing.assert_allclose(sharded[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+        else:  # atol = 1% of one AdamW step (lr 1e-3), as in the test above
+            np.testing.assert_allclose(sharded[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert int(single["metrics/tokens"]) == 53 and float(single["metrics/grad_norm_last"]) > 0
 
 
 if __name__ == "__main__":
