@@ -153,20 +153,22 @@ COLLAPSE_LEVEL = 0.05  # a plotted step below this success is "collapsed" (prior
 
 
 def collapse_onset(run: Run, ups: int) -> int | None:
-    """First update of the final stretch of plotted steps with success < COLLAPSE_LEVEL,
-    when that stretch covers at least the last 5 plotted steps; else None."""
+    """A collapsed run: its final policy succeeds < COLLAPSE_LEVEL on the 128 evaluation
+    rollouts (prior success ~0.2) and its training curve ends in plotted steps below
+    COLLAPSE_LEVEL; returns the first update of that final stretch, else None."""
     curve = run.curve(ups)
     alive = np.flatnonzero(curve >= COLLAPSE_LEVEL)
     first_dead = 0 if alive.size == 0 else int(alive[-1]) + 1
-    if curve.size - first_dead < min(5, curve.size):
+    if run.summary["success_after_rl"] >= COLLAPSE_LEVEL or first_dead == curve.size:
         return None
     return first_dead * ups + 1
 
 
 def collapse_section(runs, ups: int) -> list[str]:
-    lines = [f"A run counts as collapsed when its last plotted steps (at least 5, to the end) all have "
-             f"training success < {COLLAPSE_LEVEL} (prior success is about 0.2): the policy has fallen "
-             "into an absorbing reply (e.g. an empty reply, whose saturated softmax carries no gradient).", "",
+    lines = [f"A run counts as collapsed when its final policy succeeds < {COLLAPSE_LEVEL} on the 128 "
+             f"evaluation rollouts (prior success is about 0.2) and its training curve ends in plotted steps "
+             f"below {COLLAPSE_LEVEL}: the policy has fallen into an absorbing reply (e.g. an empty reply, "
+             "whose saturated softmax carries no gradient).", "",
              "| arm | runs | collapsed | seed (first update of the collapsed stretch) |", "|---|---|---|---|"]
     order = [*MAIN_ARMS, *(a for a in CELLS.values() if a not in MAIN_ARMS)]
     for arm in [a for a in order if a in runs]:
@@ -378,7 +380,10 @@ def report(args) -> str:
         raise SystemExit(f"no finished runs under {args.root}")
     ups = args.updates_per_step
     walls = [r.summary["rl_wall_s"] for by_seed in runs.values() for r in by_seed.values()]
-    lines = [f"Runs under `{args.root}`: " + ", ".join(f"{a} {sorted(s)}" for a, s in sorted(runs.items()))
+    repo = Path(__file__).resolve().parent.parent
+    root = args.root.resolve()
+    shown = root.relative_to(repo) if root.is_relative_to(repo) else root
+    lines = [f"Runs under `{shown}`: " + ", ".join(f"{a} {sorted(s)}" for a, s in sorted(runs.items()))
              + f". Hardware: {cpu_model()}; python {platform.python_version()}, jax {jax.__version__}. "
              f"RL wall time per run {min(walls):.0f} to {max(walls):.0f} s, {sum(walls) / 60:.0f} min in all.",
              "", "### SPO++ vs SPO vs GRPO", "", *main_section(runs, ups, args.figures),
@@ -388,6 +393,9 @@ def report(args) -> str:
              *covariance_section(runs, ups, args.figures)]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+    if args.out is not None:  # figure links are written relative to docs/; rebase them
+        import os
+
+        rel = os.path.relpath(args.figures.resolve(), args.out.resolve().parent)
+        args.out.write_text(text.replace("](figures/", f"]({rel}/"))
     return text

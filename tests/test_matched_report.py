@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import matched_report
 
 
-def write_run(root, arm, seed, success, centre=-0.1):
+def write_run(root, arm, seed, success, centre=-0.1, after=None):
     folder = root / arm / f"seed{seed}"
     folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as f:
@@ -25,7 +25,8 @@ def write_run(root, arm, seed, success, centre=-0.1):
                 "diag/length_q10": 2.0, "diag/length_q50": 3.0, "diag/length_q90": 4.0,
             }) + "\n" for step, s in enumerate(success, 1))
     (folder / "summary.json").write_text(json.dumps({
-        "success_before_rl": 0.2, "success_after_rl": float(np.mean(success[-8:])),
+        "success_before_rl": 0.2,
+        "success_after_rl": float(np.mean(success[-8:])) if after is None else after,
         "rl_wall_s": 10.0}))
 
 
@@ -72,9 +73,11 @@ def test_ablation_and_centre_prediction(tmp_path):
 
 def test_collapse_is_counted_with_its_onset(tmp_path):
     root = tmp_path / "runs"
-    # plotted steps (2 updates each): 0.25 x 4, then 0 x 6 -> collapsed from update 9
-    write_run(root, "spopp", 0, [0.25] * 8 + [0.0] * 12)
+    # plotted steps (2 updates each): 0.25 x 4, then 0 x 6, final policy 0 -> collapsed from update 9
+    write_run(root, "spopp", 0, [0.25] * 8 + [0.0] * 12, after=0.0)
     # a dip of 4 plotted steps that recovers is not a collapse
     write_run(root, "spopp", 1, [0.25] * 4 + [0.0] * 8 + [0.25] * 8)
+    # a training curve ending at 0 whose final policy still succeeds is not one either
+    write_run(root, "spopp", 2, [0.25] * 16 + [0.0] * 4, after=0.2)
     text = matched_report.report(args_for(root, tmp_path))
-    assert "| SPO++ | 2 | 1 | 0 (9) |" in text
+    assert "| SPO++ | 3 | 1 | 0 (9) |" in text
