@@ -33,6 +33,13 @@ LABELS = {"spopp": "SPO++", "spo": "SPO", "grpo": "GRPO (G=8)", "event_traj": "e
           "receipt_token": "receipt x token", "receipt_traj": "receipt x trajectory"}
 CELLS = {("event-time", "token"): "spopp", ("event-time", "trajectory"): "event_traj",
          ("receipt-order", "token"): "receipt_token", ("receipt-order", "trajectory"): "receipt_traj"}
+ARM_ORDER = (*MAIN_ARMS, *(a for a in CELLS.values() if a not in MAIN_ARMS))  # tables, figures
+COLORS = ("C0", "C3", "C2", "C1", "C4", "C5")  # one per arm of ARM_ORDER
+
+
+def present(runs) -> list[str]:
+    """Arms with runs, in ARM_ORDER (unknown arms last, by name)."""
+    return [a for a in ARM_ORDER if a in runs] + sorted(a for a in runs if a not in ARM_ORDER)
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ def figure_one(runs, arms, ups: int, t_common: int, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     steps = np.arange(1, t_common + 1)
-    for color, arm in zip(("C0", "C3", "C2", "C1", "C4", "C5"), arms):
+    for color, arm in zip(COLORS, arms):
         curves = np.stack([r.curve(ups)[:t_common] for r in runs[arm].values()])
         for curve in curves:
             ax.plot(steps, curve, color=color, lw=0.6, alpha=0.35)
@@ -170,8 +177,7 @@ def collapse_section(runs, ups: int) -> list[str]:
              f"below {COLLAPSE_LEVEL}: the policy has fallen into an absorbing reply (e.g. an empty reply, "
              "whose saturated softmax carries no gradient).", "",
              "| arm | runs | collapsed | seed (first update of the collapsed stretch) |", "|---|---|---|---|"]
-    order = [*MAIN_ARMS, *(a for a in CELLS.values() if a not in MAIN_ARMS)]
-    for arm in [a for a in order if a in runs]:
+    for arm in present(runs):
         onsets = {s: collapse_onset(r, ups) for s, r in sorted(runs[arm].items())}
         hit = {s: u for s, u in onsets.items() if u is not None}
         where = ", ".join(f"{s} ({u})" for s, u in hit.items()) or "none"
@@ -257,8 +263,8 @@ def covariance_section(runs, ups: int, figures: Path) -> list[str]:
              "batch whatever measure the run trains with; L = action tokens.", "",
              "| arm | Cov_n(L, A) | centre (signed) | abs(centre) | abs(centre), token whitening | L q10 | L q50 | L q90 |",
              "|---|---|---|---|---|---|---|---|"]
-    order = [*MAIN_ARMS, *(a for a in CELLS.values() if a not in MAIN_ARMS)]
-    for arm, by_seed in sorted(runs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99):
+    for arm in present(runs):
+        by_seed = runs[arm]
         cells = [pm([window_mean(r, k, absolute=a) for r in by_seed.values()]) for k, a in keys]
         lines.append(f"| {LABELS.get(arm, arm)} | " + " | ".join(cells) + " |")
     covariance_figure(runs, ups, figures / "centre_through_training.png")
@@ -279,8 +285,7 @@ def covariance_figure(runs, ups: int, path: Path) -> None:
             ("diag/center_after_trajectory_whitening", "centre after trajectory whitening"),
             ("diag/length_q50", "median action tokens L"))
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    order = [*MAIN_ARMS, *(a for a in CELLS.values() if a not in MAIN_ARMS)]
-    for color, arm in zip(("C0", "C3", "C2", "C1", "C4", "C5"), [a for a in order if a in runs]):
+    for color, arm in zip(COLORS, present(runs)):
         for ax, (key, title) in zip(axes, keys):
             series = [plotted_steps(r.series(key), ups) for r in runs[arm].values()]
             t = min(len(x) for x in series)
