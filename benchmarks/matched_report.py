@@ -14,6 +14,7 @@ A plotted step is `updates_per_step` consecutive updates (8 x 16 = 128 trajector
 from __future__ import annotations
 
 import json
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +124,7 @@ def main_section(runs, ups: int, figures: Path) -> list[str]:
             lines.append(paired_line(f"SPO++ − {LABELS[other]}, {name}", score["spopp"], score[other]))
     path = figures / "matched_runs.png"
     figure_one(runs, arms, ups, t_common, path)
-    lines += ["", f"![matched runs]({path.relative_to(figures.parent)})"]
+    lines += ["", f"![matched runs]({FIG}/{path.name})"]
     return lines
 
 
@@ -155,6 +156,7 @@ def figure_one(runs, arms, ups: int, t_common: int, path: Path) -> None:
     plt.close(fig)
 
 
+FIG = "@FIGURES@"  # figure folder in links, made relative to where the markdown is read
 WARMUP = 8  # updates: the first plotted step
 COLLAPSE_LEVEL = 0.05  # a plotted step below this success is "collapsed" (prior success ~0.2)
 
@@ -268,7 +270,7 @@ def covariance_section(runs, ups: int, figures: Path) -> list[str]:
         cells = [pm([window_mean(r, k, absolute=a) for r in by_seed.values()]) for k, a in keys]
         lines.append(f"| {LABELS.get(arm, arm)} | " + " | ".join(cells) + " |")
     covariance_figure(runs, ups, figures / "centre_through_training.png")
-    lines += ["", "![centre through training](figures/centre_through_training.png)", "",
+    lines += ["", f"![centre through training]({FIG}/centre_through_training.png)", "",
               *prediction_lines(runs, ups, figures)]
     return lines
 
@@ -349,7 +351,7 @@ def predicts(runs, score: str, values: dict, window: int, path: Path) -> list[st
         r, p_value = correlation(x, y)
         lines.append(f"| {name} | {x.min():.3f} to {x.max():.3f} | {r:+.2f} | {p_value:.3f} |")
     scatter([(p[0], p[1], p[2][0], p[3]) for p in pairs], path, score)
-    return [*lines, "", f"![centre vs gain]({path.parent.name}/{path.name})"]
+    return [*lines, "", f"![centre vs gain]({FIG}/{path.name})"]
 
 
 def scatter(pairs, path: Path, score: str) -> None:
@@ -397,10 +399,9 @@ def report(args) -> str:
              "", "### Length-advantage covariance and the loss-weighted centre", "",
              *covariance_section(runs, ups, args.figures)]
     text = "\n".join(lines) + "\n"
+    figures = args.figures.resolve()
+    if args.out is not None:
+        args.out.write_text(text.replace(FIG, os.path.relpath(figures, args.out.resolve().parent)))
+    text = text.replace(FIG, os.path.relpath(figures, repo / "docs"))  # as read from docs/
     print(text)
-    if args.out is not None:  # figure links are written relative to docs/; rebase them
-        import os
-
-        rel = os.path.relpath(args.figures.resolve(), args.out.resolve().parent)
-        args.out.write_text(text.replace("](figures/", f"]({rel}/"))
     return text
