@@ -262,16 +262,21 @@ def token_logprobs(logits: jax.Array, input_ids: jax.Array) -> jax.Array:
     with an iota == target compare inside a reduction, which XLA fuses (no [B, T, V]
     one-hot is materialised, and its gradient is elementwise rather than a scatter).
     """
-    _checks.check_rank("logits", logits, 3)
-    _checks.check_rank("input_ids", input_ids, 2)
-    _checks.check_integer("input_ids", input_ids)
-    if logits.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"`logits` has shape {logits.shape} but `input_ids` has shape {input_ids.shape}; "
-            "the leading [B, T] must match"
-        )
+    _check_per_position("logits", logits, input_ids)
     logp = _target_logprobs(logits[:, :-1], input_ids[:, 1:])
     return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def _check_per_position(name: str, values: jax.Array, input_ids: jax.Array) -> None:
+    """``values`` is [B, T, D] and ``input_ids`` integer [B, T] with the same leading [B, T]."""
+    _checks.check_rank(name, values, 3)
+    _checks.check_rank("input_ids", input_ids, 2)
+    _checks.check_integer("input_ids", input_ids)
+    if values.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"`{name}` has shape {values.shape} but `input_ids` has shape {input_ids.shape}; "
+            "the leading [B, T] must match"
+        )
 
 
 def _target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -297,14 +302,7 @@ def chunked_token_logprobs(
     head + float32 logsumexp is wrapped in `jax.checkpoint`, so the forward and the
     backward pass each hold the logits of one [B, chunk_size, V] chunk at a time.
     """
-    _checks.check_rank("hidden", hidden, 3)
-    _checks.check_rank("input_ids", input_ids, 2)
-    _checks.check_integer("input_ids", input_ids)
-    if hidden.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"`hidden` has shape {hidden.shape} but `input_ids` has shape {input_ids.shape}; "
-            "the leading [B, T] must match"
-        )
+    _check_per_position("hidden", hidden, input_ids)
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
     batch, length, width = hidden.shape
