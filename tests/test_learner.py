@@ -140,6 +140,18 @@ def test_token_logprobs_checks_shapes():
         learner.token_logprobs(jnp.zeros((2, 5, 7)), jnp.zeros((2, 5), jnp.float32))
 
 
+
+def test_chunked_token_logprobs_checks_shapes():
+    def head(params, hidden):
+        return hidden
+
+    with pytest.raises(ValueError, match="leading \\[B, T\\] must match"):
+        learner.chunked_token_logprobs(head, {}, jnp.zeros((2, 5, 7)), jnp.zeros((2, 4), jnp.int32), 2)
+    with pytest.raises(ValueError, match="hidden"):
+        learner.chunked_token_logprobs(head, {}, jnp.zeros((2, 5)), jnp.zeros((2, 5), jnp.int32), 2)
+    with pytest.raises(ValueError, match="input_ids"):
+        learner.chunked_token_logprobs(head, {}, jnp.zeros((2, 5, 7)), jnp.zeros((2, 5), jnp.float32), 2)
+
 def test_compute_logprobs_matches_transformers(tmp_path):
     """The learner's log-probs of the sampled tokens equal transformers' Qwen3 log_softmax."""
     hf_model = random_hf_model(tiny_hf_config("qwen3", vocab_size=VOCAB), seed=3)
