@@ -49,13 +49,18 @@ class GenerationResult:
       before top-k / top-p filtering (the behaviour log-prob the learner's importance
       weight compares against, SPEC 5).
     finish_reason: "stop" | "length" | "abort".
-    policy_event: the published weights (policy event k, SPEC 2) that generated every token.
+    policy_event: the published weights (policy event k, SPEC 2) that generated the FIRST
+      token (for a drained publish: every token).
+    token_policy_events: per sampled token, the policy event of the weights that sampled
+      it (SPEC 3, "Publishing without a drain": a request that spans an in-flight publish
+      holds tokens of several events). ``None`` means every token is ``policy_event``.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
     policy_event: int
+    token_policy_events: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
@@ -67,6 +72,36 @@ class GenerationResult:
             )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if self.token_policy_events is not None:
+            events = tuple(int(e) for e in self.token_policy_events)
+            if len(events) != len(self.token_ids):
+                raise ValueError(
+                    f"token_policy_events must have one entry per token, got {len(events)} "
+                    f"for {len(self.token_ids)} tokens"
+                )
+            if events and events[0] != self.policy_event:
+                raise ValueError(
+                    f"policy_event ({self.policy_event}) must be the event of the first token "
+                    f"({events[0]})"
+                )
+            if any(b < a for a, b in zip(events, events[1:])):
+                raise ValueError("token_policy_events must be non-decreasing")
+            object.__setattr__(self, "token_policy_events", events)
+
+    def events_per_token(self) -> tuple[int, ...]:
+        """The policy event of every sampled token (``policy_event`` repeated when none
+        were recorded)."""
+        if self.token_policy_events is None:
+            return (self.policy_event,) * len(self.token_ids)
+        return self.token_policy_events
+
+    @property
+    def event_span(self) -> tuple[int, int]:
+        """(first, last) policy event among the tokens (SPEC 3: recorded per trajectory)."""
+        events = self.events_per_token()
+        if not events:
+            return (self.policy_event, self.policy_event)
+        return (events[0], events[-1])
 
 
 class RolloutEngine(abc.ABC):
@@ -81,9 +116,15 @@ class RolloutEngine(abc.ABC):
       * ``abort_all`` makes every in-flight ``generate`` return promptly with
         ``finish_reason == "abort"`` (the tokens so far may be returned).
       * ``policy_event`` is the event of the currently installed weights.
+      * In-flight publish (SPEC 3, "Publishing without a drain"): an engine with
+        ``supports_inflight_publish = True`` implements ``publish_inflight``: the new
+        weights are installed between two decode steps, nothing is aborted or waited
+        for, requests in flight continue under them with their KV cache kept, and each
+        token's event is recorded in ``GenerationResult.token_policy_events``.
     """
 
     policy_event: int = 0
+    supports_inflight_publish: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
@@ -92,6 +133,13 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def publish(self, weights: Any, policy_event: int) -> None:
         """Install new weights (nnx state or an HF folder path) as ``policy_event``."""
+
+    async def publish_inflight(self, weights: Any, policy_event: int) -> None:
+        """Install new weights between two decode steps without stopping or draining
+        anything (see the class docstring). Engines that cannot do so raise."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot publish in flight; use rollout.drain finish|abort"
+        )
 
     @abc.abstractmethod
     async def abort_all(self) -> None:
