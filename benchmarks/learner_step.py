@@ -5,9 +5,10 @@ global-norm clipping + AdamW), eager and `torch.compile`, on the same weights an
     python benchmarks/learner_step.py                 # model M: vocab 512, hidden 256, 4 layers
     python benchmarks/learner_step.py --breakdown     # + forward / forward+backward timings
 
-Methods are timed in interleaved rounds (jax, torch eager, torch.compile, jax, ...) and the
-median per method is reported, so load from other users of a shared machine hits all of
-them alike. tokens/s counts every position of the [batch, seq] batch. MFU = achieved
+Methods are timed under the benchmark protocol (benchmarks/_protocol.py): interleaved
+rounds (jax, torch eager, torch.compile, jax, ...), the same thread count for all, the load
+average printed per round and busy rounds left out, median and [min, max] per method, and
+the same-run ratio as the headline. tokens/s counts every position of the [batch, seq] batch. MFU = achieved
 FLOP/s / peak, FLOPs per step ~ 6 * matmul params * tokens + 12 * layers * batch * heads *
 head_dim * seq^2 (causal attention computed densely, as both implementations do), and the
 peak is a measured fp32 1024^3 matmul (jax) on this machine.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -51,7 +51,16 @@ def parse_args():
     )
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per method")
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch / XLA intra-op threads (0 = all cores)"
+        "--threads", type=int, default=os.cpu_count() or 1,
+        help="intra-op threads for every system (torch, XLA, OpenMP); default all cores",
+    )
+    parser.add_argument(
+        "--max-load-excess", type=float, default=0.5,
+        help="a round whose 1-min load exceeds cores + this is flagged BUSY and left out",
+    )
+    parser.add_argument(
+        "--allow-busy", action="store_true",
+        help="keep busy rounds (the headline then says it is not a headline figure)",
     )
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
@@ -60,11 +69,9 @@ def parse_args():
 
 
 ARGS = parse_args()
-if ARGS.threads:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_cpu_multi_thread_eigen=true"
-        f" intra_op_parallelism_threads={ARGS.threads}"
-    ).strip()
+import _protocol  # noqa: E402
+
+_protocol.pin_threads(ARGS.threads)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -168,22 +175,11 @@ def step_flops(args, matmul_params):
     return 6 * matmul_params * tokens + attention
 
 
-def interleaved_medians(fns, rounds):
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main(args):
     import torch
     import transformers
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     hf_config = tiny_hf_config(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -281,16 +277,16 @@ def main(args):
                     fns["torch.compile fwd+bwd M=1"] = compiled_fb
     for fn in fns.values():  # warm-up (compiles the breakdown functions)
         fn()
-    medians = interleaved_medians(fns, args.rounds)
+    timings = _protocol.interleaved_rounds(fns, args.rounds, max_load_excess=args.max_load_excess)
+    _protocol.report(timings, tokens, "tok", args.allow_busy)
+    medians = {name: timings.summary(name, args.allow_busy)[0] for name in fns}
     for name, seconds in medians.items():
-        mfu = ""
         if "step" in name:
-            mfu = f"  MFU {flops / seconds / peak * 100:5.1f}%"
-        print(f"{name:32s} {seconds * 1e3:9.1f} ms  {tokens / seconds:9.0f} tok/s{mfu}")
-    best_jax = min((s, n) for n, s in medians.items() if n.startswith("jax train_step"))
-    for name, seconds in medians.items():
-        if name.startswith("torch") and "step" in name:
-            print(f"{best_jax[1]} / {name} tokens/s ratio: {seconds / best_jax[0]:.2f}")
+            print(f"{name:34s} MFU {flops / seconds / peak * 100:5.1f}%")
+    print("headline (same-run ratio of medians, > 1: ours faster):")
+    for ours in (n for n in medians if n.startswith("jax train_step")):
+        for theirs in (n for n in medians if n.startswith("torch") and "step" in n):
+            print("  " + _protocol.headline(timings, ours, theirs, args.allow_busy))
 
 
 def make_jax_step(train_step, holder, batch):

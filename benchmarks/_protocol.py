@@ -1,0 +1,139 @@
+"""The benchmark protocol every speed script follows (issue 16, STYLE.md "Benchmarks").
+
+A speed claim is a same-run ratio taken on an idle machine:
+  * systems are timed in interleaved rounds (a, b, c, a, b, c, ...), so load from other
+    users of a shared machine hits all of them alike;
+  * the 1-minute load average is read before every round and printed; a round whose load
+    exceeds ``cores + max_load_excess`` is flagged BUSY and left out of the headline
+    (``--allow-busy`` keeps it, and the headline then says so);
+  * every system runs with the same thread count (``pin_threads`` before the first import
+    of numpy/jax/torch);
+  * each system is reported as median and spread (min, max) over the kept rounds, and the
+    headline is the ratio of medians from the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+DEFAULT_MAX_LOAD_EXCESS = 0.5
+
+
+def pin_threads(threads: int) -> None:
+    """Ask every runtime for ``threads`` threads. Call before numpy / jax / torch import.
+
+    OpenMP (torch, OpenBLAS) reads OMP_NUM_THREADS; XLA's CPU client sizes its Eigen pool
+    from ``--xla_cpu_multi_thread_eigen`` / intra-op threads; torch is also set directly
+    when it is already imported.
+    """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[name] = str(threads)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "intra_op_parallelism_threads" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={threads}"
+        ).strip()
+    import sys
+
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One interleaved round: the load before it, whether it was busy, seconds per system."""
+
+    load_1min: float
+    busy: bool
+    seconds: Mapping[str, float]
+
+
+@dataclass
+class Timings:
+    """All rounds of one run, and the summaries the headline is made of."""
+
+    cores: int
+    max_load_excess: float
+    rounds: list[Round] = field(default_factory=list)
+
+    def kept(self, allow_busy: bool = False) -> list[Round]:
+        return [r for r in self.rounds if allow_busy or not r.busy]
+
+    def summary(self, name: str, allow_busy: bool = False) -> tuple[float, float, float]:
+        """(median, min, max) seconds of ``name`` over the kept rounds."""
+        values = [r.seconds[name] for r in self.kept(allow_busy)]
+        if not values:
+            raise RuntimeError(
+                f"every round was busy (load > {self.cores} + {self.max_load_excess}); "
+                "rerun on an idle machine or pass --allow-busy (the figures then say so)"
+            )
+        return statistics.median(values), min(values), max(values)
+
+
+def is_busy(load_1min: float, cores: int, max_load_excess: float) -> bool:
+    """A round is busy when the 1-minute load average exceeds cores + max_load_excess."""
+    return load_1min > cores + max_load_excess
+
+
+def interleaved_rounds(
+    fns: Mapping[str, Callable[[], object]],
+    rounds: int,
+    *,
+    max_load_excess: float = DEFAULT_MAX_LOAD_EXCESS,
+    cores: int | None = None,
+    loadavg: Callable[[], tuple[float, float, float]] = os.getloadavg,
+    clock: Callable[[], float] = time.perf_counter,
+    verbose: bool = True,
+) -> Timings:
+    """Time each function once per round, in the same order every round, load checked
+    before each round (printed when ``verbose``)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    cores = cores or os.cpu_count() or 1
+    timings = Timings(cores=cores, max_load_excess=max_load_excess)
+    for index in range(rounds):
+        load = loadavg()[0]
+        busy = is_busy(load, cores, max_load_excess)
+        seconds = {}
+        for name, fn in fns.items():
+            start = clock()
+            fn()
+            seconds[name] = clock() - start
+        timings.rounds.append(Round(load_1min=load, busy=busy, seconds=seconds))
+        if verbose:
+            flag = "  BUSY (left out)" if busy else ""
+            cells = "  ".join(f"{n} {s * 1e3:.1f} ms" for n, s in seconds.items())
+            print(f"round {index + 1}/{rounds}: load {load:.2f}{flag}  {cells}", flush=True)
+    return timings
+
+
+def headline(timings: Timings, ours: str, theirs: str, allow_busy: bool = False) -> str:
+    """The same-run speed ratio theirs_time / ours_time (> 1: ours is faster), with the
+    number of kept rounds and whether busy rounds were included."""
+    ours_median, _, _ = timings.summary(ours, allow_busy)
+    theirs_median, _, _ = timings.summary(theirs, allow_busy)
+    kept = len(timings.kept(allow_busy))
+    busy = sum(r.busy for r in timings.rounds)
+    note = ""
+    if allow_busy and busy:
+        note = f"; includes {busy} BUSY round(s): not a headline figure"
+    return (
+        f"{ours} vs {theirs}: {theirs_median / ours_median:.2f}x "
+        f"(median of {kept} interleaved rounds{note})"
+    )
+
+
+def report(timings: Timings, work_units: float, unit: str, allow_busy: bool = False) -> None:
+    """Print median and spread per system, as seconds and as ``work_units`` per second."""
+    for name in timings.rounds[0].seconds:
+        median, low, high = timings.summary(name, allow_busy)
+        print(
+            f"{name:34s} {median * 1e3:9.1f} ms  [{low * 1e3:.1f}, {high * 1e3:.1f}]  "
+            f"{work_units / median:10.0f} {unit}/s"
+        )

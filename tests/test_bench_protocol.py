@@ -1,0 +1,64 @@
+"""The benchmark protocol (benchmarks/_protocol.py): busy rounds are flagged and left out
+of the headline, the ratio is a same-run ratio of medians, spreads are min/max."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import _protocol  # noqa: E402
+
+
+def scripted(values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+def run(loads, durations, cores=2):
+    """Interleaved rounds of systems 'ours' and 'theirs' on a scripted clock and load."""
+    clock_values = []
+    now = 0.0
+    for ours, theirs in durations:
+        clock_values += [now, now + ours, now + ours, now + ours + theirs]
+        now += ours + theirs
+    return _protocol.interleaved_rounds(
+        {"ours": lambda: None, "theirs": lambda: None},
+        len(durations),
+        cores=cores,
+        loadavg=scripted([(load, 0.0, 0.0) for load in loads]),
+        clock=scripted(clock_values),
+        verbose=False,
+    )
+
+
+def test_busy_threshold_is_cores_plus_excess():
+    assert not _protocol.is_busy(2.5, cores=2, max_load_excess=0.5)
+    assert _protocol.is_busy(2.51, cores=2, max_load_excess=0.5)
+
+
+def test_busy_rounds_are_left_out_of_the_headline():
+    # Round 2 is busy and has a wild time for 'theirs'; it must not move the median.
+    timings = run(loads=[1.0, 9.0, 1.2, 0.8], durations=[(1.0, 2.0), (1.0, 50.0), (1.0, 3.0), (2.0, 4.0)])
+    assert [r.busy for r in timings.rounds] == [False, True, False, False]
+    assert timings.summary("theirs") == (3.0, 2.0, 4.0)
+    assert timings.summary("ours") == (1.0, 1.0, 2.0)
+    line = _protocol.headline(timings, "ours", "theirs")
+    assert "3.00x" in line and "median of 3" in line and "BUSY" not in line
+    # With busy rounds allowed, the medians change and the headline says so.
+    assert timings.summary("theirs", allow_busy=True)[0] == pytest.approx(3.5)
+    assert "not a headline figure" in _protocol.headline(timings, "ours", "theirs", allow_busy=True)
+
+
+def test_all_busy_refuses():
+    timings = run(loads=[7.0, 7.0], durations=[(1.0, 1.0), (1.0, 1.0)])
+    with pytest.raises(RuntimeError, match="every round was busy"):
+        _protocol.headline(timings, "ours", "theirs")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="rounds"):
+        _protocol.interleaved_rounds({"a": lambda: None}, 0)
+    with pytest.raises(ValueError, match="threads"):
+        _protocol.pin_threads(0)
