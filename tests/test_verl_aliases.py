@@ -122,3 +122,11 @@ def test_alias_table_covers_every_alias():
     rows = dict(alias_table())
     assert {a.verl for a in ALIASES} <= set(rows)
     assert "refused" in rows["actor_rollout_ref.actor.loss_agg_mode"]
+
+
+def test_conventions_doc_lists_every_alias():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "CONVENTIONS.md").read_text()
+    for verl_key, _ in alias_table():
+        assert f"`{verl_key}" in doc, verl_key
