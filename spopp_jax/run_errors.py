@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["EXIT_USER_ERROR", "UserError", "check_config_path", "check_output_dir",
+__all__ = ["EXIT_USER_ERROR", "UserError", "config_path_argument", "check_config_path", "check_output_dir",
            "storage_error_line", "unknown_fields_line", "run_cleanly"]
 
 EXIT_USER_ERROR = 2   # as argparse and the config checks
@@ -46,10 +46,15 @@ SUGGESTIONS = 2
 
 
 class UserError(Exception):
-    """A problem with the user's input or machine, stated in one line."""
+    """A problem with the user's input or machine, stated in one line, printed as
+    '<kind>: <message>' (kind: "error", "config error", ...)."""
+
+    def __init__(self, message: str, kind: str = "error"):
+        super().__init__(message)
+        self.kind = kind
 
 
-def _config_path_argument(argv: Sequence[str]) -> str | None:
+def config_path_argument(argv: Sequence[str]) -> str | None:
     for i, token in enumerate(argv):
         if token == CONFIG_FLAG and i + 1 < len(argv):
             return argv[i + 1]
@@ -60,7 +65,7 @@ def _config_path_argument(argv: Sequence[str]) -> str | None:
 
 def check_config_path(argv: Sequence[str]) -> None:
     """UserError if argv names a --config_path that is not a readable file."""
-    path = _config_path_argument(argv)
+    path = config_path_argument(argv)
     if path is None:
         return
     if not Path(path).is_file():
@@ -154,7 +159,7 @@ def run_cleanly(main: Callable[[], Any], stderr: TextIO | None = None) -> int:
     try:
         main()
     except UserError as error:
-        print(f"error: {error}", file=stream)
+        print(f"{error.kind}: {error}", file=stream)
         return EXIT_USER_ERROR
     except Exception as error:  # noqa: BLE001 - re-raised unless it is a refused write
         line = storage_error_line(error)

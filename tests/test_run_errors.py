@@ -154,3 +154,8 @@ def test_default_path_has_no_torch_notice(imports, notice_expected):
     assert (TORCH_NOTICE in result.stderr) == notice_expected, result.stderr
     if not notice_expected:
         assert result.stderr == ""
+
+
+def test_user_error_kind_prefixes_the_line():
+    status, text = _run(lambda: (_ for _ in ()).throw(UserError("x must be > 0", "config error")))
+    assert (status, text) == (EXIT_USER_ERROR, "config error: x must be > 0\n")
