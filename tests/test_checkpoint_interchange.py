@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny_run import NUM_TASKS, RUN_CONFIG, make_tiny_run
+from tiny_run import NUM_TASKS, RUN_CONFIG, make_tiny_run, tiny_train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "CHECKPOINTS.md"
@@ -108,23 +108,6 @@ def test_documented_parameter_paths_match_a_checkpoint(run):
         assert any(p.match(name) for p in patterns), f"{name} is not documented"
 
 
-def _train_job(tmp: Path) -> list[str]:
-    return [
-        sys.executable, str(ROOT / "train.py"),
-        "--output_dir", str(tmp / "run"), "--steps", "2", "--checkpoint_every", "2",
-        "--progress", "false", "--tensorboard", "false", "--seed", "3",
-        "--env.data_dir", str(tmp / "games"), "--env.num_games", "4",
-        "--env.warmstart_games", "4", "--env.max_turns", "2", "--env.max_feedback_chars", "40",
-        "--model.tiny_dir", str(tmp / "tiny"), "--model.tiny_vocab_size", "400",
-        "--model.tiny_hidden_size", "32", "--model.tiny_intermediate_size", "64",
-        "--model.tiny_num_layers", "1", "--model.tiny_num_heads", "2",
-        "--model.tiny_num_kv_heads", "1", "--warmstart.epochs", "1",
-        "--warmstart.batch_size", "4", "--prior.rollouts_per_task", "1",
-        "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
-        "--rollout.max_new_tokens", "4", "--rollout.max_seq_len", "384",
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_train_py_checkpoint_reads_without_our_code_and_exports(tmp_path):
@@ -137,8 +120,9 @@ def test_train_py_checkpoint_reads_without_our_code_and_exports(tmp_path):
     from spopp_jax.checkpoint import Checkpointer
     from spopp_jax.models.partitioning import path_name
 
-    job = subprocess.run(_train_job(tmp_path), cwd=ROOT, capture_output=True, text=True,
-                         timeout=800)
+    job = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_train_args(tmp_path),
+                          "--progress", "false", "--tensorboard", "false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=800)
     assert job.returncode == 0, job.stderr[-3000:]
     checkpoints = tmp_path / "run" / "checkpoints"
     arrays, meta = read_without_our_code(checkpoints, tmp_path)

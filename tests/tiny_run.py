@@ -99,6 +99,23 @@ def write_step(root: Path, model, step: int, seed: int) -> tuple[dict, dict]:
     return params, tracker_arrays
 
 
+def tiny_train_args(tmp: Path, steps: int = 2) -> list[str]:
+    """`python train.py` flags of the smallest real job (4 one-room games, a 1-layer
+    32-wide model, one checkpoint every 2 updates), everything under `tmp`."""
+    return [
+        "--output_dir", str(tmp / "run"), "--steps", str(steps), "--checkpoint_every", "2",
+        "--seed", "3", "--env.data_dir", str(tmp / "games"), "--env.num_games", "4",
+        "--env.warmstart_games", "4", "--env.max_turns", "2", "--env.max_feedback_chars", "40",
+        "--model.tiny_dir", str(tmp / "tiny"), "--model.tiny_vocab_size", "400",
+        "--model.tiny_hidden_size", "32", "--model.tiny_intermediate_size", "64",
+        "--model.tiny_num_layers", "1", "--model.tiny_num_heads", "2",
+        "--model.tiny_num_kv_heads", "1", "--warmstart.epochs", "1",
+        "--warmstart.batch_size", "4", "--prior.rollouts_per_task", "1",
+        "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
+        "--rollout.max_new_tokens", "4", "--rollout.max_seq_len", "384",
+    ]
+
+
 def make_tiny_run(root: Path, tied: bool = True, steps: tuple[int, ...] = (2,)) -> TinyRun:
     """<root>/warmstart_model (the start folder) and checkpoint steps `steps`."""
     root.mkdir(parents=True, exist_ok=True)
