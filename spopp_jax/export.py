@@ -41,8 +41,7 @@ from spopp_jax.checkpoint import CheckpointMismatchError
 __all__ = [
     "IncompleteCheckpointError", "CheckpointMismatchError", "SamplingDefaults",
     "TOKENIZER_FILES", "check_step_complete", "read_step_config", "read_step_params",
-    "resolve_model_folder", "model_from_params", "generation_config", "write_hf_folder",
-    "export_model", "export_checkpoint", "main",
+    "resolve_model_folder", "model_from_params", "generation_config", "export_model", "export_checkpoint", "main",
 ]
 
 TRAIN_STATE_ITEM = "train_state"
@@ -295,12 +294,18 @@ def _copy_tokenizer(source: Path, target: Path) -> list[str]:
 
 
 def _apply_umask(folder: Path) -> None:
-    """mkdtemp makes the staging folder owner-only: give the export the usual modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
+    """Gives the staged folder and its files the modes a plain mkdir / open would have
+    (mkdtemp makes the folder owner-only, safetensors writes its file owner-only). The
+    umask is read from a probe file, not os.umask, which would change it for every
+    thread of the process while it is read."""
+    probe = folder / ".mode-probe"
+    probe.touch()
+    file_mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    masked = 0o666 & ~file_mode                       # the umask's read/write bits
+    os.chmod(folder, 0o777 & ~(masked | (masked & 0o444) >> 2))
     for file in folder.iterdir():
-        os.chmod(file, 0o666 & ~umask)
+        os.chmod(file, file_mode)
 
 
 def _replace_folder(staging: Path, out: Path) -> None:
@@ -315,11 +320,12 @@ def _replace_folder(staging: Path, out: Path) -> None:
         os.replace(staging, out)
 
 
-def write_hf_folder(model, tokenizer_folder: str | os.PathLike, out: str | os.PathLike,
-                    sampling: SamplingDefaults = SamplingDefaults(),
-                    max_shard_size: int | str = "5GB") -> Path:
+def export_model(model, tokenizer_folder: str | os.PathLike, out: str | os.PathLike,
+                 sampling: SamplingDefaults = SamplingDefaults(),
+                 max_shard_size: int | str = "5GB") -> Path:
     """Writes `model` + the tokenizer files of `tokenizer_folder` + generation_config.json
-    as a HF folder at `out`, atomically (staged beside `out`, renamed when complete)."""
+    as a HF folder at `out`, atomically (staged beside `out`, renamed when complete).
+    train.py calls it with the live policy (end of run, ``export_every``)."""
     from spopp_jax.models import save_pretrained
 
     out = Path(out)
@@ -337,12 +343,6 @@ def write_hf_folder(model, tokenizer_folder: str | os.PathLike, out: str | os.Pa
     return out
 
 
-def export_model(model, tokenizer_folder: str | os.PathLike, out: str | os.PathLike,
-                 sampling: SamplingDefaults = SamplingDefaults()) -> Path:
-    """The in-run export (train.py's end of run / ``export_every``): a live model."""
-    return write_hf_folder(model, tokenizer_folder, out, sampling)
-
-
 def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike,
                       model_folder: str | os.PathLike | None = None,
                       dtype: str | None = None) -> Path:
@@ -352,7 +352,7 @@ def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike,
     folder = resolve_model_folder(step_dir, saved, model_folder)
     arrays = read_step_params(step_dir)
     model = model_from_params(arrays, folder, dtype, source=f"checkpoint {step_dir}")
-    return write_hf_folder(model, folder, out, SamplingDefaults.from_run_config(saved))
+    return export_model(model, folder, out, SamplingDefaults.from_run_config(saved))
 
 
 # ----------------------------------------------------------------------------- command line

@@ -197,3 +197,16 @@ def test_sampling_defaults_map_top_k_off():
     assert export.SamplingDefaults.from_run_config({}) == export.SamplingDefaults()
     saved = json.loads(json.dumps(RUN_CONFIG))
     assert export.SamplingDefaults.from_run_config(saved).temperature == pytest.approx(0.7)
+
+
+def test_export_has_the_usual_file_modes(run, tmp_path):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        out = export.export_checkpoint(run.step_dir, tmp_path / "hf")
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
+        {p.name: 0o644 for p in out.iterdir()}
