@@ -90,7 +90,8 @@ def test_vllm_serves_the_exported_checkpoint(tmp_path, vllm_launcher):
         wait([server])
         config = VllmFleetConfig(servers=(VllmServerSpec(server.url, capacity=4),),
                                  model_name="policy", weights_root=str(tmp_path / "weights"),
-                                 tokenizer_dir=str(out), initial_folder=str(out),
+                                 tokenizer_dir=str(out), initial_folder=None,  # not a published folder
+                                 initial_policy_event=0,
                                  request_timeout_s=120.0, health_interval_s=1.0,
                                  backoff_s=0.1, dispatch_wait_s=120.0)
 
