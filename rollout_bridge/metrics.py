@@ -5,6 +5,11 @@ flushed on every write so a crash loses nothing already written. On `--resume` f
 checkpoint of step k, rows with step > k (work after that checkpoint, about to be redone)
 are dropped first (`MetricsWriter(..., resume_step=k)`), so the file never holds two rows
 for one step.
+
+Optional Weights & Biases sink (`WandbSink`, the `wandb` extra: `pip install
+'spopp-jax[wandb]'`): off by default; `offline` mode (the default when on) writes the run
+under `<run_dir>/wandb` for a later `wandb sync`, `online` logs live. It receives exactly the
+row written to metrics.jsonl, so the metric names are the same in all three places.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_MODES = ("offline", "online")
+WANDB_FOLDER = "wandb"
 
 
 def _scalar(value):
@@ -46,12 +53,61 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+class MetricSink(Protocol):
+    """Receives every row MetricsWriter writes (the same names and values)."""
+
+    def write(self, step: int, row: Mapping[str, float | int]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WandbSink:
+    """Logs each row to a Weights & Biases run: `wandb.log(row without "step", step=step)`.
+
+    `mode="offline"` needs no account or network: the run is written to
+    `<run_dir>/wandb/offline-run-*` (upload later with `wandb sync <that folder>`).
+    wandb's own console output is silenced (`Settings(silent=True)`); `location` says
+    where the run went. A resumed job starts a new wandb run whose first step is
+    resume_step + 1 (steps are the learner updates, as in metrics.jsonl)."""
+
+    def __init__(self, run_dir: str | os.PathLike, project: str, mode: str = "offline",
+                 name: str | None = None, config: Mapping[str, Any] | None = None):
+        if mode not in WANDB_MODES:
+            raise ValueError(f"wandb mode must be one of {list(WANDB_MODES)}, got {mode!r}")
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("wandb logging needs the wandb package: pip install "
+                              "'spopp-jax[wandb]' (or turn wandb off)") from None
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.mode = mode
+        self._run = wandb.init(project=project, name=name or self.run_dir.name, mode=mode,
+                               dir=str(self.run_dir), config=dict(config or {}),
+                               settings=wandb.Settings(silent=True))
+
+    @property
+    def location(self) -> str:
+        """The local run folder (offline) or the run's URL (online)."""
+        if self.mode == "offline":    # no URL (asking wandb for one prints a warning)
+            return str(Path(self._run.dir).parent)
+        return self._run.url or str(Path(self._run.dir).parent)
+
+    def write(self, step: int, row: Mapping[str, float | int]) -> None:
+        self._run.log({k: v for k, v in row.items() if k != "step"}, step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricsWriter:
     """Appends `{"step": step, **metrics}` rows to `<run_dir>/metrics.jsonl` and, when
-    `tensorboard`, the same scalars to a tensorboardX event file in `<run_dir>/tb`."""
+    `tensorboard`, the same scalars to a tensorboardX event file in `<run_dir>/tb`;
+    each of `sinks` (e.g. a `WandbSink`) receives the same row."""
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, sinks: Sequence[MetricSink] = ()):
+        self.sinks = list(sinks)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -86,12 +142,16 @@ class MetricsWriter:
                 if key != "step":
                     self._tb.add_scalar(key, value, int(step))
             self._tb.flush()
+        for sink in self.sinks:
+            sink.write(int(step), row)
         return row
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
     def __enter__(self):
         return self
