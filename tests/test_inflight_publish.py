@@ -26,7 +26,7 @@ from flax import nnx
 
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.engine.jax_engine import JaxEngine
-from test_jax_engine import LOGP_ATOL, replay, tiny_model
+from test_jax_engine import LOGP_ATOL, model_a, model_b, replay, tiny_model  # noqa: F401 (fixtures)
 
 PROMPT = [3, 17, 5, 29]
 NEW_TOKENS = 96  # prompt + tokens stay within replay's fixed length (128)
@@ -42,16 +42,6 @@ def norm_variant(model: nnx.Module, scale: float) -> nnx.Module:
     variant = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     variant.model.norm.scale[...] = variant.model.norm.scale[...] * scale
     return variant
-
-
-@pytest.fixture(scope="module")
-def model_a():
-    return tiny_model(0)
-
-
-@pytest.fixture(scope="module")
-def model_b():
-    return tiny_model(1)
 
 
 PUBLISH_AT_CHUNKS = (4, 16)  # decode calls that wait for the next publish (of 48)
