@@ -70,19 +70,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(out_dir, num_processes: int, devices_per_process: int) -> dict:
+def spawn(out_dir, num_processes: int, devices_per_process: int) -> list[subprocess.Popen]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
     port = free_port()
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(out_dir), str(num_processes), str(i),
              str(port), str(devices_per_process)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(num_processes)
     ]
+
+
+def collect(out_dir, procs: list[subprocess.Popen]) -> dict:
     try:
         logs = [proc.communicate(timeout=WORKER_TIMEOUT_S)[0] for proc in procs]
     finally:
@@ -96,13 +99,27 @@ def launch(out_dir, num_processes: int, devices_per_process: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_process_result(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("two_processes"), num_processes=2, devices_per_process=4)
+def sharded_results(tmp_path_factory):
+    """(2 processes x 4 devices, 1 process x 8 devices), the three workers run at once."""
+    two_dir, one_dir = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
+    two = spawn(two_dir, num_processes=2, devices_per_process=4)
+    one = spawn(one_dir, num_processes=1, devices_per_process=8)
+    try:
+        return collect(two_dir, two), collect(one_dir, one)
+    finally:
+        for proc in two + one:
+            if proc.poll() is None:
+                proc.kill()
 
 
 @pytest.fixture(scope="module")
-def eight_device_result(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("one_process"), num_processes=1, devices_per_process=8)
+def two_process_result(sharded_results):
+    return sharded_results[0]
+
+
+@pytest.fixture(scope="module")
+def eight_device_result(sharded_results):
+    return sharded_results[1]
 
 
 @pytest.fixture(scope="module")
