@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py --engine jax  [--updates 4] [--batch 32] [--size small]
     python scripts/gpu_check.py --engine vllm [--transfer ipc|nccl|fs] ...
+    python scripts/gpu_check.py --engine fleet --servers N [--gpus-per-server G] [--inflight]
 
 --engine jax   our embedded JAX engine (continuous batching, KV cache) + the JAX learner on
                the same accelerator. Needs only the main dependencies (no vLLM).
@@ -11,6 +12,11 @@
                or the filesystem (`fs`). Needs `pip install -e .[vllm]` with a CUDA torch.
                The in-process and IPC/NCCL paths were written against vLLM 0.32 and have
                NOT been run on a GPU by their author (no GPU vLLM was available).
+--engine fleet N local `vllm serve` processes (`VllmServerLauncher`, GPUs 1.. in blocks of
+               --gpus-per-server; run with CUDA_VISIBLE_DEVICES=0 so the JAX learner holds
+               GPU 0) behind `VllmFleetEngine`; weights by the filesystem publish, in
+               flight (pause "keep" -> load -> resume) with --inflight. Server logs under
+               <workdir>/servers. NOT run yet: no GPU machine was available to its author.
 
 Printed (one JSON line per phase, then a summary line):
   * per update: learner step time and learner tokens/s (real tokens of the padded batch,
@@ -48,7 +54,10 @@ SIZES = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("jax", "vllm"), default="jax")
+    parser.add_argument("--engine", choices=("jax", "vllm", "fleet"), default="jax")
+    parser.add_argument("--servers", type=int, default=1, help="fleet: local vLLM servers to launch")
+    parser.add_argument("--gpus-per-server", type=int, default=1, help="fleet: GPUs per server (from GPU 1)")
+    parser.add_argument("--inflight", action="store_true", help="publish in flight (SPEC 3) instead of draining")
     parser.add_argument("--transfer", choices=("ipc", "nccl", "fs"), default="ipc")
     parser.add_argument("--size", choices=tuple(SIZES), default="small")
     parser.add_argument("--updates", type=int, default=4)
@@ -91,8 +100,10 @@ def corpus(num_tasks: int) -> list[str]:
 class CountingEngine:
     """Delegates to an engine and counts sampled tokens (the orchestrator sees the same API)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, inflight: bool = False, launcher=None):
         self.engine = engine
+        self.inflight = inflight
+        self.launcher = launcher  # fleet: the server processes, stopped on close
         self.sampled_tokens = 0
 
     @property
@@ -104,16 +115,31 @@ class CountingEngine:
         self.sampled_tokens += len(result.token_ids)
         return result
 
+    @property
+    def supports_inflight_publish(self):
+        return self.engine.supports_inflight_publish
+
+    async def publish_inflight(self, weights, policy_event):
+        start = time.perf_counter()
+        await self.engine.publish_inflight(weights, policy_event)
+        emit("publish", policy_event=policy_event, inflight=True, seconds=round(time.perf_counter() - start, 4))
+
     async def publish(self, weights, policy_event):
         start = time.perf_counter()
-        await self.engine.publish(weights, policy_event)
-        emit("publish", policy_event=policy_event, seconds=round(time.perf_counter() - start, 4))
+        if self.inflight:
+            await self.engine.publish_inflight(weights, policy_event)
+        else:
+            await self.engine.publish(weights, policy_event)
+        emit("publish", policy_event=policy_event, inflight=self.inflight,
+             seconds=round(time.perf_counter() - start, 4))
 
     async def abort_all(self):
         await self.engine.abort_all()
 
     async def close(self):
         await self.engine.close()
+        if self.launcher is not None:
+            await asyncio.to_thread(self.launcher.close)
 
 
 class TimedLearner:
@@ -157,6 +183,8 @@ async def build_engine(args, model, folder0: str, tokenizer_dir: str, root: str)
 
         return JaxEngine(model, num_slots=args.slots, max_len=args.max_len, steps_per_call=8, seed=args.seed,
                          min_prefill_len=64)
+    if args.engine == "fleet":
+        return await build_fleet(args, folder0, tokenizer_dir, root)
     from rollout_bridge.engine.vllm_inprocess import VllmInProcessConfig, VllmInProcessEngine
     from rollout_bridge.engine.vllm_weights import DirectTransferConfig
 
@@ -168,6 +196,30 @@ async def build_engine(args, model, folder0: str, tokenizer_dir: str, root: str)
         direct_transfer=direct, engine_kwargs=dict(enforce_eager=False),
     )
     return await VllmInProcessEngine.create(config)
+
+
+async def build_fleet(args, folder0: str, tokenizer_dir: str, root: str):
+    """(fleet engine, launcher): ``--servers`` local vLLM servers on GPUs 1.., health-checked."""
+    from rollout_bridge.engine.vllm_fleet import VllmFleetConfig, VllmFleetEngine
+    from rollout_bridge.engine.vllm_launcher import ServerLaunchConfig, VllmServerLauncher
+
+    launch = ServerLaunchConfig(
+        count=args.servers, gpus_per_server=args.gpus_per_server, first_gpu=1, capacity=args.slots,
+        max_model_len=args.max_len, max_num_seqs=args.slots,
+        extra_args=("--dtype", "float32", "--gpu-memory-utilization",
+                    os.environ.get("SPOPP_VLLM_GPU_FRACTION", "0.8")),
+        python=os.environ.get("SPOPP_VLLM_PYTHON"))  # an interpreter with vLLM, default this one
+    launcher = VllmServerLauncher(launch, folder0, str(Path(root).parent / "servers"))
+    specs = launcher.start()
+    try:
+        await asyncio.to_thread(launcher.wait_ready)
+    except BaseException:
+        launcher.close()
+        raise
+    engine = VllmFleetEngine(VllmFleetConfig(servers=tuple(specs), weights_root=root, tokenizer_dir=tokenizer_dir,
+                                             initial_folder=folder0))
+    await engine.start()
+    return engine, launcher
 
 
 async def decode_burst(engine, vocab_size: int, args) -> dict:
@@ -212,11 +264,14 @@ async def run(args) -> dict:
               hidden_act="silu", **SIZES[args.size])
     model = init_model(ModelConfig.from_hf(hf), seed=args.seed)
     root = str(workdir / "policies")
-    folder0 = write_policy_folder(model, root, 0, tokenizer_dir) if args.engine == "vllm" else ""
+    folder0 = write_policy_folder(model, root, 0, tokenizer_dir) if args.engine != "jax" else ""
 
     setup_start = time.perf_counter()
-    engine = CountingEngine(await build_engine(args, model, folder0, str(tokenizer_dir), root))
+    built = await build_engine(args, model, folder0, str(tokenizer_dir), root)
+    inner, launcher = built if args.engine == "fleet" else (built, None)
+    engine = CountingEngine(inner, inflight=args.inflight, launcher=launcher)
     emit("engine_ready", engine=args.engine, transfer=args.transfer if args.engine == "vllm" else None,
+         servers=args.servers if args.engine == "fleet" else None, inflight=args.inflight,
          seconds=round(time.perf_counter() - setup_start, 2))
     learner = TimedLearner(model, args.lr)
     orchestrator = Orchestrator(

@@ -6,6 +6,10 @@
 #   jax   embedded JAX engine + JAX learner on the accelerator (no vLLM needed).
 #   vllm  vLLM in-process (AsyncLLM) + JAX learner, weights by CUDA IPC after each update
 #         (pass --transfer nccl|fs to change). Needs `pip install -e .[vllm]` (CUDA torch).
+#   fleet learner on GPU 0, N local `vllm serve` processes on the other GPUs (N = GPUs - 1,
+#         or SPOPP_FLEET_SERVERS; SPOPP_FLEET_GPUS_PER_SERVER, default 1), weights by the
+#         filesystem publish IN FLIGHT (pause keep -> load -> resume). Needs vLLM + 2 GPUs.
+#         NOT run yet: written without a GPU machine.
 #   all   jax, then vllm when `import vllm` works (default).
 #
 # JAX and vLLM share one GPU in vllm mode: JAX gets a fixed fraction of the memory
@@ -36,11 +40,27 @@ run_vllm() {
     "${PYTHON}" scripts/gpu_check.py --engine vllm "$@"
 }
 
+run_fleet() {
+  local gpus servers
+  gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
+  servers="${SPOPP_FLEET_SERVERS:-$(( (gpus - 1) / ${SPOPP_FLEET_GPUS_PER_SERVER:-1} ))}"
+  if (( servers < 1 )); then
+    echo "== gpu_check: fleet mode needs >= 2 GPUs (found ${gpus}) ==" >&2
+    return 1
+  fi
+  echo "== gpu_check: engine=fleet, ${servers} server(s) ==" >&2
+  # The learner sees GPU 0 only; each server gets its own CUDA_VISIBLE_DEVICES block.
+  CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "${PYTHON}" scripts/gpu_check.py --engine fleet --servers "${servers}" \
+      --gpus-per-server "${SPOPP_FLEET_GPUS_PER_SERVER:-1}" --inflight "$@"
+}
+
 have_vllm() { "${PYTHON}" -c "import vllm" >/dev/null 2>&1; }
 
 case "${MODE}" in
   jax) run_jax "$@" ;;
   vllm) run_vllm "$@" ;;
+  fleet) run_fleet "$@" ;;
   all)
     run_jax "$@"
     if have_vllm; then
@@ -49,5 +69,5 @@ case "${MODE}" in
       echo "== gpu_check: vllm not importable with ${PYTHON}: vllm mode skipped (pip install -e .[vllm]) ==" >&2
     fi
     ;;
-  *) echo "usage: $0 [jax|vllm|all] [gpu_check.py args]" >&2; exit 2 ;;
+  *) echo "usage: $0 [jax|vllm|fleet|all] [gpu_check.py args]" >&2; exit 2 ;;
 esac

@@ -8,6 +8,22 @@ Layout:
   - batch: rows over ("data", "fsdp") jointly, sequence replicated.
 `train_step` is the same code on 1 or N devices: jit + these shardings let XLA insert the
 collectives (the global token count and the gradient sums become all-reduces).
+
+Several processes (multi-host, or `--distributed` on one host; each process owns its
+local devices and all run the same jitted step, SPMD):
+  1. every process calls `initialize_distributed` (`jax.distributed.initialize`) first;
+  2. every process builds the same initial TrainState (same seed or checkpoint) and places
+     it with `shard_train_state` (each process fills its own devices' shards);
+  3. data path: ONLY process 0 runs the orchestrator (engine, agents, tracker). For each
+     update it packs the global batch [B, T] (fixed shapes: the orchestrator pads to
+     `max_seq_len`); `broadcast_from_process_0` sends that host batch to every process
+     (the others pass a placeholder of the same shapes, `jax.ShapeDtypeStruct`s from the
+     config), then `shard_global_batch` places it: each process keeps only the rows of
+     its own devices;
+  4. every process runs `train_step`; process 0 publishes the new weights (gathering
+     them with `jax.experimental.multihost_utils.process_allgather` when sharded).
+The result equals the single-process step up to reduction order
+(tests/test_multiprocess_learner.py: 2 processes x 4 CPU devices vs 1 x 8 vs 1 x 1).
 """
 
 from __future__ import annotations
@@ -35,6 +51,8 @@ __all__ = [
     "train_state_sharding",
     "shard_train_state",
     "shard_batch",
+    "shard_global_batch",
+    "broadcast_from_process_0",
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -164,9 +182,45 @@ def train_state_sharding(state: Any, mesh: Mesh, optimizer: optax.GradientTransf
     )
 
 
+def _place_global(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A global array of ``value`` (the same full value on every process) on ``sharding``;
+    each process fills only its addressable shards."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_train_state(state: Any, sharding: Any) -> Any:
-    """Places every leaf of `state` on its sharding (copies; the input stays valid)."""
-    return jax.device_put(state, sharding)
+    """Places every leaf of `state` on its sharding (copies; the input stays valid).
+
+    Multi-process: every process passes the same full `state` (same seed / checkpoint)
+    and fills its own devices' shards.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(state, sharding)
+    return jax.tree.map(_place_global, state, sharding)
+
+
+def broadcast_from_process_0(tree: Any) -> Any:
+    """Process 0's host pytree on every process (SPMD data path, see the module doc).
+
+    Processes other than 0 pass a placeholder of the same structure, shapes and dtypes
+    (e.g. zeros); their values are ignored. Single process: returns `tree` unchanged.
+    """
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return jax.device_get(multihost_utils.broadcast_one_to_all(tree))
+
+
+def shard_global_batch(batch: Any, mesh: Mesh) -> Any:
+    """Places a GLOBAL batch that every process holds in full (after
+    `broadcast_from_process_0`) with rows over (data, fsdp); each process keeps only the
+    rows of its own devices. Single process: the same as `shard_batch`."""
+    shardings = batch_sharding(mesh, batch)
+    if jax.process_count() == 1:
+        return jax.device_put(batch, shardings)
+    return jax.tree.map(_place_global, batch, shardings)
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:

