@@ -115,9 +115,9 @@ class ToolResult:
     def feedback(self, max_chars: int) -> str:
         """The text the model sees: stdout, then stderr, then a status note; at most
         ``max_chars`` characters (the head is kept, a truncation marker appended)."""
-        parts = [self.stdout]
+        parts = [self.stdout.rstrip("\n")]
         if self.stderr:
-            parts.append(self.stderr)
+            parts.append(self.stderr.rstrip("\n"))
         if self.status != "ok":
             parts.append(f"[{self.status}]")
         return truncate_text("\n".join(p for p in parts if p), max_chars)
