@@ -41,13 +41,12 @@ import json
 import logging
 import os
 import queue
-import select
-import signal
-import subprocess
 import sys
 import threading
 import time
 from typing import Literal
+
+from rollout_bridge.tools.jsonl_process import JsonLineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,6 @@ SANDBOX_ENV = {"PATH": "/nonexistent", "HOME": "/scratch/work", "LANG": "C.UTF-8
 ROOT_CHILD_UID_BASE = 200_000  # uids for call processes when the host runs as root
 ROOT_CHILD_UID_SPAN = 50_000
 ROOT_SERVER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE")
-READ_CHUNK = 65536
 MIB = 1 << 20
 
 Status = Literal["ok", "error", "timeout", "output_limit", "crashed"]
@@ -219,67 +217,27 @@ def bwrap_command(config: SandboxConfig, child_uid: int | None) -> list[str]:
 
 
 class _Worker:
-    """One warm sandboxed interpreter and its request/reply pipes (one call at a time)."""
+    """One warm sandboxed interpreter (one call at a time)."""
 
     def __init__(self, command: list[str], config: SandboxConfig, env: dict, cwd: str | None):
         self.config = config
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
-        self._buffer = b""
-        reply = self._read_reply(time.monotonic() + config.start_timeout_s)
+        self.process = JsonLineProcess(command, env, cwd)
+        reply = self.process.read_reply(config.start_timeout_s)
         if reply is None or not reply.get("ready"):
-            err = self._stderr_text()
-            self.kill()
+            err = self.process.stderr_text()
+            self.process.kill()
             raise SandboxUnavailable(f"sandbox worker did not start: {err.strip() or 'no reply'}")
-
-    def _stderr_text(self) -> str:
-        try:
-            if select.select([self.proc.stderr], [], [], 0.5)[0]:
-                return os.read(self.proc.stderr.fileno(), READ_CHUNK).decode("utf-8", "replace")
-        except (OSError, ValueError):
-            pass
-        return ""
-
-    def _read_reply(self, deadline: float) -> dict | None:
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            data = os.read(fd, READ_CHUNK)
-            if not data:
-                return None
-            self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
 
     def call(self, code: str) -> ToolResult | None:
         """Run ``code``; None if the worker is lost (died or stopped answering)."""
-        try:
-            self.proc.stdin.write(json.dumps({"code": code}).encode() + b"\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            return None
-        reply = self._read_reply(time.monotonic() + self.config.wall_s + self.config.host_grace_s)
-        if reply is None:
-            return None
-        return ToolResult(**reply)
+        reply = self.process.request({"code": code}, self.config.wall_s + self.config.host_grace_s)
+        return None if reply is None else ToolResult(**reply)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.process.alive()
 
     def kill(self) -> None:
-        """SIGKILL the worker's whole process group (bwrap and everything under it)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        self.process.kill()
 
 
 class ToolSandbox:

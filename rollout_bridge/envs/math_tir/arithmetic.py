@@ -1,7 +1,8 @@
 """The CPU-sized tool-use task: seeded multi-digit arithmetic, and a scripted teacher.
 
 A problem is ``a op b`` with ``op`` in {*, +} and operands of ``min_digits..max_digits``
-digits, stated as ``Compute 4821*377.``: a tiny model cannot multiply 4-digit numbers in
+digits, stated as ``Compute:\n4821*377`` (the newline keeps the byte-level tokenizer from
+gluing a space to the first number, so the prompt's number tokens are the code's): a tiny model cannot multiply 4-digit numbers in
 its head, but it can copy them into ``print(4821*377)`` and copy the tool's answer into
 ``\\boxed{1817517}``. Problem sets are drawn with ``numpy.random.default_rng(seed)``;
 ``disjoint_from`` excludes every expression of another set (warm-start problems never
@@ -25,7 +26,7 @@ from rollout_bridge.envs.math_tir.tasks import MathTask, MathTaskSet
 from rollout_bridge.envs.math_tir.tool_format import ToolFormat, render_call
 
 OPERATORS = ("*", "+")
-PROMPT_TEMPLATE = "Compute {expression}."
+PROMPT_TEMPLATE = "Compute:\n{expression}"
 MAX_DRAW_ATTEMPTS_PER_PROBLEM = 100
 
 
@@ -49,7 +50,7 @@ class ArithmeticSpec:
 
 
 def expression_of(task: MathTask) -> str:
-    """``4821*377`` from ``Compute 4821*377.``"""
+    """``4821*377`` from ``Compute:\n4821*377``."""
     prefix, suffix = PROMPT_TEMPLATE.split("{expression}")
     if not (task.prompt.startswith(prefix) and task.prompt.endswith(suffix)):
         raise ValueError(f"not an arithmetic prompt: {task.prompt!r}")

@@ -42,6 +42,7 @@ from rollout_bridge.tools.sandbox import SandboxConfig, ToolSandbox, truncate_te
 logger = logging.getLogger(__name__)
 
 TOOL_DISABLED_TEXT = "[tool disabled]"
+DIGITS_REMOVED = str.maketrans("", "", "0123456789")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +144,24 @@ class MathTIRSetup:
     verifier: MathVerifier
     rules: EpisodeRules
 
+    @property
+    def num_tasks(self) -> int:
+        return self.train.num_tasks
+
     def env_factory(self, tools_enabled: bool | None = None):
         """A zero-argument env builder (``tools_enabled`` overrides the section's)."""
         rules = self.rules if tools_enabled is None else dataclasses.replace(self.rules, tools_enabled=tools_enabled)
         return lambda: MathTIREnv(self.train, self.sandbox, self.verifier, rules)
 
     def corpus(self) -> list[str]:
-        """Texts a tiny tokenizer is trained on: prompts and teacher turns."""
+        """Texts a tiny tokenizer is trained on: prompts and teacher turns WITHOUT their
+        digits, so BPE learns no digit merges and every digit stays its own token (as in
+        Qwen's tokenizer): copying a number is then copying digits."""
         texts = [t.prompt for t in self.train.tasks]
         for demos in (self.demonstrations, self.held_out_demonstrations):
             if demos is not None:
                 texts += [f"{obs}\n{reply}" for i in range(demos.num_tasks) for obs, reply in demos.demonstration(i)]
-        return texts
+        return [text.translate(DIGITS_REMOVED) for text in texts]
 
     def close(self) -> None:
         self.sandbox.close()

@@ -9,7 +9,8 @@ symbolically (fractions, radicals, intervals, sets, LaTeX vs plain).
 
 Why a process: math-verify's own time-out uses ``signal.alarm``, which only works in the
 main thread, and sympy can hang or eat memory on adversarial input. The verifier process
-runs math-verify in ITS main thread (with its time-outs), and the caller waits at most
+(``python -m rollout_bridge.envs.math_tir.verifier``, JSON lines over pipes) runs
+math-verify in ITS main thread (with its time-outs), and the caller waits at most
 ``timeout_s``; a process that does not answer is killed and replaced. Every error or
 time-out is a failed score (0), logged, never a crash of the caller.
 """
@@ -17,9 +18,12 @@ time-out is a failed score (0), logged, never a crash of the caller.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-import multiprocessing
+import sys
 import threading
+
+from rollout_bridge.tools.jsonl_process import JsonLineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +65,24 @@ def check_answer(ground_truth: str, response: str, parse_timeout_s: int, verify_
     return bool(verify(gold, answer, timeout_seconds=verify_timeout_s, raise_on_error=True))
 
 
-def _serve(conn, parse_timeout_s: int, verify_timeout_s: int) -> None:
+def serve(parse_timeout_s: int, verify_timeout_s: int) -> None:
+    """The verifier process: JSON lines ``{"ground_truth", "response"}`` on stdin, replies
+    ``{"ok": bool}`` or ``{"error": str}`` on stdout."""
     import math_verify  # noqa: F401 - import once, before the first request
 
-    conn.send(("ready", None))
-    while True:
+    out = sys.stdout
+    sys.stdout = sys.stderr  # nothing else may write into the reply stream
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
         try:
-            ground_truth, response = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", check_answer(ground_truth, response, parse_timeout_s, verify_timeout_s)))
+            reply = {"ok": check_answer(request["ground_truth"], request["response"],
+                                        parse_timeout_s, verify_timeout_s)}
         except Exception as exc:  # noqa: BLE001 - reported to the caller as a failed score
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
 
 
 class MathVerifier:
@@ -83,48 +92,38 @@ class MathVerifier:
     def __init__(self, config: VerifierConfig = VerifierConfig()):
         self.config = config
         self._lock = threading.Lock()
-        self._context = multiprocessing.get_context("spawn")
-        self._process = None
-        self._conn = None
+        self._process: JsonLineProcess | None = None
         self.errors = 0  # failed checks (errors and time-outs) since start
 
     def _start(self) -> None:
-        parent, child = self._context.Pipe()
-        self._process = self._context.Process(
-            target=_serve, args=(child, self.config.parse_timeout_s, self.config.verify_timeout_s), daemon=True)
-        self._process.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(self.config.start_timeout_s):
+        command = [sys.executable, "-m", __name__, str(self.config.parse_timeout_s),
+                   str(self.config.verify_timeout_s)]
+        self._process = JsonLineProcess(command)
+        if self._process.read_reply(self.config.start_timeout_s) is None:
+            err = self._process.stderr_text()
             self._stop()
-            raise RuntimeError(f"math-verify process did not start in {self.config.start_timeout_s}s")
-        parent.recv()
+            raise RuntimeError(f"math-verify process did not start: {err.strip() or 'no reply'}")
 
     def _stop(self) -> None:
         if self._process is not None:
             self._process.kill()
-            self._process.join()
-            self._conn.close()
-        self._process = self._conn = None
+        self._process = None
 
     def score(self, ground_truth: str, response: str) -> float:
         """1.0 if ``response``'s final answer equals ``ground_truth``, else 0.0 (errors and
         time-outs included, each logged)."""
         with self._lock:
-            if self._process is None or not self._process.is_alive():
+            if self._process is None or not self._process.alive():
                 self._start()
-            try:
-                self._conn.send((str(ground_truth), str(response)))
-                if not self._conn.poll(self.config.timeout_s):
-                    self._stop()
-                    return self._failed(f"timed out after {self.config.timeout_s}s", ground_truth)
-                kind, value = self._conn.recv()
-            except (EOFError, OSError) as exc:
+            request = {"ground_truth": str(ground_truth), "response": str(response)}
+            reply = self._process.request(request, self.config.timeout_s)
+            if reply is None:
                 self._stop()
-                return self._failed(f"verifier process lost: {exc!r}", ground_truth)
-        if kind == "error":
-            return self._failed(value, ground_truth)
-        return 1.0 if value else 0.0
+                return self._failed(f"no verdict within {self.config.timeout_s}s (process killed)",
+                                    ground_truth)
+        if "error" in reply:
+            return self._failed(reply["error"], ground_truth)
+        return 1.0 if reply["ok"] else 0.0
 
     def _failed(self, why: str, ground_truth: str) -> float:
         self.errors += 1
@@ -140,3 +139,7 @@ class MathVerifier:
 
     def __exit__(self, *exc):
         self.close()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
