@@ -285,3 +285,16 @@ def test_episode_rules_and_env_validate():
         asyncio.run(env.reset(3))
     with pytest.raises(ValueError, match="math_tir.source"):
         MathTIRSection(source="gsm8k")
+
+
+def test_filter_teacher_command_writes_the_split(tmp_path, capsys):
+    from rollout_bridge.envs.math_tir.teacher import main, read_jsonl, write_jsonl
+
+    records = [_record(f"p{k}", "6", "6", "\\boxed{6}", fmt="qwen") for k in range(5)]
+    records.append(_record("p9", "6", "7", "The answer is \\boxed{7}", fmt="qwen"))  # wrong
+    write_jsonl(tmp_path / "teacher.jsonl", records)
+    report = main(["filter", "--input", str(tmp_path / "teacher.jsonl"), "--out_dir", str(tmp_path / "out"),
+                   "--held_out_fraction", "0.2"])
+    assert (report.verifier_negative, report.train, report.held_out) == (1, 4, 1)
+    assert len(read_jsonl(tmp_path / "out" / "train.jsonl")) == 4
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["train_prompts"] == 4
