@@ -103,7 +103,7 @@ def test_dapo_loader_errors_name_the_file_and_field(tmp_path):
 
 
 def test_arithmetic_problems_are_seeded_and_disjoint():
-    spec = ArithmeticSpec(min_digits=2, max_digits=3, operators=("*", "+"))
+    spec = ArithmeticSpec(min_operand=10, max_operand=999, operators=("*", "+"))
     train = generate_problems(20, 0, spec)
     assert train == generate_problems(20, 0, spec)
     warm = generate_problems(50, 1, spec, disjoint_from=train.tasks)

@@ -245,3 +245,17 @@ def test_ordinary_code_works(sandbox):
             "print(out[0], fractions.Fraction(3, 4) + fractions.Fraction(1, 4))")
     result = attempt(sandbox, code)
     assert result.status == "ok" and result.stdout.split() == ["155117520", "1"], result
+
+
+def test_allowed_modules_import_and_the_project_does_not():
+    config = SandboxConfig(num_workers=1, wall_s=10.0, allowed_modules=("sympy", "mpmath"), preload=("sympy",))
+    try:
+        box = ToolSandbox(config)
+    except SandboxUnavailable as exc:
+        pytest.skip(f"bubblewrap sandbox unavailable here: {exc}")
+    with box:
+        result = box.run_sync("import sympy\nx = sympy.Symbol('x')\nprint(sympy.integrate(2 * x, x))")
+        assert result.status == "ok" and result.stdout.strip() == "x**2", result
+        for module in ("spopp_jax", "rollout_bridge"):
+            refused = box.run_sync(f"import {module}")
+            assert refused.status == "error" and "ModuleNotFoundError" in refused.stderr

@@ -53,7 +53,9 @@ logger = logging.getLogger(__name__)
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_main.py")
 SANDBOX_WORKER_PATH = "/sandbox/worker.py"
 SANDBOX_SITE = "/sandbox/site"
-SANDBOX_ENV = {"PATH": "/nonexistent", "HOME": "/scratch/work", "LANG": "C.UTF-8"}
+# fixed environment of the sandbox; one BLAS/OpenMP thread (threads count against RLIMIT_NPROC)
+SANDBOX_ENV = {"PATH": "/nonexistent", "HOME": "/scratch/work", "LANG": "C.UTF-8",
+               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 ROOT_CHILD_UID_BASE = 200_000  # uids for call processes when the host runs as root
 ROOT_CHILD_UID_SPAN = 50_000
 ROOT_SERVER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE")
@@ -157,7 +159,7 @@ def _module_dirs(names) -> list[tuple[str, str]]:
 
 def _library_args() -> list[str]:
     """Read-only shared libraries: /usr/lib*, and /lib* as the host has them."""
-    args = []
+    args = ["--perms", "0755", "--dir", "/usr"]
     for path in ("/usr/lib", "/usr/lib64", "/usr/lib32"):
         if os.path.isdir(path) and not os.path.islink(path):
             args += ["--ro-bind", path, path]
@@ -208,6 +210,7 @@ def bwrap_command(config: SandboxConfig, child_uid: int | None) -> list[str]:
         args += ["--setenv", key, value]
     args += [*_traversable_parents(runtime), "--ro-bind", runtime, runtime, *_library_args(), "--proc", "/proc", "--dev", "/dev",
              "--size", str(config.scratch_bytes), "--tmpfs", "/scratch",
+             *_traversable_parents(f"{SANDBOX_SITE}/x"),  # before any bind creates them 0700
              "--ro-bind", WORKER_SCRIPT, SANDBOX_WORKER_PATH]
     for host, inside in _module_dirs(config.allowed_modules):
         args += ["--ro-bind", host, inside]

@@ -1,12 +1,15 @@
 """The CPU-sized tool-use task: seeded multi-digit arithmetic, and a scripted teacher.
 
-A problem is ``a op b`` with ``op`` in {*, +} and operands of ``min_digits..max_digits``
-digits, stated as ``Compute:\n4821*377`` (the newline keeps the byte-level tokenizer from
-gluing a space to the first number, so the prompt's number tokens are the code's): a tiny model cannot multiply 4-digit numbers in
-its head, but it can copy them into ``print(4821*377)`` and copy the tool's answer into
-``\\boxed{1817517}``. Problem sets are drawn with ``numpy.random.default_rng(seed)``;
-``disjoint_from`` excludes every expression of another set (warm-start problems never
-repeat a training problem).
+A problem is ``a op b`` with ``op`` in {*, +} and operands drawn uniformly from
+``[min_operand, max_operand]``, stated as ``Compute:\n673*342`` (the newline keeps the
+byte-level tokenizer from gluing a space to the first number, so the prompt's number
+tokens are the code's). A tiny model cannot multiply 3-digit numbers in its head, but it
+can copy them into ``print(673*342)`` and copy the tool's answer into ``\\boxed{230166}``.
+The default range 317..999 makes every operand 3 digits and every product exactly 6: the
+copies then sit at fixed relative positions, which a 2-layer model with rotary attention
+learns far sooner than content-addressed copying. Problem sets are drawn with
+``numpy.random.default_rng(seed)``; ``disjoint_from`` excludes every expression of another
+set (warm-start problems never repeat a training problem).
 
 The scripted teacher writes the tool-using trajectory a good solver would: one tool call
 with the expression, then the boxed tool output; with probability ``slip_rate`` it
@@ -34,15 +37,15 @@ MAX_DRAW_ATTEMPTS_PER_PROBLEM = 100
 class ArithmeticSpec:
     """How problems are drawn (``operators`` a subset of ``*`` and ``+``)."""
 
-    min_digits: int = 3
-    max_digits: int = 4
+    min_operand: int = 317
+    max_operand: int = 999
     operators: tuple[str, ...] = ("*",)
     slip_rate: float = 0.1
 
     def __post_init__(self):
-        if not 1 <= self.min_digits <= self.max_digits:
-            raise ValueError(f"math_tir.arithmetic: need 1 <= min_digits <= max_digits, got "
-                             f"{self.min_digits}, {self.max_digits}")
+        if not 0 <= self.min_operand <= self.max_operand:
+            raise ValueError(f"math_tir.arithmetic: need 0 <= min_operand <= max_operand, got "
+                             f"{self.min_operand}, {self.max_operand}")
         if not self.operators or set(self.operators) - set(OPERATORS):
             raise ValueError(f"math_tir.arithmetic.operators must be a non-empty subset of {OPERATORS}")
         if not 0.0 <= self.slip_rate <= 1.0:
@@ -50,7 +53,7 @@ class ArithmeticSpec:
 
 
 def expression_of(task: MathTask) -> str:
-    """``4821*377`` from ``Compute:\n4821*377``."""
+    """``673*342`` from ``Compute:\n673*342``."""
     prefix, suffix = PROMPT_TEMPLATE.split("{expression}")
     if not (task.prompt.startswith(prefix) and task.prompt.endswith(suffix)):
         raise ValueError(f"not an arithmetic prompt: {task.prompt!r}")
@@ -58,8 +61,7 @@ def expression_of(task: MathTask) -> str:
 
 
 def _operand(rng: np.random.Generator, spec: ArithmeticSpec) -> int:
-    digits = int(rng.integers(spec.min_digits, spec.max_digits + 1))
-    return int(rng.integers(10 ** (digits - 1), 10 ** digits))
+    return int(rng.integers(spec.min_operand, spec.max_operand + 1))
 
 
 def _evaluate(a: int, op: str, b: int) -> int:
