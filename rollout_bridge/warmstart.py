@@ -10,7 +10,9 @@ would have produced it had the policy typed the teacher's commands:
 
     prompt_ids(obs_0) + [cmd_0 ids, stop] + close_ids + observation_turn_ids(obs_1) + ...
 
-with action_mask = 1 exactly on `[cmd_k ids, stop]` (what the policy samples). The SFT
+with action_mask = 1 exactly on `[cmd_k ids, stop]` (what the policy samples) for every k
+(`loss_on="all_assistant"`), or only for the LAST reply (`loss_on="final_message"`, the
+paper's Math-TIR cold start, SPEC 6: earlier replies and tool outputs are context). The SFT
 step (`spopp_jax.learner.make_sft_step`) minimises
     -Σ action_mask · log p(x_t | x_<t) / Σ action_mask     (global token-mean)
 """
@@ -22,6 +24,8 @@ import math
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
+
+LOSS_ON = ("final_message", "all_assistant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +42,19 @@ class SFTExample:
             raise ValueError("action_mask[0] must be False")
 
 
-def demonstration_example(chat, pairs: Sequence[tuple[str, str]]) -> SFTExample:
-    """Tokenize (observation, command) turns the way the agent loop builds a trajectory."""
+def check_loss_on(loss_on: str) -> str:
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"warmstart.loss_on must be one of {LOSS_ON}, got {loss_on!r}")
+    return loss_on
+
+
+def demonstration_example(chat, pairs: Sequence[tuple[str, str]],
+                          loss_on: str = "all_assistant") -> SFTExample:
+    """Tokenize (observation, command) turns the way the agent loop builds a trajectory;
+    the loss mask covers every reply or only the last one (``loss_on``)."""
     if not pairs:
         raise ValueError("pairs is empty")
+    check_loss_on(loss_on)
     stop_id = chat.turn_close_ids[0] if chat.turn_close_ids else chat.stop_token_ids[0]
     ids = list(chat.prompt_ids(pairs[0][0]))
     mask = [False] * len(ids)
@@ -52,15 +65,16 @@ def demonstration_example(chat, pairs: Sequence[tuple[str, str]]) -> SFTExample:
             mask += [False] * len(context)
         reply = chat.encode(command) + [stop_id]
         ids += reply
-        mask += [True] * len(reply)
+        trained = loss_on == "all_assistant" or k == len(pairs) - 1
+        mask += [trained] * len(reply)
     return SFTExample(tuple(ids), tuple(mask))
 
 
 def sft_examples(tasks, chat, task_ids: Sequence[int] | None = None,
-                 max_length: int | None = None) -> list[SFTExample]:
+                 max_length: int | None = None, loss_on: str = "all_assistant") -> list[SFTExample]:
     """One example per task's walkthrough (longer than `max_length` tokens: dropped)."""
     task_ids = range(tasks.num_tasks) if task_ids is None else task_ids
-    examples = [demonstration_example(chat, tasks.demonstration(t)) for t in task_ids]
+    examples = [demonstration_example(chat, tasks.demonstration(t), loss_on) for t in task_ids]
     if max_length is not None:
         examples = [e for e in examples if len(e.token_ids) <= max_length]
     if not examples:
