@@ -59,9 +59,9 @@ def group_relative_advantages(trajectories: Sequence[Trajectory], group_size: in
     return advantages.astype(np.float32)
 
 
-def whiten(raw_advantages: np.ndarray, lengths: np.ndarray, measure: str) -> np.ndarray:
-    """Ã = (A − μ)/(σ + 1e−8) under the "token" or "trajectory" measure (SPEC 4)."""
-    return np.asarray(adv_lib.whiten(raw_advantages, lengths, measure=measure), dtype=np.float32)
+def whiten(raw_advantages: np.ndarray, lengths: np.ndarray, measure: str, eps: float = 1e-8) -> np.ndarray:
+    """Ã = (A − μ)/(σ + eps) under the "token" or "trajectory" measure (SPEC 4)."""
+    return np.asarray(adv_lib.whiten(raw_advantages, lengths, measure=measure, eps=eps), dtype=np.float32)
 
 
 def batch_diagnostics(raw_advantages: np.ndarray, lengths: np.ndarray) -> dict[str, float]:

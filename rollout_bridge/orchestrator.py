@@ -110,6 +110,7 @@ class OrchestratorConfig:
 
     method: str = "spopp"  # a registered method: "spopp" | "spo" | "grpo" | "rloo"
     measure: str = "token"  # whitening measure, SPEC 4
+    whiten_eps: float = 1e-8  # Ã = (A − μ)/(σ + eps), SPEC 4
     batch_size: int = 128  # N trajectories per update
     publish_every: int = 1  # K: publish after every K updates
     drain: str = "finish"  # "finish" | "abort"
@@ -424,7 +425,7 @@ class Orchestrator:
         del self._ready[:n]
         lengths = baselines.action_lengths(trajectories)
         raw = self.method.advantages(trajectories)
-        whitened = baselines.whiten(raw, lengths, self.config.measure)
+        whitened = baselines.whiten(raw, lengths, self.config.measure, self.config.whiten_eps)
         batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple)
         learner_input = LearnerInput(batch, trajectories, self.method.learner_extras(trajectories))
         lag = np.array([self.policy_event - t.policy_event for t in trajectories], dtype=np.int64)
