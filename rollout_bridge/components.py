@@ -46,6 +46,7 @@ ORCHESTRATOR_KNOBS = {
     "max_consecutive_failures": "rollout.max_consecutive_failures",
     "rho": "tracker.rho", "spo_d_half": "tracker.spo_d_half", "spo_rho_min": "tracker.spo_rho_min",
     "spo_rho_max": "tracker.spo_rho_max", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
+    "task_sampler": "sampler.impl",
 }
 ORCHESTRATOR_DERIVED = {
     "z0": "0: the prior's coordinate (SPEC 2)",

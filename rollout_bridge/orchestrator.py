@@ -90,7 +90,8 @@ from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
 from rollout_bridge.engine.base import RolloutEngine
 from rollout_bridge.envs.base import EnvFactory
 from rollout_bridge.methods import DroppedGroup, LearnerInput, LearnerOutput, Receipt
-from rollout_bridge.methods.single_stream import SIBLING_RULES, free_slot_mask, sample_dispatch_tasks
+from rollout_bridge.methods.single_stream import (SIBLING_RULES, TASK_SAMPLERS, free_slot_mask,
+                                                  sample_dispatch_tasks)
 from rollout_bridge.trajectory import DispatchStamp, Trajectory, pack_train_batch
 from spopp_jax import tracker
 
@@ -123,6 +124,7 @@ class OrchestratorConfig:
     z0: float = 0.0
     sampler_form: str = "inside_sqrt"  # SPO++ sqrt(v(1-v)+floor); "outside_sqrt": SPO's sqrt(v(1-v))+floor
     sampler_floor: float = 0.05
+    task_sampler: str = "sum_tree"  # "sum_tree" (O(log n) per draw) | "dense" (Gumbel top-k over all tasks)
     spo_d_half: float = 0.06
     spo_rho_min: float = 0.875
     spo_rho_max: float = 0.96
@@ -137,6 +139,7 @@ class OrchestratorConfig:
             ("drain", self.drain, DRAINS),
             ("measure", self.measure, MEASURES),
             ("sibling_rule", self.sibling_rule, SIBLING_RULES),
+            ("task_sampler", self.task_sampler, TASK_SAMPLERS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

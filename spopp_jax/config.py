@@ -180,10 +180,13 @@ class TrackerSection:
 @dataclass
 class SamplerSection:
     """SPEC 3: weight sqrt(v(1-v) + floor) (form=inside_sqrt, SPO++) or sqrt(v(1-v)) + floor
-    (form=outside_sqrt, the SPO authors' code)."""
+    (form=outside_sqrt, the SPO authors' code). `impl`: sum_tree = incremental host
+    bookkeeping, O(log tasks) per draw; dense = Gumbel top-k over all tasks per dispatch
+    round (the reference; same law)."""
 
     form: Literal["inside_sqrt", "outside_sqrt"] = "inside_sqrt"
     floor: float = 0.05
+    impl: Literal["sum_tree", "dense"] = "sum_tree"
 
     def __post_init__(self):
         _check_literals("sampler", self)

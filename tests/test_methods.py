@@ -74,8 +74,8 @@ def test_rloo_runs_in_the_orchestrator_with_grpo_groups(chat):
 class ConstantBaseline(SingleStreamMethod):
     """A method defined outside the package: v̂ = 0.5 for every task, never updated."""
 
-    def baselines(self):
-        return np.full(self.num_tasks, 0.5, np.float32)
+    def __init__(self, config, num_tasks, prior_alpha, prior_beta):
+        super().__init__(config, num_tasks, np.ones(num_tasks), np.ones(num_tasks))  # v̂ = 0.5
 
 
 def test_a_new_method_is_one_class_and_one_register_line(chat, monkeypatch):

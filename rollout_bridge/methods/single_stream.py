@@ -15,13 +15,13 @@ import numpy as np
 
 from rollout_bridge import baselines
 from rollout_bridge.methods.base import Launch, LearnerOutput, NextKey, PreviousResponse, Receipt
+from rollout_bridge.sum_tree import SumTree
 from rollout_bridge.trajectory import DispatchStamp, Trajectory
 from spopp_jax import sampling, tracker
 
 SIBLING_RULES = ("balanced", "proportional")
 
-# Jitted once per shape: the per-request tracker / sampler calls stay cheap on the host.
-_all_baselines = jax.jit(lambda state: tracker.baseline(state, jnp.arange(state.alpha.shape[0])))
+# Jitted once per shape (the dense reference sampler).
 _sample_idle = jax.jit(sampling.sample_idle_tasks, static_argnames=("k", "floor", "form"))
 
 
@@ -100,48 +100,121 @@ def sample_dispatch_tasks(
 
 
 def tracker_arrays(state: Any) -> dict[str, np.ndarray]:
-    """{alpha, beta, z_ref} as NumPy arrays from a ``TrackerState`` or its restored dict."""
+    """{alpha, beta, z_ref} as float32 NumPy arrays from a ``TrackerState`` or its restored dict."""
     get = (lambda name: state[name]) if isinstance(state, Mapping) else (lambda name: getattr(state, name))
-    return {name: np.asarray(get(name)) for name in ("alpha", "beta", "z_ref")}
+    return {name: np.array(get(name), np.float32) for name in ("alpha", "beta", "z_ref")}
+
+
+def uncertainty_weight(v_hat: np.ndarray, floor: float, form: str) -> np.ndarray:
+    """SPEC 3 u(v̂) on the host, float32 like ``spopp_jax.sampling.uncertainty_weights``:
+    sqrt(clip(v̂(1−v̂), 0, ¼) + floor) ("inside_sqrt") or sqrt(clip(v̂(1−v̂), 0, ¼)) + floor."""
+    v = np.asarray(v_hat, np.float32)
+    spread = np.clip(v * (np.float32(1) - v), np.float32(0), np.float32(0.25))
+    if form == "inside_sqrt":
+        return np.sqrt(spread + np.float32(floor))
+    return np.sqrt(spread) + np.float32(floor)
+
+
+TASK_SAMPLERS = ("sum_tree", "dense")
 
 
 class SingleStreamMethod:
     """Shared single-stream behaviour: per-task tracker, SPEC-3 sampling, frozen v̂.
 
+    Host bookkeeping in NumPy, incremental: the tracker arrays (``alpha``, ``beta``,
+    ``z_ref``: ``spopp_jax.tracker``'s re-referenced form), the cached v̂ of every task and,
+    for ``task_sampler="sum_tree"``, a :class:`~rollout_bridge.sum_tree.SumTree` of dispatch
+    weights w_x = u(v̂_x)·(m − in_flight_x); only tasks whose evidence or in-flight count
+    changed are recomputed, and a draw costs O(log #tasks). Successive draws, each ∝ w with
+    the drawn task's w lowered, have exactly the law of SPEC 3's sampler
+    (``sample_dispatch_tasks``'s Gumbel top-k; rule "proportional" for m > 1). The balanced
+    sibling rule with m > 1 (tiers) and ``task_sampler="dense"`` use
+    :func:`sample_dispatch_tasks` over all tasks (O(#tasks) per dispatch round).
+
     Subclasses decide what a receipt adds to the tracker (:meth:`observe_receipt`) and
-    what happens after an update."""
+    what happens after an update (call :meth:`refresh` for tasks whose v̂ changed)."""
 
     def __init__(self, config, num_tasks: int, prior_alpha: np.ndarray, prior_beta: np.ndarray):
         self.config = config
         self.num_tasks = num_tasks
         self.per_task_limit = config.max_in_flight_per_task
-        self.tracker = tracker.init(prior_alpha, prior_beta, z0=config.z0)
+        self._set_tracker(tracker_arrays(tracker.init(prior_alpha, prior_beta, z0=config.z0)))
+        self.in_flight = np.zeros(num_tasks, np.int64)
+        self.free_slots = self.per_task_limit * num_tasks
+        self.use_tree = config.task_sampler == "sum_tree" and (
+            self.per_task_limit == 1 or config.sibling_rule == "proportional")
+        self.rng = np.random.Generator(np.random.PCG64(config.seed))
+        self._rebuild()
 
     @classmethod
     def check_config(cls, config) -> None:
         """Single stream accepts every orchestrator setting (m >= 1, any sibling rule)."""
 
+    # -------------------------------------------------------------- evidence and weights
+    @property
+    def tracker(self) -> tracker.TrackerState:
+        return tracker.TrackerState(alpha=self.alpha, beta=self.beta, z_ref=self.z_ref)
+
+    def _set_tracker(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.alpha, self.beta, self.z_ref = (np.array(arrays[k], np.float32) for k in ("alpha", "beta", "z_ref"))
+        self.v_hat = self.alpha / (self.alpha + self.beta)
+
+    def _weights(self, tasks) -> np.ndarray:
+        u = uncertainty_weight(self.v_hat[tasks], self.config.sampler_floor, self.config.sampler_form)
+        return u.astype(np.float64) * (self.per_task_limit - self.in_flight[tasks])
+
+    def _rebuild(self) -> None:
+        self.tree = SumTree(self._weights(np.arange(self.num_tasks))) if self.use_tree else None
+
+    def refresh(self, tasks) -> None:
+        """Recompute v̂ and the dispatch weight of ``tasks`` after their evidence changed."""
+        tasks = np.atleast_1d(np.asarray(tasks, np.int64))
+        self.v_hat[tasks] = self.alpha[tasks] / (self.alpha[tasks] + self.beta[tasks])
+        if self.tree is not None:
+            for x, w in zip(tasks.tolist(), self._weights(tasks).tolist()):
+                self.tree.update(x, w)
+
+    def _count(self, task_id: int, delta: int) -> None:
+        self.in_flight[task_id] += delta
+        self.free_slots -= delta
+        if self.tree is not None:
+            self.tree.update(task_id, float(self._weights(np.array([task_id]))[0]))
+
+    # -------------------------------------------------------------- protocol
     def held_count(self) -> int:
         return 0
 
-    def baselines(self) -> np.ndarray:
-        """v̂ of every task (SPEC 2), read once per dispatch round."""
-        return np.asarray(_all_baselines(self.tracker))
-
     def plan_dispatch(self, next_key: NextKey, capacity: int, in_flight: np.ndarray) -> list[Launch]:
-        m = self.per_task_limit
-        count = int(min(capacity, np.maximum(m - in_flight, 0).sum()))
+        """Up to ``capacity`` tasks by SPEC 3, each with its v̂ frozen now; counted in flight."""
+        count = int(min(capacity, self.free_slots))
         if count <= 0:
             return []
-        v_hat = self.baselines()  # read once: no result arrives in between
-        chosen = sample_dispatch_tasks(next_key(), v_hat, in_flight, m, count, rule=self.config.sibling_rule,
-                                       floor=self.config.sampler_floor, form=self.config.sampler_form)
-        return [Launch(int(x), float(v_hat[int(x)])) for x in chosen]
+        if self.tree is None:
+            chosen = sample_dispatch_tasks(next_key(), self.v_hat.copy(), self.in_flight, self.per_task_limit, count,
+                                           rule=self.config.sibling_rule, floor=self.config.sampler_floor,
+                                           form=self.config.sampler_form).tolist()
+            for x in chosen:
+                self._count(int(x), +1)
+        else:
+            chosen = [self._draw_and_count() for _ in range(count)]
+        return [Launch(int(x), float(self.v_hat[x])) for x in chosen]
+
+    def _draw_and_count(self) -> int:
+        """One task ∝ w, then its w is lowered (the next draw is without replacement).
+        Zero-weight free tasks (only with floor 0) come after all positive ones, uniformly,
+        as in the Gumbel sampler."""
+        if self.tree.total > 0:
+            x = self.tree.draw(self.rng)
+        else:
+            x = int(self.rng.choice(np.flatnonzero(self.in_flight < self.per_task_limit)))
+        self._count(x, +1)
+        return x
 
     def observe_receipt(self, traj: Trajectory) -> None:
         """Evidence a usable receipt adds at once (SPO++); none by default."""
 
     def receive(self, stamp: DispatchStamp, traj: Trajectory | None, spoil: str | None) -> Receipt:
+        self._count(stamp.task_id, -1)
         if traj is None:
             return Receipt()
         self.observe_receipt(traj)
@@ -158,10 +231,26 @@ class SingleStreamMethod:
         return None
 
     def state_dict(self) -> dict:
-        return {"tracker": tracker_arrays(self.tracker)}
+        rng = self.rng.bit_generator.state
+        words = [rng["state"]["state"], rng["state"]["inc"]]
+        return {"tracker": {"alpha": self.alpha.copy(), "beta": self.beta.copy(), "z_ref": self.z_ref.copy()},
+                "sampler_rng": np.array([(w >> shift) & _WORD for w in words for shift in (64, 0)], np.uint64),
+                "sampler_rng_extra": np.array([rng["has_uint32"], rng["uinteger"]], np.uint64)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         arrays = tracker_arrays(state["tracker"])
         if arrays["alpha"].shape != (self.num_tasks,):
             raise ValueError(f"state tracker has {arrays['alpha'].shape[0]} tasks, expected {self.num_tasks}")
-        self.tracker = tracker.TrackerState(**{k: jnp.asarray(v) for k, v in arrays.items()})
+        self._set_tracker(arrays)
+        words = [int(w) for w in np.asarray(state["sampler_rng"], np.uint64)]
+        extra = [int(w) for w in np.asarray(state["sampler_rng_extra"], np.uint64)]
+        self.rng.bit_generator.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": (words[0] << 64) | words[1], "inc": (words[2] << 64) | words[3]},
+            "has_uint32": extra[0], "uinteger": extra[1]}
+        self.in_flight[:] = 0  # requests in flight are not restored
+        self.free_slots = self.per_task_limit * self.num_tasks
+        self._rebuild()
+
+
+_WORD = (1 << 64) - 1

@@ -55,10 +55,10 @@ class Spo(SingleStreamMethod):
         divergence = baselines.spo_divergences(len(trajectories), output.divergence)
         rho = tracker.spo_retention(jnp.asarray(divergence), self.config.spo_d_half, self.config.spo_rho_min,
                                     self.config.spo_rho_max)
-        self.tracker = tracker.spo_observe(
-            self.tracker, np.array([t.task_id for t in trajectories]),
-            np.array([t.reward for t in trajectories], np.float32), rho,
-        )
+        tasks = np.array([t.task_id for t in trajectories])
+        updated = tracker.spo_observe(self.tracker, tasks, np.array([t.reward for t in trajectories], np.float32), rho)
+        self._set_tracker({k: np.asarray(getattr(updated, k)) for k in ("alpha", "beta", "z_ref")})
+        self.refresh(np.unique(tasks))
         for row, traj in enumerate(trajectories):
             n = len(traj.token_ids)
             mask = np.asarray(traj.action_mask, bool)
