@@ -7,6 +7,7 @@ orchestrator module docstring ("Several in-flight requests per task").
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -163,22 +164,29 @@ class SingleStreamMethod:
         u = uncertainty_weight(self.v_hat[tasks], self.config.sampler_floor, self.config.sampler_form)
         return u.astype(np.float64) * (self.per_task_limit - self.in_flight[tasks])
 
+    def _weight_of(self, task_id: int) -> float:
+        """w_x of one task with Python floats (the per-request path: no array overhead)."""
+        v = float(self.v_hat[task_id])
+        spread = min(max(v * (1.0 - v), 0.0), 0.25)
+        floor = self.config.sampler_floor
+        u = math.sqrt(spread + floor) if self.config.sampler_form == "inside_sqrt" else math.sqrt(spread) + floor
+        return u * (self.per_task_limit - int(self.in_flight[task_id]))
+
     def _rebuild(self) -> None:
         self.tree = SumTree(self._weights(np.arange(self.num_tasks))) if self.use_tree else None
 
     def refresh(self, tasks) -> None:
         """Recompute v̂ and the dispatch weight of ``tasks`` after their evidence changed."""
-        tasks = np.atleast_1d(np.asarray(tasks, np.int64))
-        self.v_hat[tasks] = self.alpha[tasks] / (self.alpha[tasks] + self.beta[tasks])
-        if self.tree is not None:
-            for x, w in zip(tasks.tolist(), self._weights(tasks).tolist()):
-                self.tree.update(x, w)
+        for x in np.atleast_1d(np.asarray(tasks, np.int64)).tolist():
+            self.v_hat[x] = self.alpha[x] / (self.alpha[x] + self.beta[x])
+            if self.tree is not None:
+                self.tree.update(x, self._weight_of(x))
 
     def _count(self, task_id: int, delta: int) -> None:
         self.in_flight[task_id] += delta
         self.free_slots -= delta
         if self.tree is not None:
-            self.tree.update(task_id, float(self._weights(np.array([task_id]))[0]))
+            self.tree.update(task_id, self._weight_of(task_id))
 
     # -------------------------------------------------------------- protocol
     def held_count(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,6 +24,12 @@ from rollout_bridge.methods.base import LearnerOutput, PreviousResponse
 from rollout_bridge.methods.single_stream import SingleStreamMethod
 from rollout_bridge.trajectory import Trajectory
 from spopp_jax import tracker
+
+
+# Jitted once per batch size: an eager ``lax.scan`` would be traced and compiled on every
+# update (seconds of CPU and a growing compile cache over a long run).
+_spo_observe = jax.jit(tracker.spo_observe)
+_spo_retention = jax.jit(tracker.spo_retention, static_argnames=("d_half", "rho_min", "rho_max"))
 
 
 class Spo(SingleStreamMethod):
@@ -53,10 +60,10 @@ class Spo(SingleStreamMethod):
         if trained_logp.ndim != 2 or trained_logp.shape[0] != len(trajectories):
             raise ValueError(f"LearnerOutput.trained_logp must be [{len(trajectories)}, T], got {trained_logp.shape}")
         divergence = baselines.spo_divergences(len(trajectories), output.divergence)
-        rho = tracker.spo_retention(jnp.asarray(divergence), self.config.spo_d_half, self.config.spo_rho_min,
-                                    self.config.spo_rho_max)
+        rho = _spo_retention(jnp.asarray(divergence), d_half=self.config.spo_d_half,
+                             rho_min=self.config.spo_rho_min, rho_max=self.config.spo_rho_max)
         tasks = np.array([t.task_id for t in trajectories])
-        updated = tracker.spo_observe(self.tracker, tasks, np.array([t.reward for t in trajectories], np.float32), rho)
+        updated = _spo_observe(self.tracker, tasks, np.array([t.reward for t in trajectories], np.float32), rho)
         self._set_tracker({k: np.asarray(getattr(updated, k)) for k in ("alpha", "beta", "z_ref")})
         self.refresh(np.unique(tasks))
         for row, traj in enumerate(trajectories):
