@@ -5,7 +5,6 @@ shapes, and restore onto a different mesh (8 simulated devices in a subprocess:
 
 import dataclasses
 import os
-import subprocess
 import sys
 
 import numpy as np

@@ -2,9 +2,6 @@
 -> our load, bf16, loud failures, and sharded loading onto an 8-device host mesh."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np

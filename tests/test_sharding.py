@@ -4,7 +4,6 @@ mesh (a subprocess: `python tests/test_sharding.py OUT_DIR` is the 8-device work
 
 import dataclasses
 import os
-import subprocess
 import sys
 
 import numpy as np
