@@ -10,12 +10,15 @@ Also the SPEC-4 batch diagnostics and SPO's divergence D (SPEC 2, "Baseline").
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
 from rollout_bridge.trajectory import Trajectory
 from spopp_jax import advantages as adv_lib
+
+if TYPE_CHECKING:
+    from rollout_bridge.methods.base import PreviousResponse
 
 
 def action_lengths(trajectories: Sequence[Trajectory]) -> np.ndarray:
@@ -56,9 +59,9 @@ def group_relative_advantages(trajectories: Sequence[Trajectory], group_size: in
     return advantages.astype(np.float32)
 
 
-def whiten(raw_advantages: np.ndarray, lengths: np.ndarray, measure: str) -> np.ndarray:
-    """Ã = (A − μ)/(σ + 1e−8) under the "token" or "trajectory" measure (SPEC 4)."""
-    return np.asarray(adv_lib.whiten(raw_advantages, lengths, measure=measure), dtype=np.float32)
+def whiten(raw_advantages: np.ndarray, lengths: np.ndarray, measure: str, eps: float = 1e-8) -> np.ndarray:
+    """Ã = (A − μ)/(σ + eps) under the "token" or "trajectory" measure (SPEC 4)."""
+    return np.asarray(adv_lib.whiten(raw_advantages, lengths, measure=measure, eps=eps), dtype=np.float32)
 
 
 def batch_diagnostics(raw_advantages: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
@@ -103,22 +106,48 @@ def spo_divergences(num_trajectories: int, divergence: Sequence[float | None] | 
 
 
 def pack_previous_responses(
-    previous: Sequence[Trajectory | None], pad_to_multiple: int = 1
+    previous: Sequence[PreviousResponse | None], logp_batch: np.ndarray | None = None, pad_to_multiple: int = 1,
+    num_rows: int | None = None,
 ) -> tuple[dict[str, np.ndarray] | None, np.ndarray]:
-    """SPO learner helper: pack the y′ that exist into ``TrainBatch`` arrays for scoring.
+    """SPO learner helper: pack the y′ that exist into arrays for scoring under π_now.
 
     Returns ``(arrays, rows)``: ``rows[i]`` is the row of ``previous[i]`` in ``arrays`` or
-    -1 where it is None; ``arrays`` is None when no trajectory has a y′. Advantages are 0
-    (the arrays are only scored, never trained on).
+    -1 where it is None; ``arrays`` (None when no trajectory has a y′) holds
+    ``input_ids`` int32, ``attention_mask``, ``action_mask`` bool and ``logp_then`` float32,
+    all [R, T]: π_then is ``y′.logp_then`` (recorded by the learner when y′ was trained),
+    or ``logp_batch[y′.batch_row]`` (the learner's log-probs of this batch at the update's
+    starting parameters) when y′ is an earlier row of the same batch. ``num_rows`` pads R
+    with empty rows (one compiled shape per batch size).
     """
-    from rollout_bridge.trajectory import pack_train_arrays
-
     present = [p for p in previous if p is not None]
     rows = np.full(len(previous), -1, dtype=np.int64)
     rows[[i for i, p in enumerate(previous) if p is not None]] = np.arange(len(present))
     if not present:
         return None, rows
-    return pack_train_arrays(present, np.zeros(len(present), np.float32), pad_to_multiple), rows
+    count = len(present) if num_rows is None else num_rows
+    if count < len(present):
+        raise ValueError(f"num_rows ({num_rows}) must be >= the number of previous responses ({len(present)})")
+    longest = max(len(p.token_ids) for p in present)
+    width = -(-max(longest, 1) // pad_to_multiple) * pad_to_multiple
+    arrays = {
+        "input_ids": np.zeros((count, width), np.int32),
+        "attention_mask": np.zeros((count, width), bool),
+        "action_mask": np.zeros((count, width), bool),
+        "logp_then": np.zeros((count, width), np.float32),
+    }
+    for row, response in enumerate(present):
+        n = len(response.token_ids)
+        if response.batch_row >= 0:
+            if logp_batch is None:
+                raise ValueError("a previous response in this batch needs logp_batch (its π_then)")
+            then = np.asarray(logp_batch)[response.batch_row, :n]
+        else:
+            then = response.logp_then
+        arrays["input_ids"][row, :n] = response.token_ids
+        arrays["attention_mask"][row, :n] = True
+        arrays["action_mask"][row, :n] = response.action_mask
+        arrays["logp_then"][row, :n] = np.where(response.action_mask, then, 0.0)
+    return arrays, rows
 
 
 def divergences_from_logprobs(
@@ -126,9 +155,9 @@ def divergences_from_logprobs(
 ) -> list[float | None]:
     """D_i = token-mean |π_then − π_now| over y′'s action tokens, aligned with ``rows``.
 
-    ``logp_now``: [B, T] log-probs of ``arrays["input_ids"]`` under the updated policy
+    ``logp_now``: [R, T] log-probs of ``arrays["input_ids"]`` under the updated policy
     (token t's log-prob at position t, as the learner's ``token_logprobs``); π_then is
-    ``arrays["rollout_logp"]``. None where there was no y′ (SPO's D = 0, first visit).
+    ``arrays["logp_then"]``. None where there was no y′ (SPO's D = 0, first visit).
     """
     if arrays is None:
         return [None] * len(rows)
@@ -137,6 +166,6 @@ def divergences_from_logprobs(
         raise ValueError(f"logp_now must have shape {arrays['action_mask'].shape}, got {logp_now.shape}")
     return [
         None if row < 0 else token_mean_abs_log_ratio(
-            arrays["action_mask"][row], arrays["rollout_logp"][row], logp_now[row])
+            arrays["action_mask"][row], arrays["logp_then"][row], logp_now[row])
         for row in rows
     ]

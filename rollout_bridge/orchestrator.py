@@ -60,6 +60,17 @@ only; the paper's stated limitation, SPEC 2 allows m = 1, the default, which is 
     evidence at v̂ ("virtual loss") leaves v̂ unchanged and only inflates its confidence, so
     it changes nothing the estimator uses.
 GRPO keeps its own multi-request unit (the group) and requires m = 1.
+
+Methods: each method is one object of ``rollout_bridge.methods`` (``Method`` protocol:
+what to dispatch and freeze, what a receipt adds, advantages, learner extras, its own
+state). This module keeps scheduling, collection, staleness and publishing only and never
+branches on a method's name; "rloo" (GRPO's groups with a leave-one-out baseline) is the
+fourth method, one file.
+
+Memory: the orchestrator keeps what the next update and the checkpoint need (the ready
+buffer, in-flight stamps, the method's state). ``keep_history=True`` (the library default,
+for tests and analysis) also keeps the whole ``events`` / ``records`` log; long runs set it
+False and stream per-update records to ``on_update`` sinks instead.
 """
 
 from __future__ import annotations
@@ -68,36 +79,39 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import inspect
-from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout_bridge import baselines
+from rollout_bridge import baselines, methods, state_codec
 from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
 from rollout_bridge.engine.base import RolloutEngine
 from rollout_bridge.envs.base import EnvFactory
+from rollout_bridge.methods import DroppedGroup, LearnerInput, LearnerOutput, Receipt
+from rollout_bridge.methods.single_stream import (SIBLING_RULES, TASK_SAMPLERS, free_slot_mask,
+                                                  sample_dispatch_tasks)
 from rollout_bridge.trajectory import DispatchStamp, Trajectory, pack_train_batch
-from spopp_jax import sampling, tracker
+from spopp_jax import tracker
 
-METHODS = ("spopp", "spo", "grpo")
+__all__ = ["OrchestratorConfig", "Orchestrator", "UpdateRecord", "LearnerInput", "LearnerOutput", "DroppedGroup",
+           "free_slot_mask", "sample_dispatch_tasks", "METHODS", "DRAINS", "MEASURES", "SIBLING_RULES"]
 
-# Jitted once per shape: the per-request tracker / sampler calls stay cheap on the host.
-_all_baselines = jax.jit(lambda state: tracker.baseline(state, jnp.arange(state.alpha.shape[0])))
-_observe = jax.jit(tracker.observe)
-_sample_idle = jax.jit(sampling.sample_idle_tasks, static_argnames=("k", "floor", "form"))
+METHODS = methods.names()
 DRAINS = ("finish", "abort")
 MEASURES = ("token", "trajectory")
-SIBLING_RULES = ("balanced", "proportional")
+_COUNTERS = ("policy_event", "updates", "dispatched", "consumed", "failed", "aborted",
+             "dropped_groups", "dropped_group_trajectories")
 
 
 @dataclasses.dataclass(frozen=True)
 class OrchestratorConfig:
     """Orchestration knobs (SPEC 2-4, 6 defaults). Every constant is configurable."""
 
-    method: str = "spopp"  # "spopp" | "spo" | "grpo"
+    method: str = "spopp"  # a registered method: "spopp" | "spo" | "grpo" | "rloo"
     measure: str = "token"  # whitening measure, SPEC 4
+    whiten_eps: float = 1e-8  # Ã = (A − μ)/(σ + eps), SPEC 4
     batch_size: int = 128  # N trajectories per update
     publish_every: int = 1  # K: publish after every K updates
     drain: str = "finish"  # "finish" | "abort"
@@ -105,25 +119,27 @@ class OrchestratorConfig:
     max_in_flight_per_task: int = 1  # m; SPEC 2 experiments: 1 (see the module docstring)
     sibling_rule: str = "balanced"  # m > 1: "balanced" | "proportional" (module docstring)
     max_buffered_batches: int = 2  # dispatch only while ready + in-flight < this x batch_size
-    group_size: int = 8  # GRPO G
+    group_size: int = 8  # GRPO / RLOO G
     rho: float = 0.875
     z0: float = 0.0
     sampler_form: str = "inside_sqrt"  # SPO++ sqrt(v(1-v)+floor); "outside_sqrt": SPO's sqrt(v(1-v))+floor
     sampler_floor: float = 0.05
+    task_sampler: str = "sum_tree"  # "sum_tree" (O(log n) per draw) | "dense" (Gumbel top-k over all tasks)
     spo_d_half: float = 0.06
     spo_rho_min: float = 0.875
     spo_rho_max: float = 0.96
     train_on_failed: bool = False
     max_consecutive_failures: int = 256  # a broken engine/env stops the run instead of spinning
     pad_to_multiple: int = 64
+    keep_history: bool = True  # keep every event / record in memory (tests, analysis); False for long runs
     seed: int = 0
 
     def __post_init__(self):
         for name, value, allowed in (
-            ("method", self.method, METHODS),
             ("drain", self.drain, DRAINS),
             ("measure", self.measure, MEASURES),
             ("sibling_rule", self.sibling_rule, SIBLING_RULES),
+            ("task_sampler", self.task_sampler, TASK_SAMPLERS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -131,115 +147,10 @@ class OrchestratorConfig:
                      "max_buffered_batches", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.method == "grpo":
-            if self.batch_size % self.group_size:
-                raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
-            if self.max_in_flight < self.group_size:
-                raise ValueError("max_in_flight must be >= group_size for GRPO")
-            if self.max_in_flight_per_task != 1:
-                raise ValueError("max_in_flight_per_task must be 1 for GRPO (a group is its multi-request unit)")
-
-
-class LearnerInput(NamedTuple):
-    """What the learner callable receives for one update.
-
-    batch: the packed ``TrainBatch``; trajectories: the batch in arrival order;
-    previous: SPO only (else all None), aligned with ``trajectories``: the previous
-    trajectory y′ of the same task (possibly earlier in this batch), whose
-    ``rollout_logp`` is π_then; None on a task's first visit. The learner scores y′ after
-    its update (π_now) and returns D_i = token-mean |π_then − π_now|
-    (``baselines.token_mean_abs_log_ratio``).
-    """
-
-    batch: Any
-    trajectories: tuple[Trajectory, ...]
-    previous: tuple[Trajectory | None, ...]
-
-
-class LearnerOutput(NamedTuple):
-    """The learner's answer: weights to publish (None: nothing to publish), scalar metrics,
-    and for SPO the divergence D_i aligned with the batch (None, or a None entry: D = 0)."""
-
-    weights: Any
-    metrics: Mapping[str, float] = {}
-    divergence: Sequence[float | None] | None = None
+        methods.method_class(self.method).check_config(self)
 
 
 Learner = Callable[[LearnerInput], Union[LearnerOutput, Awaitable[LearnerOutput]]]
-
-
-def free_slot_mask(in_flight_count: np.ndarray, max_in_flight_per_task: int) -> np.ndarray:
-    """Unavailable-slot mask of the [m · num_tasks] slot candidates, tier-major.
-
-    Candidate ``j · num_tasks + x`` is the (j+1)-th concurrent request of task x; it is
-    free iff ``j >= in_flight_count[x]`` (True = occupied / not dispatchable). With m = 1
-    this is ``in_flight_count > 0``, SPEC 3's in-flight mask.
-    """
-    in_flight_count = np.asarray(in_flight_count)
-    if in_flight_count.ndim != 1 or not np.issubdtype(in_flight_count.dtype, np.integer):
-        raise ValueError(f"in_flight_count must be a 1-D integer array, got {in_flight_count.dtype}"
-                         f"{in_flight_count.shape}")
-    if max_in_flight_per_task < 1:
-        raise ValueError(f"max_in_flight_per_task must be >= 1, got {max_in_flight_per_task}")
-    tiers = np.arange(max_in_flight_per_task)[:, None]
-    return (tiers < in_flight_count[None, :]).reshape(-1)
-
-
-def sample_dispatch_tasks(
-    key: jax.Array,
-    v_hat: np.ndarray,
-    in_flight_count: np.ndarray,
-    max_in_flight_per_task: int,
-    count: int,
-    rule: str = "balanced",
-    floor: float = 0.05,
-    form: str = "inside_sqrt",
-) -> np.ndarray:
-    """Tasks of the next ``count`` dispatches (repeats allowed up to m − in_flight_x).
-
-    SPEC 3 weight u(v̂) = ``sampling.uncertainty_weights``; draws without replacement via
-    ``sampling.sample_idle_tasks`` (Gumbel top-k: the first ``count`` of a full draw have
-    the law of ``count`` sequential draws, one compile per shape).
-
-    rule "proportional": one draw over the slot candidates of :func:`free_slot_mask` with
-      v̂ tiled per tier, so each draw picks x with probability ∝ u(v̂_x)·(m − in_flight_x).
-    rule "balanced": tier by tier; the tier is the tasks with the fewest requests in flight
-      (b < m); up to its size are drawn ∝ u(v̂) without replacement, their counts rise,
-      repeat. The first tier uses ``key`` itself, tier t > 0 ``fold_in(key, t)``.
-    At m = 1 both are exactly ``sample_idle_tasks(key, v̂, in_flight > 0)[:count]``.
-    """
-    if rule not in SIBLING_RULES:
-        raise ValueError(f"rule must be one of {SIBLING_RULES}, got {rule!r}")
-    v_hat = np.asarray(v_hat)
-    in_flight_count = np.asarray(in_flight_count)
-    num_tasks = v_hat.shape[0]
-    if v_hat.ndim != 1 or in_flight_count.shape != v_hat.shape:
-        raise ValueError(f"v_hat and in_flight_count must be [num_tasks] vectors, got {v_hat.shape}, "
-                         f"{in_flight_count.shape}")
-    occupied = free_slot_mask(in_flight_count, max_in_flight_per_task)
-    if not 0 <= count <= int((~occupied).sum()):
-        raise ValueError(f"count must be in [0, free slots = {int((~occupied).sum())}], got {count}")
-    if rule == "proportional" or max_in_flight_per_task == 1:
-        order = _sample_idle(key, jnp.asarray(np.tile(v_hat, max_in_flight_per_task)), jnp.asarray(occupied),
-                             k=occupied.size, floor=floor, form=form)
-        chosen = np.asarray(order)[:count]
-        if np.any(chosen < 0) or np.any(occupied[chosen]):
-            raise RuntimeError("sampler returned an occupied slot")
-        return chosen % num_tasks
-    counts, chosen, tier = in_flight_count.astype(np.int64).copy(), [], 0
-    while len(chosen) < count:
-        fewest = counts.min(where=counts < max_in_flight_per_task, initial=max_in_flight_per_task)
-        members = counts == fewest
-        take = min(count - len(chosen), int(members.sum()))
-        tier_key = key if tier == 0 else jax.random.fold_in(key, tier)
-        order = np.asarray(_sample_idle(tier_key, jnp.asarray(v_hat), jnp.asarray(~members), k=num_tasks,
-                                        floor=floor, form=form))[:take]
-        if np.any(order < 0) or np.any(~members[order]):
-            raise RuntimeError("sampler returned a task outside its tier")
-        counts[order] += 1
-        chosen.extend(int(x) for x in order)
-        tier += 1
-    return np.asarray(chosen, dtype=np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,34 +169,22 @@ class UpdateRecord:
     end_time: float
 
 
-class DroppedGroup(NamedTuple):
-    """A GRPO group dropped whole: ``reason`` "aborted" | "failed" (the first spoiling
-    member), ``finished`` the members that had finished and are discarded untrained."""
+class _PendingUpdate:
+    """The batch the learner is training on, kept until its answer comes back."""
 
-    group_id: int
-    task_id: int
-    reason: str
-    finished: tuple[Trajectory, ...]
-
-
-@dataclasses.dataclass
-class _Group:
-    """A GRPO group in flight: ``resolved`` members came back (any outcome) of ``size``;
-    ``members`` are the trainable ones; ``spoiled`` names why the group will be dropped."""
-
-    task_id: int
-    size: int
-    members: list
-    resolved: int = 0
-    spoiled: str | None = None
+    def __init__(self, trajectories, raw, whitened, lag, diagnostics, start, policy_event):
+        self.trajectories, self.raw, self.whitened, self.lag = trajectories, raw, whitened, lag
+        self.diagnostics, self.start, self.policy_event = diagnostics, start, policy_event
 
 
 class Orchestrator:
     """Runs rollouts and updates; ``await run(num_updates)``; ``await close()`` at the end.
 
-    ``events`` is the processing log in order: ("dispatch", DispatchStamp),
-    ("receive", Trajectory), ("drop", DispatchStamp), ("drop_group", DroppedGroup) (GRPO),
-    ("publish", int), ("consume", UpdateRecord). Checkpoint with :meth:`state_dict` / :meth:`load_state_dict`.
+    ``events`` is the processing log in order (``keep_history``): ("dispatch",
+    DispatchStamp), ("receive", Trajectory), ("drop", DispatchStamp), ("drop_group",
+    DroppedGroup) (group methods), ("publish", int), ("consume", UpdateRecord).
+    ``on_update`` (one callable or a list of them, the metric sinks) gets every
+    ``UpdateRecord``. Checkpoint with :meth:`state_dict` / :meth:`load_state_dict`.
     """
 
     def __init__(
@@ -299,30 +198,28 @@ class Orchestrator:
         agent_config: AgentConfig = AgentConfig(),
         prior_alpha: Sequence[float] | None = None,
         prior_beta: Sequence[float] | None = None,
-        on_update: Callable[[UpdateRecord], None] | None = None,
+        on_update: Callable[[UpdateRecord], None] | Sequence[Callable[[UpdateRecord], None]] | None = None,
     ):
         if num_tasks < 1:
             raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
         self.engine, self.env_factory, self.chat, self.learner = engine, env_factory, chat, learner
-        self.num_tasks, self.config, self.agent_config, self.on_update = num_tasks, config, agent_config, on_update
+        self.num_tasks, self.config, self.agent_config = num_tasks, config, agent_config
+        self.on_update = on_update
         alpha = np.full(num_tasks, 0.5, np.float32) if prior_alpha is None else np.asarray(prior_alpha, np.float32)
         beta = np.full(num_tasks, 0.5, np.float32) if prior_beta is None else np.asarray(prior_beta, np.float32)
-        self.tracker = tracker.init(alpha, beta, z0=config.z0)
+        self.method = methods.build(config, num_tasks, alpha, beta)
         self.rng_key = jax.random.key_data(jax.random.key(config.seed))
         self.policy_event = int(engine.policy_event)
         self.updates = self.dispatched = self.consumed = self.failed = self.aborted = 0
+        self.dropped_groups = self.dropped_group_trajectories = 0  # group methods; diagnostics only
         self.events: list[tuple[str, Any]] = []
         self.records: list[UpdateRecord] = []
         self._busy = np.zeros(num_tasks, dtype=np.int64)
         self._in_flight: dict[asyncio.Task, DispatchStamp] = {}
         self._ready: list[Trajectory] = []
-        self._groups: dict[int, _Group] = {}
-        self._next_group = 0
-        self.dropped_groups = self.dropped_group_trajectories = 0  # GRPO; diagnostics only
-        self._spo_previous: dict[int, Trajectory] = {}
         self._learner_task: asyncio.Task | None = None
         self._completions: asyncio.Queue = asyncio.Queue()  # futures, in completion order
-        self._learner_pending: tuple | None = None
+        self._learner_pending: _PendingUpdate | None = None
         self._publish_pending: Any = None
         self._has_publish_pending = False
         self._target = 0
@@ -330,34 +227,46 @@ class Orchestrator:
         self._failure_streak = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
 
+    @property
+    def tracker(self):
+        """The method's per-task evidence (``spopp_jax.tracker.TrackerState``; None for
+        group methods)."""
+        return self.method.tracker
+
+    @property
+    def ready(self) -> tuple[Trajectory, ...]:
+        """Finished trajectories not yet consumed, in arrival order."""
+        return tuple(self._ready)
+
+    def _log(self, kind: str, item: Any) -> None:
+        if self.config.keep_history:
+            self.events.append((kind, item))
+
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """Everything that must survive a crash, as a pytree of arrays."""
-        counters = dict(
-            policy_event=self.policy_event, updates=self.updates, dispatched=self.dispatched,
-            consumed=self.consumed, failed=self.failed, aborted=self.aborted,
-        )
+        """Everything that must survive a crash, as a pytree of non-empty arrays: the
+        method's state (tracker, SPO's y′ and π_then, ...), the sampler key, the counters
+        and the ready buffer (finished, untrained trajectories). Requests in flight are not
+        saved (their tasks are free again after a restore)."""
         return {
-            "tracker": self.tracker,
+            "method": self.method.state_dict(),
             "rng_key": np.asarray(self.rng_key),
-            "counters": {k: np.asarray(v, np.int64) for k, v in counters.items()},
+            "counters": {k: np.asarray(getattr(self, k), np.int64) for k in _COUNTERS},
+            "ready": state_codec.encode_trajectories(self._ready),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the engine must already serve that event)."""
-        restored = state["tracker"]
-        self.tracker = tracker.TrackerState(
-            alpha=jnp.asarray(restored.alpha), beta=jnp.asarray(restored.beta), z_ref=jnp.asarray(restored.z_ref)
-        )
-        if self.tracker.num_tasks != self.num_tasks:
-            raise ValueError(f"state tracker has {self.tracker.num_tasks} tasks, expected {self.num_tasks}")
+        self.method.load_state_dict(state["method"])
         self.rng_key = jnp.asarray(state["rng_key"])
         for name, value in state["counters"].items():
             setattr(self, name, int(value))
+        self._ready = state_codec.decode_trajectories(state["ready"])
 
     # ------------------------------------------------------------------ main loop
     async def run(self, num_updates: int) -> list[UpdateRecord]:
-        """Collect and train until ``num_updates`` more updates are done (and published)."""
+        """Collect and train until ``num_updates`` more updates are done (and published).
+        Returns this call's records when ``keep_history``, else []."""
         if self.engine.policy_event != self.policy_event:
             raise ValueError(
                 f"engine serves policy event {self.engine.policy_event}, orchestrator is at {self.policy_event}"
@@ -404,18 +313,16 @@ class Orchestrator:
     def _capacity(self) -> int:
         """How many more trajectories may be dispatched now: none while draining, else up
         to ``max_in_flight`` concurrent and ``max_buffered_batches`` batches outstanding
-        (in flight + finished but not consumed), which bounds the policy lag.
+        (in flight + finished but not consumed, held group members included), which bounds
+        the policy lag.
 
         Work still in flight when ``run`` returns continues and is collected by the next
         ``run`` call (``close`` aborts it)."""
         if self._has_publish_pending or self.updates >= self._target:
             return 0
-        outstanding = len(self._ready) + self._grouped_count() + len(self._in_flight)
+        outstanding = len(self._ready) + self.method.held_count() + len(self._in_flight)
         room = self.config.max_buffered_batches * self.config.batch_size - outstanding
         return max(0, min(self.config.max_in_flight - len(self._in_flight), room))
-
-    def _grouped_count(self) -> int:
-        return sum(len(g.members) for g in self._groups.values())
 
     def _next_key(self) -> jax.Array:
         key, sub = jax.random.split(jax.random.wrap_key_data(jnp.asarray(self.rng_key)))
@@ -424,34 +331,10 @@ class Orchestrator:
 
     def _dispatch(self) -> None:
         capacity = self._capacity()
-        if self.config.method == "grpo":
-            idle = self._busy == 0
-            count = int(min(capacity // self.config.group_size, idle.sum()))
-            if count <= 0:
-                return
-            ids = np.flatnonzero(idle)
-            chosen = np.asarray(jax.random.choice(self._next_key(), ids, (count,), replace=False))
-            for task_id in chosen:
-                self._start_group(int(task_id))
+        if capacity <= 0:
             return
-        per_task = self.config.max_in_flight_per_task
-        count = int(min(capacity, np.maximum(per_task - self._busy, 0).sum()))
-        if count <= 0:
-            return
-        v_hat = np.asarray(_all_baselines(self.tracker))  # read once: no result arrives in between
-        chosen = sample_dispatch_tasks(
-            self._next_key(), v_hat, self._busy, per_task, count, rule=self.config.sibling_rule,
-            floor=self.config.sampler_floor, form=self.config.sampler_form,
-        )
-        for task_id in chosen:
-            self._launch(int(task_id), float(v_hat[int(task_id)]), group_id=-1)
-
-    def _start_group(self, task_id: int) -> None:
-        group_id = self._next_group
-        self._next_group += 1
-        self._groups[group_id] = _Group(task_id=task_id, size=self.config.group_size, members=[])
-        for _ in range(self.config.group_size):
-            self._launch(task_id, float("nan"), group_id)
+        for launch in self.method.plan_dispatch(self._next_key, capacity, self._busy):
+            self._launch(launch.task_id, launch.frozen_baseline, launch.group_id)
 
     def _coordinate(self, policy_event: int) -> float:
         """z_k = z_0 + k·(−ln ρ), cached per event."""
@@ -461,7 +344,7 @@ class Orchestrator:
         return self._z_cache[policy_event]
 
     def _launch(self, task_id: int, frozen_baseline: float, group_id: int) -> None:
-        if self.config.method != "grpo" and self._busy[task_id] >= self.config.max_in_flight_per_task:
+        if self._busy[task_id] >= self.method.per_task_limit:
             raise RuntimeError(f"task {task_id} already has {self._busy[task_id]} requests in flight")
         loop = asyncio.get_running_loop()
         stamp = DispatchStamp(
@@ -479,7 +362,7 @@ class Orchestrator:
         future = asyncio.ensure_future(episode)
         future.add_done_callback(self._completions.put_nowait)
         self._in_flight[future] = stamp
-        self.events.append(("dispatch", stamp))
+        self._log("dispatch", stamp)
 
     # ------------------------------------------------------------------ receipt
     def _arrival_key(self, task: asyncio.Task):
@@ -492,10 +375,10 @@ class Orchestrator:
         stamp = self._in_flight.pop(task)
         self._busy[stamp.task_id] -= 1
         traj: Trajectory = task.result()  # run_episode records env/engine errors itself
-        self.events.append(("receive", traj))
+        self._log("receive", traj)
         if traj.aborted:
             self.aborted += 1
-            self._resolve_member(stamp, None, spoil="aborted")
+            self._take(self.method.receive(stamp, None, "aborted"))
             return
         self._failure_streak = self._failure_streak + 1 if traj.failed else 0
         if self._failure_streak >= self.config.max_consecutive_failures:
@@ -505,38 +388,17 @@ class Orchestrator:
         if traj.failed:
             self.failed += 1
             if not self.config.train_on_failed:
-                self._resolve_member(stamp, None, spoil="failed")
+                self._take(self.method.receive(stamp, None, "failed"))
                 return
-        if self.config.method == "spopp":  # evidence visible to later dispatches at once
-            self.tracker = _observe(self.tracker, np.array([traj.task_id], np.int32),
-                                    np.array([traj.z], np.float32), np.array([traj.reward], np.float32))
-        if self.config.method == "grpo":
-            self._resolve_member(stamp, traj)
-        else:
-            self._ready.append(traj)
+        self._take(self.method.receive(stamp, traj, None))
 
-    def _resolve_member(self, stamp: DispatchStamp, traj: Trajectory | None, spoil: str | None = None) -> None:
-        """GRPO barrier: count one member of ``stamp``'s group as back (``traj`` trainable,
-        or None with ``spoil`` naming why not). When all G are back, the group joins the
-        ready buffer whole, or is dropped whole if any member spoiled it."""
-        if stamp.group_id < 0:
-            return
-        group = self._groups[stamp.group_id]
-        group.resolved += 1
-        if traj is not None:
-            group.members.append(traj)
-        if spoil is not None and group.spoiled is None:
-            group.spoiled = spoil
-        if group.resolved < group.size:
-            return
-        del self._groups[stamp.group_id]
-        if group.spoiled is None:
-            self._ready.extend(group.members)
-            return
-        self.dropped_groups += 1
-        self.dropped_group_trajectories += len(group.members)
-        self.events.append(("drop_group", DroppedGroup(stamp.group_id, group.task_id, group.spoiled,
-                                                       tuple(group.members))))
+    def _take(self, receipt: Receipt) -> None:
+        """Trainable trajectories join the ready buffer; a dropped group is counted."""
+        self._ready.extend(receipt.ready)
+        if receipt.dropped is not None:
+            self.dropped_groups += 1
+            self.dropped_group_trajectories += len(receipt.dropped.finished)
+            self._log("drop_group", receipt.dropped)
 
     async def _abort_in_flight(self) -> None:
         """Drain "abort": finished work is received normally; the rest is dropped."""
@@ -552,8 +414,8 @@ class Orchestrator:
             stamp = self._in_flight.pop(task)
             self._busy[stamp.task_id] -= 1
             self.aborted += 1
-            self.events.append(("drop", stamp))
-            self._resolve_member(stamp, None, spoil="aborted")
+            self._log("drop", stamp)
+            self._take(self.method.receive(stamp, None, "aborted"))
 
     # ------------------------------------------------------------------ consumption
     def _maybe_start_update(self) -> None:
@@ -565,14 +427,10 @@ class Orchestrator:
         trajectories = tuple(self._ready[:n])
         del self._ready[:n]
         lengths = baselines.action_lengths(trajectories)
-        if self.config.method == "grpo":
-            # whole groups by construction (ready groups have G members, G divides N); checked
-            raw = baselines.group_relative_advantages(trajectories, self.config.group_size)
-        else:
-            raw = baselines.frozen_baseline_advantages(trajectories)
-        whitened = baselines.whiten(raw, lengths, self.config.measure)
+        raw = self.method.advantages(trajectories)
+        whitened = baselines.whiten(raw, lengths, self.config.measure, self.config.whiten_eps)
         batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple)
-        learner_input = LearnerInput(batch, trajectories, self._previous_responses(trajectories))
+        learner_input = LearnerInput(batch, trajectories, self.method.learner_extras(trajectories))
         lag = np.array([self.policy_event - t.policy_event for t in trajectories], dtype=np.int64)
         diagnostics = baselines.batch_diagnostics(raw, lengths)
         diagnostics.update(
@@ -585,7 +443,8 @@ class Orchestrator:
             dropped_group_trajectories_total=float(self.dropped_group_trajectories),
         )
         start = asyncio.get_running_loop().time()
-        self._learner_pending = (trajectories, raw, whitened, lag, diagnostics, start, self.policy_event)
+        self._learner_pending = _PendingUpdate(trajectories, raw, whitened, lag, diagnostics, start,
+                                               self.policy_event)
         self._learner_task = asyncio.ensure_future(self._call_learner(learner_input))
         self._learner_task.add_done_callback(self._completions.put_nowait)
 
@@ -604,49 +463,30 @@ class Orchestrator:
     async def _finish_update(self) -> None:
         task, self._learner_task = self._learner_task, None
         output: LearnerOutput = task.result()  # a learner crash propagates (restore from checkpoint)
-        trajectories, raw, whitened, lag, diagnostics, start, event = self._learner_pending
-        self._learner_pending = None
-        if self.config.method == "spo":
-            self._spo_update(trajectories, output.divergence)
+        pending, self._learner_pending = self._learner_pending, None
+        self.method.after_update(pending.trajectories, output)
         self.updates += 1
-        self.consumed += len(trajectories)
+        self.consumed += len(pending.trajectories)
         record = UpdateRecord(
-            update=self.updates, policy_event=event, trajectories=trajectories, raw_advantages=raw,
-            advantages=whitened, policy_lag=lag, diagnostics=diagnostics,
-            learner_metrics=dict(output.metrics), start_time=start,
+            update=self.updates, policy_event=pending.policy_event, trajectories=pending.trajectories,
+            raw_advantages=pending.raw, advantages=pending.whitened, policy_lag=pending.lag,
+            diagnostics=pending.diagnostics, learner_metrics=dict(output.metrics), start_time=pending.start,
             end_time=asyncio.get_running_loop().time(),
         )
-        self.records.append(record)
-        self.events.append(("consume", record))
-        if self.on_update is not None:
-            self.on_update(record)
+        if self.config.keep_history:
+            self.records.append(record)
+        self._log("consume", record)
+        for sink in self._update_sinks():
+            sink(record)
         if self.updates % self.config.publish_every == 0 and output.weights is not None:
             self._publish_pending, self._has_publish_pending = output.weights, True
             if self.config.drain == "abort":
                 await self._abort_in_flight()
 
-    def _previous_responses(self, trajectories: Sequence[Trajectory]) -> tuple[Trajectory | None, ...]:
-        """SPO: y′ of each trajectory (the task's previous consumed response), else None."""
-        if self.config.method != "spo":
-            return (None,) * len(trajectories)
-        latest, previous = dict(self._spo_previous), []
-        for traj in trajectories:
-            previous.append(latest.get(traj.task_id))
-            latest[traj.task_id] = traj
-        return tuple(previous)
-
-    def _spo_update(self, trajectories: Sequence[Trajectory], divergence) -> None:
-        """SPO receipt-order tracker, applied after the actor update in arrival order."""
-        divergence = baselines.spo_divergences(len(trajectories), divergence)
-        rho = tracker.spo_retention(
-            jnp.asarray(divergence), self.config.spo_d_half, self.config.spo_rho_min, self.config.spo_rho_max
-        )
-        self.tracker = tracker.spo_observe(
-            self.tracker, np.array([t.task_id for t in trajectories]),
-            np.array([t.reward for t in trajectories], np.float32), rho,
-        )
-        for traj in trajectories:
-            self._spo_previous[traj.task_id] = traj
+    def _update_sinks(self) -> Sequence[Callable[[UpdateRecord], None]]:
+        if self.on_update is None:
+            return ()
+        return self.on_update if isinstance(self.on_update, (list, tuple)) else (self.on_update,)
 
     async def _maybe_publish(self) -> None:
         """Publish once the drain is complete (nothing from the old policy in flight)."""
@@ -655,4 +495,4 @@ class Orchestrator:
         weights, self._publish_pending, self._has_publish_pending = self._publish_pending, None, False
         await self.engine.publish(weights, self.policy_event + 1)
         self.policy_event += 1
-        self.events.append(("publish", self.policy_event))
+        self._log("publish", self.policy_event)

@@ -29,6 +29,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from spopp_jax.pytree_paths import path_name
+
 _TRAIN_STATE = "train_state"
 _CONFIG = "config"
 _MANIFEST = "manifest"
@@ -88,18 +90,7 @@ def config_differences(saved: Any, expected: Any) -> list[str]:
     return diffs
 
 
-def _path_name(path: Any) -> str:
-    """'params.model.layers.0.mlp.up_proj.kernel': one spelling for dict keys, attributes
-    (dataclass / NamedTuple fields) and sequence indices, as orbax metadata and live
-    pytrees spell the same path differently."""
-    parts = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                entry = getattr(entry, attr)
-                break
-        parts.append(str(entry))
-    return ".".join(parts)
+_path_name = path_name  # orbax metadata and live pytrees spell one path differently
 
 
 def shape_differences(saved_metadata: Any, target: Any) -> list[str]:

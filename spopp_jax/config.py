@@ -28,6 +28,9 @@ __all__ = [
 ]
 
 
+GROUP_METHODS = ("grpo", "rloo")  # G rollouts of one task per group
+
+
 def _check(ok: bool, name: str, requirement: str, value) -> None:
     if not ok:
         raise ValueError(f"{name} must be {requirement}, got {value!r}")
@@ -177,10 +180,13 @@ class TrackerSection:
 @dataclass
 class SamplerSection:
     """SPEC 3: weight sqrt(v(1-v) + floor) (form=inside_sqrt, SPO++) or sqrt(v(1-v)) + floor
-    (form=outside_sqrt, the SPO authors' code)."""
+    (form=outside_sqrt, the SPO authors' code). `impl`: sum_tree = incremental host
+    bookkeeping, O(log tasks) per draw; dense = Gumbel top-k over all tasks per dispatch
+    round (the reference; same law)."""
 
     form: Literal["inside_sqrt", "outside_sqrt"] = "inside_sqrt"
     floor: float = 0.05
+    impl: Literal["sum_tree", "dense"] = "sum_tree"
 
     def __post_init__(self):
         _check_literals("sampler", self)
@@ -202,14 +208,18 @@ class AdvantageSection:
 @dataclass
 class LossSection:
     """SPEC 5: asymmetric PPO clip [1-clip_low, 1+clip_high], dual clip c (None = off),
-    rollout importance-weight cap."""
+    rollout importance-weight cap. `old_logp_source`: the PPO ratio's pi_old when the
+    batch carries none: current = the learner's log-probs at the step's start, rollout =
+    the engine's log-probs (spopp_jax.learner.LearnerConfig)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: Optional[float] = 2.0
     is_cap: float = 2.0
+    old_logp_source: Literal["current", "rollout"] = "current"
 
     def __post_init__(self):
+        _check_literals("loss", self)
         _check(0.0 < self.clip_low < 1.0, "loss.clip_low", "in (0, 1)", self.clip_low)
         _positive("loss", self, "clip_high", "is_cap")
         if self.dual_clip is not None:
@@ -223,6 +233,9 @@ class OptimSection:
 
     learning_rate: float = 1e-3
     weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
     max_grad_norm: Optional[float] = 1.0
     num_micro_batches: int = 1
     # PPO mini-batches: each update's batch is split into this many mini-batches, one AdamW
@@ -234,7 +247,9 @@ class OptimSection:
     logprob_chunk_size: Optional[int] = None
 
     def __post_init__(self):
-        _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches")
+        _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches", "adam_eps")
+        for name in ("adam_b1", "adam_b2"):
+            _check(0.0 <= getattr(self, name) < 1.0, f"optim.{name}", "in [0, 1)", getattr(self, name))
         if self.logprob_chunk_size is not None:
             _positive("optim", self, "logprob_chunk_size")
         _check(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
@@ -244,31 +259,47 @@ class OptimSection:
 
 @dataclass
 class RolloutSection:
-    """Rollout engine and decoding. `batch_size` trajectories per update (SPEC 3),
-    `publish_every` updates per policy event, `max_inflight` concurrent episodes (one per
-    task at most, SPEC 2), `max_buffered_batches`: dispatch only while finished-but-unconsumed
-    plus in-flight trajectories < this x batch_size (bounds policy lag), `drain` of
-    old-policy work on publish (SPEC 3)."""
+    """Rollout engine, scheduling and decoding. `batch_size` trajectories per update
+    (SPEC 3), `publish_every` updates per policy event, `max_inflight` concurrent episodes,
+    `max_in_flight_per_task` m (SPEC 2: 1; m > 1 places siblings by `sibling_rule`, see
+    rollout_bridge/orchestrator.py), `max_buffered_batches`: dispatch only while
+    finished-but-unconsumed plus in-flight trajectories < this x batch_size (bounds policy
+    lag), `drain` of old-policy work on publish (SPEC 3), `train_on_failed`: failed
+    episodes (env error / time-out, R = 0) are training samples, `env_timeout_s` bounds
+    each environment call (null: none), `max_consecutive_failures` stops a run whose
+    env/engine is broken. `engine_steps_per_call`: decode steps per JAX engine call (at
+    most max_new_tokens). `server_urls`: comma-separated vLLM server URLs
+    (engine=vllm_server only)."""
 
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
     batch_size: int = 16
     group_size: int = 8
     publish_every: int = 1
     max_inflight: int = 16
+    max_in_flight_per_task: int = 1
+    sibling_rule: Literal["balanced", "proportional"] = "balanced"
     max_buffered_batches: int = 1
     drain: Literal["finish", "abort"] = "finish"
+    train_on_failed: bool = False
+    env_timeout_s: Optional[float] = 60.0
+    max_consecutive_failures: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 16
     max_seq_len: int = 320
+    engine_steps_per_call: int = 8
     server_urls: Optional[str] = None
 
     def __post_init__(self):
         _check_literals("rollout", self)
         _positive("rollout", self, "batch_size", "group_size", "publish_every", "max_inflight",
-                  "max_buffered_batches",
-                  "temperature", "max_new_tokens", "max_seq_len")
+                  "max_in_flight_per_task", "max_buffered_batches", "max_consecutive_failures",
+                  "temperature", "max_new_tokens", "max_seq_len", "engine_steps_per_call")
+        if self.env_timeout_s is not None:
+            _positive("rollout", self, "env_timeout_s")
+        _check(self.server_urls is None or self.engine == "vllm_server", "rollout.server_urls",
+               "null unless rollout.engine=vllm_server", self.server_urls)
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "-1 or > 0", self.top_k)
         _check(self.max_new_tokens < self.max_seq_len, "rollout.max_new_tokens",
@@ -295,15 +326,15 @@ class MeshSection:
 class TrainConfig:
     """One training job. Defaults = the embedded CPU TextWorld job (configs/default.yaml).
 
-    `method`: spopp (event-time tracker, frozen baselines), spo (receipt-order tracker) or
-    grpo (groups of rollout.group_size). `stage`: all = warm start, prior, RL (each stage
+    `method`: spopp (event-time tracker, frozen baselines), spo (receipt-order tracker),
+    grpo (groups of rollout.group_size) or rloo (grpo's groups, leave-one-out baseline). `stage`: all = warm start, prior, RL (each stage
     reuses its output when present); warmstart / prior / rl run one stage.
     `steps` updates of `rollout.batch_size` trajectories; a checkpoint every
     `checkpoint_every` updates (and at the end) in `output_dir/checkpoints`, keeping
     `keep_checkpoints`; `resume=true` continues from the newest one.
     """
 
-    method: Literal["spopp", "spo", "grpo"] = "spopp"
+    method: Literal["spopp", "spo", "grpo", "rloo"] = "spopp"
     stage: Literal["all", "warmstart", "prior", "rl"] = "all"
     seed: int = 0
     steps: int = 160
@@ -331,11 +362,12 @@ class TrainConfig:
         _check(self.seed >= 0, "seed", ">= 0", self.seed)
         _check(bool(self.output_dir), "output_dir", "non-empty", self.output_dir)
         if self.env.game_dir is None and self.env.kind == "textworld":
-            # one in-flight request per task (SPEC 2): a batch needs enough distinct tasks
-            if self.method != "grpo":
-                _check(self.rollout.max_inflight <= self.env.num_games, "rollout.max_inflight",
-                       f"<= env.num_games={self.env.num_games} (one in-flight request per task)",
-                       self.rollout.max_inflight)
+            # m in-flight requests per task (SPEC 2: m = 1): enough distinct tasks
+            if self.method not in GROUP_METHODS:
+                slots = self.rollout.max_in_flight_per_task * self.env.num_games
+                _check(self.rollout.max_inflight <= slots, "rollout.max_inflight",
+                       f"<= rollout.max_in_flight_per_task x env.num_games={slots} "
+                       "(in-flight requests per task are bounded)", self.rollout.max_inflight)
         _check(self.checkpoint_every % self.rollout.publish_every == 0, "checkpoint_every",
                f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
                "holds exactly the published policy)", self.checkpoint_every)
@@ -346,10 +378,13 @@ class TrainConfig:
                    f"rollout.batch_size={self.rollout.batch_size} (each mini-batch is split "
                    f"into micro-batches; here {self.optim.num_mini_batches} x "
                    f"{self.optim.num_micro_batches} = {rows})", self.optim.num_mini_batches)
-        if self.method == "grpo":
+        if self.method in GROUP_METHODS:
             _check(self.rollout.batch_size % self.rollout.group_size == 0, "rollout.batch_size",
-                   f"a multiple of rollout.group_size={self.rollout.group_size} for grpo",
+                   f"a multiple of rollout.group_size={self.rollout.group_size} for {self.method}",
                    self.rollout.batch_size)
+            _check(self.rollout.max_in_flight_per_task == 1, "rollout.max_in_flight_per_task",
+                   f"1 for {self.method} (a group is its multi-request unit)",
+                   self.rollout.max_in_flight_per_task)
 
     @property
     def prior_mass(self) -> float:

@@ -29,6 +29,7 @@ from flax import nnx
 
 from spopp_jax import _checks
 from spopp_jax.losses import combine_loss_metrics, loss_metric_means, policy_loss
+from spopp_jax.pytree_paths import path_parts
 
 __all__ = [
     "LearnerConfig",
@@ -188,22 +189,10 @@ class ModelDef:
         return self.merge(params).logits_from_hidden(hidden)
 
 
-def _path_key(entry: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
 def _flatten_pure(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
     """(key path, leaf) pairs; a Variable's own `.value` attribute is not part of the path."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    out = []
-    for path, leaf in leaves:
-        if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-            path = path[:-1]
-        out.append((tuple(_path_key(e) for e in path), leaf))
-    return out
+    return [(path_parts(path, strip_value=True), leaf) for path, leaf in leaves]
 
 
 def split_model(model: nnx.Module) -> tuple[ModelDef, Params]:

@@ -5,7 +5,6 @@ shapes, and restore onto a different mesh (8 simulated devices in a subprocess:
 
 import dataclasses
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -254,17 +253,9 @@ def worker(directory):
     np.savez(os.path.join(directory, "..", "values.npz"), **flat)
 
 
-def test_restore_onto_other_meshes_and_device_counts(tmp_path):
+def test_restore_onto_other_meshes_and_device_counts(tmp_path, run_on_8_devices):
     directory = tmp_path / "ckpt"
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(directory)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_on_8_devices([os.path.abspath(__file__), directory])
     assert proc.returncode == 0, proc.stderr[-4000:]
     # This process has one device: restore the 8-device checkpoint onto it.
     _, target = fresh_state(seed=2)

@@ -140,7 +140,7 @@ def test_train_py_reports_bad_value_and_exits_2():
 
 
 def test_mini_batches_reach_the_learner_config():
-    from train import learner_config
+    from rollout_bridge.components import build_learner_config as learner_config
 
     cfg = load_config(["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "2"])
     assert (cfg.optim.num_mini_batches, cfg.optim.num_micro_batches) == (4, 2)
@@ -148,3 +148,117 @@ def test_mini_batches_reach_the_learner_config():
     assert learner_config(TrainConfig()).num_mini_batches == 1
     message = _error(["--optim.num_mini_batches", "3"])
     assert "rollout.batch_size=16" in message and "3 x 1 = 3" in message, message
+
+
+# ------------------------------------------------------------------ every field read once
+
+
+def _component_maps():
+    from rollout_bridge import components as c
+
+    return c, [
+        ("learner", c.LEARNER_KNOBS, c.LEARNER_DERIVED, "spopp_jax.learner.LearnerConfig"),
+        ("orchestrator", c.ORCHESTRATOR_KNOBS, c.ORCHESTRATOR_DERIVED,
+         "rollout_bridge.orchestrator.OrchestratorConfig"),
+        ("sampling", c.SAMPLING_KNOBS, c.SAMPLING_DERIVED, "rollout_bridge.engine.base.SamplingParams"),
+        ("agent", c.AGENT_KNOBS, c.AGENT_DERIVED, "rollout_bridge.agent.AgentConfig"),
+    ]
+
+
+def _import(dotted):
+    import importlib
+
+    module, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_component_knob_has_a_config_path_or_a_stated_derivation():
+    _, maps = _component_maps()
+    for name, knob_map, derived, cls in maps:
+        fields = {f.name for f in dataclasses.fields(_import(cls))}
+        assert not set(knob_map) & set(derived), f"{name}: a knob both mapped and derived"
+        missing = fields - set(knob_map) - set(derived)
+        assert not missing, f"{name} knobs without a config path: {sorted(missing)}"
+        assert not (set(knob_map) | set(derived)) - fields, f"{name}: maps name unknown knobs"
+
+
+def test_engine_knobs_cover_the_engine_constructor():
+    import inspect
+
+    from rollout_bridge import components as c
+    from rollout_bridge.engine.jax_engine import JaxEngine
+
+    params = set(inspect.signature(JaxEngine.__init__).parameters) - {"self", "model"}
+    assert params == set(c.ENGINE_KNOBS) | set(c.ENGINE_DERIVED)
+
+
+def test_every_train_config_field_is_read_by_exactly_one_component():
+    c, maps = _component_maps()
+    readers = {}
+    for name, knob_map, _, _ in maps:
+        for path in knob_map.values():
+            readers.setdefault(path, []).append(name)
+    for path in c.ENGINE_KNOBS.values():
+        readers.setdefault(path, []).append("engine")
+    for path in c.ENGINE_SELECT:
+        readers.setdefault(path, []).append("engine")
+    for path in c.JOB_FIELDS:
+        readers.setdefault(path, []).append("train.py")
+    leaves = c.leaf_paths(TrainConfig)
+    for path in leaves:
+        section = path.split(".")[0]
+        if section in c.SECTION_OWNERS:
+            readers.setdefault(path, []).append(section)
+    assert set(readers) <= set(leaves), f"maps name unknown config paths: {sorted(set(readers) - set(leaves))}"
+    unread = [p for p in leaves if p not in readers]
+    shared = {p: r for p, r in readers.items() if len(r) > 1}
+    assert not unread, f"TrainConfig fields read by nothing: {unread}"
+    assert not shared, f"TrainConfig fields read by several components: {shared}"
+
+
+def test_section_owners_really_read_each_field_of_their_section():
+    """The owners of whole sections mention every field (a field nothing reads fails)."""
+    import inspect
+
+    from rollout_bridge import components, job
+    from rollout_bridge.envs import kinds
+
+    owners = {"model": [components.model_folder, components.tiny_model_shape, components.load_policy,
+                        components.check_inputs],
+              "mesh": [components.build_mesh], "env": [kinds.textworld_bundle, kinds.math_tir_unavailable],
+              "warmstart": [job.run_warmstart], "prior": [job.run_prior]}
+    hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for section, functions in owners.items():
+        source = "".join(inspect.getsource(f) for f in functions)
+        section_class = type(getattr(TrainConfig(), section))
+        for f in dataclasses.fields(section_class):
+            assert f".{f.name}" in source, f"{section}.{f.name} is read by nothing ({hints[section]})"
+
+
+def test_library_knobs_are_reachable_from_the_command_line():
+    from rollout_bridge import components as c
+
+    cfg = load_config(["--loss.old_logp_source", "rollout", "--rollout.train_on_failed", "true",
+                       "--rollout.max_in_flight_per_task", "2", "--rollout.sibling_rule", "proportional",
+                       "--rollout.env_timeout_s", "5", "--rollout.max_inflight", "32",
+                       "--advantage.eps", "1e-6", "--method", "spo"])
+    assert c.build_learner_config(cfg).old_logp_source == "rollout"
+    agent = c.build_agent_config(cfg, max_turns=3)
+    assert agent.env_timeout_s == 5.0 and agent.max_turns == 3
+    orch = c.build_orchestrator_config(cfg, agent, seed=1)
+    assert (orch.train_on_failed, orch.max_in_flight_per_task, orch.sibling_rule) == (True, 2, "proportional")
+    assert orch.method == "spo" and orch.max_in_flight == 32
+    assert orch.whiten_eps == 1e-6 and orch.keep_history is False and orch.pad_to_multiple == 320
+    rloo = load_config(["--method", "rloo", "--rollout.group_size", "4"])
+    assert c.build_orchestrator_config(rloo, c.build_agent_config(rloo, 2), seed=0).method == "rloo"
+    message = _error(["--method", "grpo", "--rollout.batch_size", "16", "--rollout.max_in_flight_per_task", "2"])
+    assert message.startswith("rollout.max_in_flight_per_task must be 1 for grpo"), message
+
+
+def test_argv_preprocessors_run_before_parsing(monkeypatch):
+    import train
+    from rollout_bridge import components as c
+
+    monkeypatch.setattr(c, "ARGV_PREPROCESSORS", [lambda argv: [a.replace("--lr", "--optim.learning_rate")
+                                                                for a in argv]])
+    assert train.parse_config(["--lr", "0.5"]).optim.learning_rate == 0.5

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollout_bridge import baselines
 from rollout_bridge.agent import AgentConfig, ChatFormat
 from rollout_bridge.engine import jax_engine
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.envs.synthetic import WORDS, SyntheticEnv, make_task, render_observation
-from rollout_bridge.orchestrator import LearnerOutput, Orchestrator, OrchestratorConfig
+from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig
+from rollout_bridge.policy_learner import PolicyLearner
 from rollout_bridge.tokenizer import build_tiny_tokenizer
 from spopp_jax import learner as learner_lib
 from spopp_jax.models import ModelConfig, init_model
@@ -40,28 +40,24 @@ def tokenizer(tmp_path_factory):
     return build_tiny_tokenizer(_corpus() * 4, tmp_path_factory.mktemp("tok"), vocab_size=320)
 
 
-class JaxLearner:
-    """The learner callable: train_step, then (SPO) D of each y′ under the new weights."""
+class JaxLearner(PolicyLearner):
+    """The library learner (train_step, then for SPO D of each y′ under the new weights),
+    recording what it saw."""
 
     def __init__(self, model, config):
-        self.model_def, self.state = learner_lib.init_train_state(model, config)
+        model_def, state = learner_lib.init_train_state(model, config)
+        super().__init__(model_def, state, config, pad_to_multiple=MAX_LEN)
         self.initial_params = jax.tree.map(jnp.copy, self.state.params)
-        self.train_step = learner_lib.make_train_step(self.model_def, config)
-        self.compute_logprobs = learner_lib.make_compute_logprobs(self.model_def)
         self.inputs, self.divergences = [], []
 
     def __call__(self, learner_input):
         self.inputs.append(learner_input)
-        self.state, metrics = self.train_step(self.state, learner_input.batch)
-        arrays, rows = baselines.pack_previous_responses(learner_input.previous, pad_to_multiple=MAX_LEN)
-        logp_now = None if arrays is None else self.compute_logprobs(self.state.params, learner_lib.TrainBatch(**arrays))
-        divergence = baselines.divergences_from_logprobs(rows, arrays, logp_now)
-        self.divergences.append(divergence)
-        return LearnerOutput(weights=self.model_def.merge(self.state.params),
-                             metrics={k: float(v) for k, v in metrics.items()}, divergence=divergence)
+        output = super().__call__(learner_input)
+        self.divergences.append(output.divergence or [])
+        return output
 
 
-@pytest.mark.parametrize("method", ["spopp", "spo", "grpo"])
+@pytest.mark.parametrize("method", ["spopp", "spo", "grpo", "rloo"])
 def test_updates_end_to_end_with_jax_engine(tokenizer, method):
     chat = ChatFormat.from_tokenizer(tokenizer)
     config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -111,7 +107,7 @@ def test_updates_end_to_end_with_jax_engine(tokenizer, method):
     if method == "spo":  # later batches revisit tasks: D > 0 after a real update
         later = [d for ds in learner.divergences[1:] for d in ds if d is not None]
         assert later and all(d > 0 for d in later)
-    if method == "grpo":
+    if method in ("grpo", "rloo"):
         for record in orch.records:
             groups = [t.stamp.group_id for t in record.trajectories]
             assert all(groups.count(g) == 4 for g in groups)

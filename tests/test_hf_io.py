@@ -2,9 +2,6 @@
 -> our load, bf16, loud failures, and sharded loading onto an 8-device host mesh."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -195,14 +192,10 @@ _MESH_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_load_on_8_device_mesh(tmp_path):
+def test_sharded_load_on_8_device_mesh(tmp_path, run_on_8_devices):
     hf_model = random_hf_model(tiny_hf_config(rope_theta=1e6), seed=7)
     hf_model.save_pretrained(str(tmp_path), max_shard_size="30KB")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path),
-                             str(tmp_path / "saved")], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = run_on_8_devices(["-c", _MESH_SCRIPT, tmp_path, tmp_path / "saved"])
     assert result.returncode == 0 and "MESH_OK" in result.stdout, result.stderr[-3000:]
 
 

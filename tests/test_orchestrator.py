@@ -83,7 +83,9 @@ class FakeLearner:
             await asyncio.sleep(self.latency)
         n = len(self.inputs)
         d = self.divergence(learner_input) if self.divergence else None
-        return LearnerOutput(weights=f"w{n}", metrics={"update": float(n)}, divergence=d)
+        # methods that ask for a divergence also need the learner's log-probs of the batch
+        trained = None if learner_input.previous is None else -0.5 * np.asarray(learner_input.batch.action_mask)
+        return LearnerOutput(weights=f"w{n}", metrics={"update": float(n)}, divergence=d, trained_logp=trained)
 
 
 def run_orchestrator(world, config, num_updates, learner=None, prior=None, agent_config=AgentConfig()):
@@ -469,8 +471,15 @@ def test_spo_tracker_updates_in_arrival_order_after_the_actor_update(chat):
             assert item.frozen_baseline == pytest.approx(expected, abs=2e-6)
         elif kind == "consume":
             inp = learner.inputs[item.update - 1]
-            for t, prev in zip(item.trajectories, inp.previous):  # arrival order
-                assert prev is last_seen.get(t.task_id)
+            for row, (t, prev) in enumerate(zip(item.trajectories, inp.previous)):  # arrival order
+                seen = last_seen.get(t.task_id)
+                assert (prev is None) == (seen is None)
+                if prev is not None:  # y′ = the task's previous consumed response
+                    assert prev.task_id == t.task_id and tuple(prev.token_ids) == seen.token_ids
+                    if prev.batch_row >= 0:  # earlier in this batch: π_then from this update
+                        assert item.trajectories[prev.batch_row] is seen and prev.logp_then is None
+                    else:  # π_then = the learner's log-probs when y′ was trained (-0.5 here)
+                        np.testing.assert_array_equal(prev.logp_then, np.where(seen.action_mask, -0.5, 0.0))
                 d = 0.03 * (1 + t.task_id % 3) if t.task_id in last_seen else 0.0
                 rho = min(max(2.0 ** (-d / 0.06), 0.875), 0.96)
                 alpha[t.task_id] = rho * alpha[t.task_id] + t.reward
@@ -591,24 +600,32 @@ def test_spo_divergence_hand_numbers():
 
 def test_learner_side_spo_divergence_helpers():
     from rollout_bridge.baselines import divergences_from_logprobs, pack_previous_responses
-    from rollout_bridge.trajectory import DispatchStamp, Trajectory
+    from rollout_bridge.methods import PreviousResponse
 
-    def traj(logps):
+    def response(logps, batch_row=-1):
         n = len(logps)
-        return Trajectory(DispatchStamp(0, 0, 0, 0.0, 0.5, 0.0), tuple(range(1, n + 2)),
-                          (False,) + (True,) * n, (0.0,) + tuple(logps), 1, 1.0, 0.0)
+        return PreviousResponse(0, np.arange(1, n + 2), np.array((False,) + (True,) * n),
+                                None if batch_row >= 0 else np.array((0.0,) + tuple(logps), np.float32), batch_row)
 
-    previous = [None, traj([-1.0, -2.0]), None, traj([-0.5])]
-    arrays, rows = pack_previous_responses(previous, pad_to_multiple=4)
+    # π_then from the stored learner log-probs, or from this batch's row (batch_row >= 0)
+    logp_batch = np.zeros((3, 4), np.float32)
+    logp_batch[2, 1] = -0.5
+    previous = [None, response([-1.0, -2.0]), None, response([9.0], batch_row=2)]
+    arrays, rows = pack_previous_responses(previous, logp_batch, pad_to_multiple=4)
     assert rows.tolist() == [-1, 0, -1, 1] and arrays["input_ids"].shape == (2, 4)
+    np.testing.assert_array_equal(arrays["logp_then"][1], [0.0, -0.5, 0.0, 0.0])
     logp_now = np.zeros((2, 4), np.float32)
     logp_now[0, 1:3] = [-1.5, -1.0]  # |−1 − (−1.5)| = 0.5, |−2 − (−1)| = 1.0 -> D = 0.75
-    logp_now[1, 1] = -0.25  # D = 0.25
+    logp_now[1, 1] = -0.25  # |−0.5 − (−0.25)| = 0.25
     logp_now[:, 3] = 100.0  # padding / non-actions never count
     assert divergences_from_logprobs(rows, arrays, logp_now) == [None, pytest.approx(0.75), None,
                                                                  pytest.approx(0.25)]
     assert pack_previous_responses([None, None])[0] is None
     assert divergences_from_logprobs(np.array([-1, -1]), None, None) == [None, None]
+    padded, _ = pack_previous_responses(previous, logp_batch, pad_to_multiple=4, num_rows=4)
+    assert padded["input_ids"].shape == (4, 4) and not padded["attention_mask"][2:].any()
+    with pytest.raises(ValueError, match="logp_batch"):
+        pack_previous_responses(previous)
 
 
 def test_state_survives_an_orbax_checkpoint_and_the_run_resumes(chat, tmp_path):
@@ -624,7 +641,7 @@ def test_state_survives_an_orbax_checkpoint_and_the_run_resumes(chat, tmp_path):
     resumed_world.engine.policy_event = orch.policy_event  # the engine serves the restored weights
     resumed = Orchestrator(resumed_world.engine, resumed_world.env, chat, FakeLearner(), 5, config)
     with Checkpointer(tmp_path / "ckpt") as checkpointer:
-        restored = checkpointer.restore({"dummy": np.zeros(2, np.float32)}, {"orchestrator": resumed.state_dict()})
+        restored = checkpointer.restore({"dummy": np.zeros(2, np.float32)})  # extras as saved
     resumed.load_state_dict(restored.extras["orchestrator"])
     np.testing.assert_array_equal(np.asarray(resumed.tracker.alpha), np.asarray(orch.tracker.alpha))
     np.testing.assert_array_equal(np.asarray(resumed.tracker.beta), np.asarray(orch.tracker.beta))

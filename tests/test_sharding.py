@@ -4,7 +4,6 @@ mesh (a subprocess: `python tests/test_sharding.py OUT_DIR` is the 8-device work
 
 import dataclasses
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -173,17 +172,9 @@ def test_train_state_sharding_follows_partition_rules():
 
 
 @pytest.fixture(scope="module")
-def eight_device_result(tmp_path_factory):
+def eight_device_result(tmp_path_factory, run_on_8_devices):
     out_dir = tmp_path_factory.mktemp("sharded")
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(out_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_on_8_devices([os.path.abspath(__file__), out_dir])
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out_dir / "checks.txt") as f:
         checks = eval(f.read())  # our own repr of a dict of strings

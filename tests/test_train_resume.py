@@ -1,6 +1,7 @@
-"""`python train.py` end to end on a tiny job, `kill -9` mid-run, then `--resume`: the run
-continues from the last checkpoint with the same tracker state, step and policy event, and
-the metrics file holds every step exactly once."""
+"""`python train.py` end to end on a tiny SPO job, `kill -9` mid-run, then `--resume`: the
+run continues from the last checkpoint with the same method state (tracker and SPO's
+per-task previous responses with their learner log-probs), buffered trajectories, step,
+policy event and counters, and the metrics file holds every step exactly once."""
 
 from __future__ import annotations
 
@@ -35,15 +36,17 @@ def _tiny_job(tmp: Path, steps: int) -> list[str]:
         "--prior.rollouts_per_task", "1",
         "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
         "--rollout.max_new_tokens", "4", "--rollout.max_seq_len", "384",
-        "--optim.learning_rate", "1e-3",
+        "--optim.learning_rate", "1e-3", "--method", "spo",
+        # two batches may be buffered: trajectories finished during a drain wait in the
+        # checkpoint for the next update
+        "--rollout.max_buffered_batches", "2",
     ]
 
 
-def _digest(tracker) -> str:
-    sys.path.insert(0, str(ROOT))
-    from train import tracker_digest
+def _digest(method_state) -> str:
+    from rollout_bridge.job import state_digest
 
-    return tracker_digest(tracker)
+    return state_digest(method_state)
 
 
 def _checkpoint(run: Path, step: int) -> tuple[dict, dict]:
@@ -87,8 +90,11 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     assert int(saved_state["step"]) == 2
     saved_event = int(saved_state["policy_event"])
     assert saved_event == 2            # publish every update: event k after k updates
-    saved_digest = _digest(saved_extras["tracker"])
+    saved_digest = _digest(saved_extras["method"])
     assert int(saved_extras["counters"]["updates"]) == 2
+    saved_ready = len(saved_extras["ready"]["token_ids"]["offsets"]) - 1
+    saved_previous = len(saved_extras["method"]["previous"]["token_ids"]["offsets"]) - 1
+    assert saved_previous >= 1  # SPO's y′ of the tasks trained so far are in the checkpoint
 
     # no --resume on a run folder with checkpoints: refused, nothing overwritten
     refused = subprocess.run(_tiny_job(tmp_path, steps=6), capture_output=True, text=True,
@@ -99,12 +105,12 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     resumed = subprocess.run(_tiny_job(tmp_path, steps=3) + ["--resume"], capture_output=True,
                              text=True, cwd=ROOT, env=env, timeout=800)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    line = re.search(r"resume: step (\d+), policy event (\d+), tracker sha1 ([0-9a-f]+)",
-                     resumed.stdout)
+    line = re.search(r"resume: step (\d+), policy event (\d+), method state sha1 ([0-9a-f]+), "
+                     r"(\d+) buffered trajectories", resumed.stdout)
     assert line is not None, resumed.stdout[-2000:]
     # resumed from the checkpoint written before the kill, tracker exactly as saved
     assert int(line.group(1)) == 2 and int(line.group(2)) == saved_event
-    assert line.group(3) == saved_digest
+    assert line.group(3) == saved_digest and int(line.group(4)) == saved_ready
     final_state, final_extras = _checkpoint(run, 3)
     assert int(final_state["step"]) == 3 and int(final_state["policy_event"]) == 3
     assert int(final_extras["counters"]["updates"]) == 3

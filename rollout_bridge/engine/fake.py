@@ -54,6 +54,7 @@ class FakeEngine(RolloutEngine):
     ``max_new_tokens`` truncates a reply (finish "length"); a reply ending in one of
     ``params.stop_token_ids`` finishes "stop" (tokens after the first stop are dropped).
     ``abort_all`` ends every pending request at once with finish "abort" and no tokens.
+    ``keep_records=False`` keeps no per-request log (long simulated runs: bounded memory).
     """
 
     script: Callable[[FakeRequest], ScriptedReply]
@@ -63,6 +64,8 @@ class FakeEngine(RolloutEngine):
     published: list[tuple[int, Any]] = field(default_factory=list)
     max_concurrent: int = 0
     closed: bool = False
+    keep_records: bool = True
+    num_requests: int = 0
     _pending: dict[int, asyncio.Event] = field(default_factory=dict)
 
     @property
@@ -73,9 +76,11 @@ class FakeEngine(RolloutEngine):
         if self.closed:
             raise RuntimeError("FakeEngine is closed")
         loop = asyncio.get_running_loop()
-        request = FakeRequest(len(self.records), tuple(int(t) for t in prompt_ids), params, self.policy_event)
+        request = FakeRequest(self.num_requests, tuple(int(t) for t in prompt_ids), params, self.policy_event)
+        self.num_requests += 1
         record = RequestRecord(request, start_time=loop.time())
-        self.records.append(record)
+        if self.keep_records:
+            self.records.append(record)
         reply = self.script(request)
         abort_event = asyncio.Event()
         self._pending[request.index] = abort_event
@@ -98,7 +103,8 @@ class FakeEngine(RolloutEngine):
             raise ValueError(f"policy_event must not decrease: {policy_event} < {self.policy_event}")
         if self.publish_latency > 0:
             await asyncio.sleep(self.publish_latency)
-        self.published.append((int(policy_event), weights))
+        if self.keep_records:
+            self.published.append((int(policy_event), weights))
         self.policy_event = int(policy_event)
 
     async def abort_all(self) -> None:

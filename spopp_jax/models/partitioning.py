@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from spopp_jax import pytree_paths
+
 FSDP, TENSOR = "fsdp", "tensor"
 
 PARTITION_RULES: tuple[tuple[str, P], ...] = (
@@ -33,16 +35,7 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
 
 def path_name(path: Sequence[Any]) -> str:
     """'model.layers.0.self_attn.q_proj.kernel' from a pytree / nnx state path."""
-    parts = []
-    for entry in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(entry, attr):
-                entry = getattr(entry, attr)
-                break
-        parts.append(str(entry))
-    if parts and parts[-1] == "value":  # nnx.Variable's array leaf
-        parts.pop()
-    return ".".join(parts)
+    return pytree_paths.path_name(path, strip_value=True)  # nnx.Variable's array leaf dropped
 
 
 def partition_spec(name: str) -> P:

@@ -1,0 +1,219 @@
+"""Host CPU cost of the orchestrator per trajectory, against the task count and slots.
+
+    python benchmarks/orchestrator_scale.py [--scales 64:128 1000:10000 10000:100000]
+        [--tracker-tasks 1000000] [--trajectories 20000] [--rss-updates 20000] [--no-old]
+
+The real ``rollout_bridge.orchestrator.Orchestrator`` and agent loop, an engine whose
+requests complete at once (``InstantEngine``), a one-turn environment and a stub learner
+(no training; it hands back weights so every update publishes with the "finish" drain).
+Per (slots, tasks): host CPU seconds (``time.process_time``: every thread of the process)
+per dispatched-and-received trajectory, for
+
+  * new:  this orchestrator (SPO++, incremental NumPy tracker, sum-tree sampler);
+  * old:  the orchestrator of commit OLD_REF (``git show``), which recomputes every
+          baseline and samples over all tasks (Gumbel top-k, JAX) per dispatch round and
+          updates the tracker with a jitted JAX call per receipt,
+
+interleaved (old, new, old, new, ...) in the same process, with the 1-minute load average
+printed next to each figure (this machine is shared: say so next to any figure). The
+orchestrator's own share (without the agent loop / engine / env) is not separated: the
+figure is the whole host path of one trajectory. ``--tracker-tasks`` adds one scale with
+that many tasks at the largest slot count. The agent's HF chat-template rendering of the
+(constant) observation is cached unless ``--template-per-episode``. RSS (VmRSS) is read before and after a run of
+``--rss-updates`` updates of 8 trajectories with ``keep_history=False``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _hardware import cpu_model  # noqa: E402
+
+from rollout_bridge.agent import AgentConfig, ChatFormat  # noqa: E402
+from rollout_bridge.engine.fake import run_virtual  # noqa: E402
+from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams  # noqa: E402
+from rollout_bridge.envs.base import AsyncEnvironment, StepResult  # noqa: E402
+from rollout_bridge.tokenizer import build_tiny_tokenizer  # noqa: E402
+
+OLD_REF = "b3045bb"  # the orchestrator before the methods / incremental-sampler redesign
+REPLY_TOKENS = 4
+
+
+class InstantEngine(RolloutEngine):
+    """Every request completes with ``REPLY_TOKENS`` tokens after an exponential latency
+    of mean 1 in VIRTUAL time (``run_virtual``: costs no wall or CPU time), so requests
+    finish one by one, as on a fleet, and each completion is its own dispatch round."""
+
+    def __init__(self, stop_token: int, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.policy_event = 0
+        self.tokens = (5,) * (REPLY_TOKENS - 1) + (stop_token,)
+        self.replies: dict[int, GenerationResult] = {}  # one result object per policy event
+
+    async def generate(self, prompt_ids, params: SamplingParams) -> GenerationResult:
+        await asyncio.sleep(float(self.rng.exponential()))
+        if self.policy_event not in self.replies:
+            self.replies = {self.policy_event: GenerationResult(self.tokens, (-1.0,) * REPLY_TOKENS, "stop",
+                                                                self.policy_event)}
+        return self.replies[self.policy_event]
+
+    async def publish(self, weights, policy_event: int) -> None:
+        self.policy_event = int(policy_event)
+
+    async def abort_all(self) -> None:
+        return None
+
+
+class CoinEnv(AsyncEnvironment):
+    """One turn; reward 1 with a fixed per-task probability."""
+
+    def __init__(self, success: np.ndarray, rng: np.random.Generator):
+        self.success, self.rng = success, rng
+
+    async def reset(self, task_id: int) -> str:
+        self.task = task_id
+        return "task"
+
+    async def step(self, action_text: str) -> StepResult:
+        return StepResult("done", float(self.rng.random() < self.success[self.task]), True)
+
+
+def load_old_orchestrator():
+    """The orchestrator module of ``OLD_REF`` (git history), imported under another name."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{OLD_REF}:rollout_bridge/orchestrator.py"],
+                            capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "orchestrator_old.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("orchestrator_old", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["orchestrator_old"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def make_orchestrator(module, chat, slots: int, tasks: int, batch: int, keep_history: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    success = rng.random(tasks)
+    engine = InstantEngine(chat.stop_token_ids[0])
+    kwargs = dict(method="spopp", batch_size=batch, max_in_flight=slots, max_buffered_batches=max(2, -(-slots // batch) + 1),
+                  pad_to_multiple=16, seed=seed)
+    if module is not None and hasattr(module.OrchestratorConfig, "keep_history"):
+        kwargs["keep_history"] = keep_history
+    config = module.OrchestratorConfig(**kwargs)
+    agent = AgentConfig(max_turns=1, max_total_tokens=64, sampling=SamplingParams(max_new_tokens=REPLY_TOKENS),
+                        env_timeout_s=None)
+    stub_learner = lambda learner_input: module.LearnerOutput(weights="w")  # no training; publishes
+    return module.Orchestrator(engine, lambda: CoinEnv(success, rng), chat, stub_learner, tasks, config, agent)
+
+
+def cpu_per_trajectory(module, chat, slots: int, tasks: int, trajectories: int) -> tuple[float, int]:
+    """Host CPU seconds per received trajectory over ~``trajectories`` trajectories (after a
+    warm-up update that pays the compiles)."""
+    batch = max(8, min(slots, 1024))
+    orch = make_orchestrator(module, chat, slots, tasks, batch, keep_history=False)
+
+    async def main():
+        try:
+            await orch.run(1)  # warm-up: jit compiles, first dispatch wave
+            start_received, start = orch.consumed + len(getattr(orch, "_ready", [])), time.process_time()
+            await orch.run(max(1, trajectories // batch))
+            received = orch.consumed + len(getattr(orch, "_ready", [])) - start_received
+            return (time.process_time() - start) / max(received, 1), received
+        finally:
+            await orch.close()
+
+    return run_virtual(main())
+
+
+def rss_run(chat, updates: int, tasks: int = 128) -> tuple[float, float, float]:
+    """(RSS before, after 10% of the updates, after all) in MiB, keep_history=False."""
+    import rollout_bridge.orchestrator as new
+
+    orch = make_orchestrator(new, chat, 16, tasks, 8, keep_history=False)
+
+    async def main():
+        try:
+            await orch.run(max(1, updates // 10))
+            early = rss_mib()
+            await orch.run(updates - max(1, updates // 10))
+            return early, rss_mib()
+        finally:
+            await orch.close()
+
+    before = rss_mib()
+    early, after = run_virtual(main())
+    return before, early, after
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scales", nargs="+", default=["64:128", "1000:10000", "10000:100000"])
+    parser.add_argument("--tracker-tasks", type=int, default=1_000_000)
+    parser.add_argument("--trajectories", type=int, default=20_000)
+    parser.add_argument("--rss-updates", type=int, default=20_000)
+    parser.add_argument("--no-old", action="store_true", help="skip the old path")
+    parser.add_argument("--template-per-episode", action="store_true",
+                        help="render the HF chat template for every episode (~150-300 us of jinja each, "
+                             "the agent's cost, not the orchestrator's); default: cached per observation")
+    args = parser.parse_args()
+    import rollout_bridge.orchestrator as new
+
+    tokenizer = build_tiny_tokenizer(["task done " * 10] * 10, tempfile.mkdtemp(), 300)
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    if not args.template_per_episode:  # the env's observation is constant: render it once
+        object.__setattr__(chat, "prompt_ids", functools.lru_cache(maxsize=None)(chat.prompt_ids))
+    old = None if args.no_old else load_old_orchestrator()
+    scales = [tuple(int(v) for v in s.split(":")) for s in args.scales]
+    if args.tracker_tasks:
+        scales.append((scales[-1][0], args.tracker_tasks))
+    print(f"cpu: {cpu_model()}, {os.cpu_count()} logical cores; python {sys.version.split()[0]}")
+    print("shared machine: compare figures only within a row (same process, interleaved)")
+    print(f"{'slots':>6} {'tasks':>8} | {'old us/traj':>11} {'new us/traj':>11} {'old/new':>7} | load1 (old, new)")
+    for slots, tasks in scales:
+        row_old = None
+        if old is not None:
+            load_old = load_average()
+            row_old, _ = cpu_per_trajectory(old, chat, slots, tasks, args.trajectories)
+        load_new = load_average()
+        row_new, received = cpu_per_trajectory(new, chat, slots, tasks, args.trajectories)
+        ratio = f"{row_old / row_new:7.2f}" if row_old else "      -"
+        old_text = f"{row_old * 1e6:11.1f}" if row_old else "          -"
+        print(f"{slots:>6} {tasks:>8} | {old_text} {row_new * 1e6:11.1f} {ratio} | "
+              f"{load_old if old is not None else float('nan'):.2f}, {load_new:.2f}  ({received} trajectories)",
+              flush=True)
+    if args.rss_updates:
+        before, early, after = rss_run(chat, args.rss_updates)
+        print(f"RSS over {args.rss_updates} updates x 8 trajectories (keep_history=False): "
+              f"before {before:.1f} MiB, after 10% {early:.1f} MiB, after all {after:.1f} MiB; "
+              f"load1 {load_average():.2f}")
+
+
+if __name__ == "__main__":
+    main()

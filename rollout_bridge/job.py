@@ -1,0 +1,217 @@
+"""The stages of a training job other than RL (warm start, prior, evaluation), its run
+folder and its per-update log. ``train.py`` composes them (see its docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from rollout_bridge.components import load_policy
+from rollout_bridge.metrics import MetricsWriter
+from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
+
+PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
+TRAILING_WINDOW = 5  # updates in the trailing success mean of the progress bar
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    warmstart_model = property(lambda self: self.root / "warmstart_model")
+    warmstart_record = property(lambda self: self.root / "warmstart_model" / "warmstart.json")
+    prior = property(lambda self: self.root / "prior.json")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    eval_after = property(lambda self: self.root / "eval_after.json")
+    curve = property(lambda self: self.root / "learning_curve.png")
+    summary = property(lambda self: self.root / "summary.json")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def stage_key(cfg, *sections: str) -> dict:
+    """The settings an output depends on (reuse it only if they are unchanged)."""
+    return {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
+
+
+def checkpoint_key(cfg) -> dict:
+    """Settings a checkpoint must agree with to be resumed (not steps, logging, paths)."""
+    key = stage_key(cfg, "model", "env", "warmstart", "prior", "tracker", "sampler", "advantage", "loss", "optim",
+                    "rollout")
+    key.update(method=cfg.method, seed=cfg.seed)
+    return key
+
+
+def latest_checkpoint_step(paths: RunPaths) -> int | None:
+    """Newest complete orbax step folder (an interrupted save leaves only a tmp folder)."""
+    if not paths.checkpoints.is_dir():
+        return None
+    steps = [int(p.name) for p in paths.checkpoints.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max(steps, default=None)
+
+
+def refuse_overwrite(resume: bool, latest: int | None, paths: RunPaths) -> None:
+    if latest is not None and not resume:
+        raise SystemExit(f"{paths.checkpoints} holds checkpoints up to step {latest}: pass "
+                         "--resume to continue that run, or choose a new --output_dir")
+
+
+def state_digest(tree: Any) -> str:
+    """sha1 over every array leaf of a state pytree, in path order (e.g. a method's
+    state: its tracker alpha, beta, z_ref, SPO's previous responses)."""
+    digest = hashlib.sha1()
+    leaves = sorted(jax.tree_util.tree_flatten_with_path(tree)[0], key=lambda item: jax.tree_util.keystr(item[0]))
+    for path, leaf in leaves:
+        digest.update(jax.tree_util.keystr(path).encode())
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return digest.hexdigest()
+
+
+class UpdateLogger:
+    """The metrics sink of ``train.py``: one row per update to ``metrics.jsonl`` /
+    TensorBoard (``MetricsWriter``) and the progress bar."""
+
+    def __init__(self, writer: MetricsWriter, steps: int, start_step: int, progress: bool):
+        from tqdm import tqdm
+
+        self.writer = writer
+        self.rewards: list[float] = []
+        self.last_time = self.start = time.time()
+        self.bar = tqdm(total=steps, initial=start_step, desc="RL", disable=not progress, dynamic_ncols=True)
+
+    def __call__(self, record) -> None:
+        now = time.time()
+        trajectories = record.trajectories
+        generated = sum(t.num_action_tokens for t in trajectories)
+        tokens = sum(len(t.token_ids) for t in trajectories)
+        success = float(np.mean([t.reward for t in trajectories]))
+        self.rewards = (self.rewards + [success])[-TRAILING_WINDOW:]
+        trailing = float(np.mean(self.rewards))
+        elapsed = max(now - self.last_time, 1e-9)
+        row = {
+            "success_rate": success,
+            "success_trailing": trailing,
+            "policy_event": record.policy_event,
+            "policy_lag_mean": float(record.policy_lag.mean()),
+            "policy_lag_max": float(record.policy_lag.max()),
+            "generated_tokens_per_s": generated / elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "action_tokens_mean": generated / len(trajectories),
+            "trajectory_tokens_max": max(len(t.token_ids) for t in trajectories),
+            "truncated_frac": float(np.mean([t.truncated for t in trajectories])),
+            "turns_mean": float(np.mean([t.num_turns for t in trajectories])),
+            "learner_s": record.end_time - record.start_time,
+            "update_wall_s": now - self.last_time,
+            "wall_s": now - self.start,
+            **{f"diag/{k}": v for k, v in record.diagnostics.items()},
+            **{f"learner/{k}": v for k, v in record.learner_metrics.items()},
+        }
+        self.writer.write(record.update, row)
+        self.last_time = now
+        self.bar.set_postfix(reward=f"{success:.2f}", trail=f"{trailing:.2f}",
+                             tok_s=f"{row['generated_tokens_per_s']:.0f}", lag=f"{row['policy_lag_mean']:.2f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+
+
+# ------------------------------------------------------------------ stage: warm start
+def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_config) -> Path:
+    """SFT on the warm-start walkthroughs (``warmstart.*``); the initial RL policy's folder."""
+    from rollout_bridge.warmstart import run_sft, sft_examples
+    from spopp_jax.learner import LearnerConfig, init_train_state, make_sft_step
+    from spopp_jax.models import save_pretrained
+
+    ws = cfg.warmstart
+    if not ws.enabled or warm_tasks is None:
+        return base
+    key = stage_key(cfg, "model", "env", "warmstart")
+    key["base"] = str(base)
+    if paths.warmstart_record.exists():
+        record = json.loads(paths.warmstart_record.read_text())
+        if record.get("key") == key:
+            log(f"warm start: reusing {paths.warmstart_model} (final SFT loss {record['losses'][-1]:.3f})")
+            return paths.warmstart_model
+    examples = sft_examples(warm_tasks, chat, max_length=ws.max_length)
+    log(f"warm start: SFT on {len(examples)} walkthroughs of games outside the training set, "
+        f"{ws.epochs} epochs, batch {ws.batch_size}, lr {ws.learning_rate}")
+    sft_cfg = LearnerConfig(learning_rate=ws.learning_rate, weight_decay=ws.weight_decay,
+                            max_grad_norm=learner_config.max_grad_norm,
+                            logprob_chunk_size=learner_config.logprob_chunk_size)
+    model_def, state = init_train_state(load_policy(base, cfg.model), sft_cfg)
+    start = time.time()
+    state, losses = run_sft(make_sft_step(model_def, sft_cfg), state, examples, epochs=ws.epochs,
+                            batch_size=ws.batch_size, pad_id=chat.tokenizer.pad_token_id, seed=cfg.seed)
+    folder = paths.warmstart_model
+    folder.mkdir(parents=True, exist_ok=True)
+    save_pretrained(model_def.merge(state.params), str(folder))
+    chat.tokenizer.save_pretrained(str(folder))
+    write_json_atomic(paths.warmstart_record, {"key": key, "losses": losses, "examples": len(examples),
+                                               "wall_s": time.time() - start})
+    log(f"warm start: {len(losses)} steps in {time.time() - start:.0f}s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return folder
+
+
+# ------------------------------------------------------------------ stage: prior / evaluation
+async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, what: str, progress: bool):
+    """(successes, trials) per task of ``n`` rollouts of every task with ``engine``."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=env.num_tasks * n, desc=what, disable=not progress, leave=False)
+    try:
+        return await rollout_successes(engine, env.env_factory, chat, env.num_tasks, n, agent, concurrency,
+                                       on_done=lambda _: bar.update(1))
+    finally:
+        bar.close()
+
+
+def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine: Callable, rho: float,
+              concurrency: int):
+    """(alpha0, beta0, record) of the offline prior (``prior.*``, SPEC 2); record None when
+    not computed. ``make_engine(model, seed)`` builds the rollout engine; ``concurrency``
+    episodes run at once; the prior mass is ``prior.mass`` or 1/(1 − rho)."""
+    if cfg.prior.path is not None:
+        alpha0, beta0 = read_prior_file(cfg.prior.path, env.num_tasks)
+        return alpha0, beta0, json.loads(Path(cfg.prior.path).read_text())
+    if not cfg.prior.enabled:
+        half = np.full(env.num_tasks, 0.5, np.float32)
+        return half, half.copy(), None
+    key = stage_key(cfg, "model", "env", "warmstart", "prior", "rollout")
+    key.update(rho=rho, policy=str(policy))
+    if paths.prior.exists():
+        record = json.loads(paths.prior.read_text())
+        if record.get("key") == key:
+            log(f"prior: reusing {paths.prior} (success before RL {record['success_rate']:.3f})")
+            alpha0, beta0 = read_prior_file(paths.prior, env.num_tasks)
+            return alpha0, beta0, record
+    n = cfg.prior.rollouts_per_task
+    log(f"prior: {n} rollouts x {env.num_tasks} tasks with the initial policy")
+    start = time.time()
+
+    async def rollouts():
+        engine = make_engine(load_policy(policy, cfg.model), cfg.seed + PRIOR_SEED_OFFSET)
+        try:
+            return await success_rollouts(engine, env, chat, agent, concurrency, n, "prior", cfg.progress)
+        finally:
+            await engine.close()
+
+    successes, trials = asyncio.run(rollouts())
+    mass = cfg.prior.mass if cfg.prior.mass is not None else 1.0 / (1.0 - rho)
+    record = prior_record(successes, trials, mass)
+    record.update(key=key, wall_s=time.time() - start)
+    write_json_atomic(paths.prior, record)
+    log(f"prior: success before RL {record['success_rate']:.3f} "
+        f"({int(successes.sum())}/{int(trials.sum())}) in {time.time() - start:.0f}s")
+    return np.asarray(record["alpha0"], np.float32), np.asarray(record["beta0"], np.float32), record
