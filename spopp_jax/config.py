@@ -21,6 +21,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
+# The Math-TIR section is pure data defined next to its environment (the one import of
+# rollout_bridge here; a registry of per-kind sections would remove it).
+from rollout_bridge.envs.math_tir.env import MathTIRSection
+
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "TrackerSection",
     "SamplerSection", "AdvantageSection", "LossSection", "OptimSection", "RolloutSection",
@@ -135,8 +139,10 @@ class WarmStartSection:
     learning_rate: float = 1e-2
     weight_decay: float = 0.0
     max_length: int = 512
+    loss_on: Literal["final_message", "all_assistant"] = "all_assistant"
 
     def __post_init__(self):
+        _check_literals("warmstart", self)
         _positive("warmstart", self, "epochs", "batch_size", "learning_rate", "max_length")
         _check(self.weight_decay >= 0, "warmstart.weight_decay", ">= 0", self.weight_decay)
 
@@ -332,6 +338,10 @@ class TrainConfig:
     `steps` updates of `rollout.batch_size` trajectories; a checkpoint every
     `checkpoint_every` updates (and at the end) in `output_dir/checkpoints`, keeping
     `keep_checkpoints`; `resume=true` continues from the newest one.
+    The final policy is exported as a HF folder to `output_dir/hf_model`; with
+    `export_every` (a multiple of checkpoint_every) also `output_dir/exports/step_<k>`.
+    `wandb`: also log the metrics to Weights & Biases (`wandb_mode` offline = on disk under
+    `output_dir/wandb`, no account needed; the `wandb` extra).
     """
 
     method: Literal["spopp", "spo", "grpo", "rloo"] = "spopp"
@@ -344,6 +354,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     progress: bool = True
     tensorboard: bool = True
+    export_every: Optional[int] = None
+    wandb: bool = False
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "spopp-jax"
     model: ModelSection = field(default_factory=ModelSection)
     env: EnvSection = field(default_factory=EnvSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
@@ -355,19 +369,25 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     mesh: MeshSection = field(default_factory=MeshSection)
+    math_tir: MathTIRSection = field(default_factory=MathTIRSection)  # env.kind=math_tir only
 
     def __post_init__(self):
         _check_literals("", self)
         _positive("", self, "steps", "checkpoint_every", "keep_checkpoints")
         _check(self.seed >= 0, "seed", ">= 0", self.seed)
         _check(bool(self.output_dir), "output_dir", "non-empty", self.output_dir)
-        if self.env.game_dir is None and self.env.kind == "textworld":
+        if self.env.game_dir is None and self.env.kind in ("textworld", "math_tir"):
             # m in-flight requests per task (SPEC 2: m = 1): enough distinct tasks
             if self.method not in GROUP_METHODS:
                 slots = self.rollout.max_in_flight_per_task * self.env.num_games
                 _check(self.rollout.max_inflight <= slots, "rollout.max_inflight",
                        f"<= rollout.max_in_flight_per_task x env.num_games={slots} "
                        "(in-flight requests per task are bounded)", self.rollout.max_inflight)
+        if self.export_every is not None:
+            _check(self.export_every > 0 and self.export_every % self.checkpoint_every == 0,
+                   "export_every", f"a positive multiple of checkpoint_every="
+                   f"{self.checkpoint_every} (exports are made at checkpoints) or null",
+                   self.export_every)
         _check(self.checkpoint_every % self.rollout.publish_every == 0, "checkpoint_every",
                f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
                "holds exactly the published policy)", self.checkpoint_every)
