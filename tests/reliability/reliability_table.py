@@ -92,8 +92,9 @@ def _is_slow(test: Callable) -> bool:
 
 def collect_rows(folder: Path = HERE) -> list[TableEntry]:
     """Every `Row` attached to a test function in ``folder/test_*.py``, in file order."""
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+    for path in (str(folder), str(ROOT)):   # this checkout's packages, not an installed copy
+        if path not in sys.path:
+            sys.path.insert(0, path)
     entries = []
     for path in sorted(folder.glob("test_*.py")):
         name = f"_reliability_table_{path.stem}"
