@@ -76,6 +76,8 @@ class LearnerConfig:
     clipping. ``logprob_chunk_size``: None = log-probs from the full [B, T, V] logits;
     an int C = the LM head and logsumexp run over C positions at a time (rematerialised in
     the backward pass), so at most [B, C, V] logits are live (`chunked_token_logprobs`).
+    ``max_consecutive_skips``: a `SkipGuard` built from this config stops the run after
+    that many train steps in a row skipped for a non-finite loss or gradient.
     """
 
     learning_rate: float = 1e-6
@@ -92,6 +94,7 @@ class LearnerConfig:
     is_cap: float = 2.0
     old_logp_source: Literal["current", "rollout"] = "current"
     logprob_chunk_size: int | None = None
+    max_consecutive_skips: int = 5
 
     def __post_init__(self):
         if self.logprob_chunk_size is not None and not (
@@ -111,6 +114,10 @@ class LearnerConfig:
         if self.old_logp_source not in ("current", "rollout"):
             raise ValueError(
                 f"old_logp_source must be 'current' or 'rollout', got {self.old_logp_source!r}"
+            )
+        if not (isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1):
+            raise ValueError(
+                f"max_consecutive_skips must be an int >= 1, got {self.max_consecutive_skips!r}"
             )
         if not self.learning_rate >= 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
@@ -621,6 +628,10 @@ class SkipGuard:
     max_consecutive: int
     consecutive: int = 0
     total: int = 0
+
+    @classmethod
+    def from_config(cls, config: LearnerConfig) -> "SkipGuard":
+        return cls(config.max_consecutive_skips)
 
     def __post_init__(self):
         if not (isinstance(self.max_consecutive, int) and self.max_consecutive >= 1):

@@ -167,6 +167,9 @@ def test_skip_guard_stops_after_n_consecutive():
     assert guard.total == 5
     with pytest.raises(ValueError, match="max_consecutive"):
         learner.SkipGuard(max_consecutive=0)
+    assert learner.SkipGuard.from_config(learner.LearnerConfig()).max_consecutive == 5
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        learner.LearnerConfig(max_consecutive_skips=0)
 
 
 def _kl_metrics(log_ratio, mask=None):
