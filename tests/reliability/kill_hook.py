@@ -12,6 +12,12 @@ opened its checkpoint folder (the warm start and the prior rollouts are not coun
 - ``checkpoint``: during the N-th `Checkpointer.save`, as soon as orbax's temporary folder
   for that step appears (the write is in progress).
 
+One more PHASE injects a numeric fault instead of a kill:
+
+- ``nan_batch``: from the N-th train step on, every batch's advantages are NaN (as a
+  broken reward / advantage pipeline would make them): the learner must skip those
+  updates and stop the run after `LearnerConfig.max_consecutive_skips` of them.
+
 SIGKILL cannot be caught, so nothing is flushed or cleaned up: the same as `kill -9` from
 outside, but landing exactly in the named phase. Before dying the hook prints
 ``KILL_HOOK <phase> <n>`` (flushed) so the caller can check where it landed. Only library
@@ -30,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ("rollout", "learner", "publish", "checkpoint")
+PHASES = ("rollout", "learner", "publish", "checkpoint", "nan_batch")
 _TMP_GLOB = "*.orbax-checkpoint-tmp*"
 _POLL_S = 0.002
 
@@ -101,6 +107,15 @@ def install(phase: str, nth: int) -> _Trigger:
         step = original_make_train_step(*args, **kwargs)
 
         def killing_step(state, batch):
+            if trigger.phase == "nan_batch" and trigger.armed:
+                trigger.count += 1
+                if trigger.count >= trigger.nth:
+                    import dataclasses
+
+                    import numpy as np
+
+                    nan = np.full(np.shape(batch.advantages), np.nan, np.float32)
+                    batch = dataclasses.replace(batch, advantages=nan)
             out = step(state, batch)
             if trigger.hit("learner"):
                 import jax

@@ -21,7 +21,7 @@ from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
 from rollout_bridge.engine.base import GenerationResult, SamplingParams
 from rollout_bridge.engine.fake import FakeEngine, ScriptedReply, run_virtual
 from rollout_bridge.engine.vllm_fleet import FleetUnavailableError
-from rollout_bridge.envs.base import Environment, StepResult
+from rollout_bridge.envs.base import AsyncEnvironment, Environment, StepResult
 from rollout_bridge.tokenizer import build_tiny_tokenizer
 from rollout_bridge.trajectory import DispatchStamp
 
@@ -101,15 +101,6 @@ def test_env_step_exception_is_a_failed_trajectory(chat):
             "`env_timeout_s` ends the episode `failed`: 'environment timed out after 30.0s'",
             "the hung env is not closed (it may still be busy); the episode returns", kind="fault"))
 def test_env_hang_times_out(chat):
-    async def hang():
-        await asyncio.Event().wait()
-
-    class Hanging(ScriptedEnv):
-        def step(self, action_text):  # a sync env blocks a worker thread; simulate with sleep
-            raise AssertionError("not used")
-
-    from rollout_bridge.envs.base import AsyncEnvironment
-
     class AsyncHanging(AsyncEnvironment):
         num_tasks = 4
 
@@ -117,7 +108,7 @@ def test_env_hang_times_out(chat):
             return "a room"
 
         async def step(self, action_text):
-            await hang()
+            await asyncio.Event().wait()   # never set: hangs forever
 
     traj = play(chat, AsyncHanging())
     assert traj.failed and traj.error == "environment timed out after 30.0s"

@@ -28,6 +28,7 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import jax
@@ -50,8 +51,8 @@ def job(cache: Path, run: Path, steps: int = STEPS) -> list[str]:
     """The tiny train.py job writing to `run`, with games / tiny model cached in `cache`."""
     args = _tiny_job(cache, steps)
     args[args.index("--output_dir") + 1] = str(run)
-    return args + ["--checkpoint_every", "1", "--warmstart.enabled", "false",
-                   "--prior.enabled", "false"]
+    return args + ["--checkpoint_every", "1", "--keep_checkpoints", str(steps + 1),
+                   "--warmstart.enabled", "false", "--prior.enabled", "false"]
 
 
 def run_process(args: list[str]) -> subprocess.CompletedProcess:
@@ -159,11 +160,15 @@ def kill_points(count: int, seed: int) -> list[tuple[str, int]]:
 @pytest.mark.timeout(7200)
 def test_kill_9_at_20_random_points_then_resume(reference, capsys):
     points = kill_points(20, seed=17)
-    summaries = [kill_and_resume(reference, phase, nth, f"kill{i}")
-                 for i, (phase, nth) in enumerate(points)]
-    with capsys.disabled():
-        for s in summaries:
-            print(f"\nkill point {s}")
+    workers = int(os.environ.get("RELIABILITY_KILL_WORKERS", "2"))
+    summaries = []
+    with capsys.disabled(), ThreadPoolExecutor(workers) as pool:   # each point its own run dir
+        futures = [pool.submit(kill_and_resume, reference, phase, nth, f"kill{i}")
+                   for i, (phase, nth) in enumerate(points)]
+        for future in as_completed(futures):
+            summaries.append(future.result())
+            print(f"\nkill point {summaries[-1]} (load average {os.getloadavg()})", flush=True)
+    assert len(summaries) == 20
     assert {s["phase"] for s in summaries} == {"rollout", "learner", "publish", "checkpoint"}
 
 
@@ -191,3 +196,26 @@ def test_resume_drops_in_flight_work_is_open():
     orchestrator = Orchestrator(engine, lambda: None, chat=None, learner=lambda x: None,
                                 num_tasks=2, config=OrchestratorConfig(batch_size=2))
     assert set(orchestrator.state_dict()) == {"tracker", "rng_key", "counters"}
+
+
+@covers(Row("numerics", "train.py: every batch's advantages NaN from update 2 on (injected)",
+            "each such update skipped and logged ('update skipped'), `learner/skipped_updates`=1 "
+            "in metrics.jsonl; after 5 in a row the run stops with NonFiniteUpdatesError",
+            "checkpoints written after the poisoning hold the step-1 parameters bit for bit",
+            kind="fault"))
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_train_py_skips_nan_updates_then_stops(reference):
+    cache, records = reference
+    run = cache / "nan_run"
+    done = run_process([sys.executable, str(HERE / "kill_hook.py"), "nan_batch", "2", "--",
+                        *job(cache, run, steps=10)[2:]])
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "5 train steps in a row had a non-finite loss or gradient" in output, output[-3000:]
+    assert output.count("update skipped") == 5
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["learner/skipped_updates"] for r in rows] == [0.0] + [1.0] * 4
+    assert checkpoint_record(run, 1)["params"] == records[1]["params"]
+    after = [checkpoint_record(run, step)["params"] for step in complete_steps(run) if step > 1]
+    assert after and all(params == records[1]["params"] for params in after)
