@@ -98,6 +98,9 @@ def reference(tmp_path_factory):
     done = run_process(job(cache, run))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert metric_steps(run) == list(range(1, STEPS + 1))
+    logged = {"learner/approx_kl", "learner/approx_kl_clipped", "learner/skipped_updates"}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(logged <= set(row) for row in rows), rows[0]
     return cache, {step: checkpoint_record(run, step) for step in complete_steps(run)}
 
 
