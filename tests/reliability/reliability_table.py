@@ -137,6 +137,14 @@ def render(entries: list[TableEntry]) -> str:
         f"- malformed inputs tried: {len(malformed)}, held: {held(malformed)}",
         f"- faults injected: {len(faults)}, survived: {held(faults)}",
         "",
+        "How faults are made: `kill -9` of train.py is a self-inflicted SIGKILL at a named "
+        "point of the RL loop (`tests/reliability/kill_hook.py` patches library entry "
+        "points; train.py runs unmodified through its CLI); a kill mid-orbax-write waits "
+        "for orbax's temporary folder; \"disk full\" is RLIMIT_FSIZE on the writer "
+        "process (writes fail with EFBIG; an unprivileged stand-in for a full tmpfs); "
+        "vLLM servers are the in-memory fake of tests/test_vllm_bridge.py; the 24-hour run "
+        "uses the virtual clock of `rollout_bridge.engine.fake.run_virtual`.",
+        "",
     ]
     for category in CATEGORIES:
         group = [e for e in entries if e.row.category == category]
