@@ -7,8 +7,8 @@ open files and threads from /proc every `--interval_s` seconds.
 
 Prints one row per sample (with the 1-minute load average: on a shared machine the
 per-update time is not a property of the code) and, at the end, the least-squares RSS
-slope in MiB per 100 updates over the samples after `--warmup_updates`, with the first
-and last RSS. The job is tests/test_train_resume.py's tiny configuration with the warm
+slope in MiB per 100 updates over the samples of the RL loop after `--warmup_updates`
+(the final evaluation rollouts excluded), with the first and last RSS. The job is tests/test_train_resume.py's tiny configuration with the warm
 start and prior off, no checkpoints until the end.
 """
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     while process.poll() is None:
         time.sleep(args.interval_s)
         now = sample(process.pid)
-        if now is None:
+        if now is None or now["rss_mib"] == 0:   # exited (a zombie has no memory)
             break
         row = {"wall_s": round(time.time() - start, 1),
                "updates": updates_done(run / "metrics.jsonl"), **now,
@@ -92,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     process.wait()
-    slope = rss_slope_per_100(rows, args.warmup_updates)
-    after = [r for r in rows if r["updates"] > args.warmup_updates]
+    # the RL loop only: after the warm-up, before the final evaluation rollouts
+    during = [r for r in rows if r["updates"] < args.steps]
+    slope = rss_slope_per_100(during, args.warmup_updates)
+    after = [r for r in during if r["updates"] > args.warmup_updates]
     summary = {
         "returncode": process.returncode, "updates": updates_done(run / "metrics.jsonl"),
         "rss_slope_mib_per_100_updates": slope,
         "rss_first_after_warmup": after[0]["rss_mib"] if after else None,
-        "rss_last": rows[-1]["rss_mib"] if rows else None,
+        "rss_last_in_loop": after[-1]["rss_mib"] if after else None,
         "open_files_range": [min(r["open_files"] for r in after), max(r["open_files"] for r in after)] if after else None,
         "threads_range": [min(r["threads"] for r in after), max(r["threads"] for r in after)] if after else None,
         "wall_s": round(time.time() - start, 1),
