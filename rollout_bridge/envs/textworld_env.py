@@ -106,11 +106,43 @@ def _wrappers_for(path: str) -> list:
 _START_LOCK = threading.Lock()
 
 
+# Z-machine story files (.z3/.z5/.z8): byte 0 is the version, bytes 0x1A-0x1B the file
+# length divided by a version-dependent scale (Z-Machine Standard 1.1, section 11.1).
+_ZCODE_HEADER_BYTES = 64
+_ZCODE_LENGTH_OFFSET = 0x1A
+
+
+def _zcode_length_scale(version: int) -> int:
+    return 2 if version <= 3 else 4 if version <= 5 else 8
+
+
+def check_zcode_file(path: str) -> None:
+    """Refuses (ValueError naming the file) a .z3/.z5/.z8 game whose header does not match
+    its suffix's Z-machine version or that is shorter than its header says. The bundled
+    interpreter calls exit() on such files, which would kill the whole training process."""
+    suffix = os.path.splitext(path)[1]
+    if suffix not in (".z3", ".z5", ".z8"):
+        return
+    data = open(path, "rb").read()
+    expected_version = int(suffix[2:])
+    if len(data) < _ZCODE_HEADER_BYTES or data[0] != expected_version:
+        found = data[0] if data else "empty file"
+        raise ValueError(f"game file {path!r} is not a Z-machine v{expected_version} story "
+                         f"(header version byte: {found}); corrupt or mislabelled")
+    declared = int.from_bytes(data[_ZCODE_LENGTH_OFFSET:_ZCODE_LENGTH_OFFSET + 2], "big")
+    declared *= _zcode_length_scale(expected_version)
+    if declared > len(data):
+        raise ValueError(f"game file {path!r} is truncated: its header declares {declared} "
+                         f"bytes, the file has {len(data)}")
+
+
 def start_game(path: str):
     """Load a game with the infos this env needs (admissible commands, walkthrough, won).
-    Thread-safe: loads are serialized by a module lock (see `_START_LOCK`)."""
+    Thread-safe: loads are serialized by a module lock (see `_START_LOCK`). A corrupt
+    Z-machine file is refused first (`check_zcode_file`)."""
     import textworld
 
+    check_zcode_file(str(path))
     with _START_LOCK, warnings.catch_warnings():   # jericho: "not fully supported" (score via TextWorld)
         warnings.filterwarnings("ignore", message=".*not fully supported.*")
         return textworld.start(path, request_infos=_request_infos(),

@@ -26,7 +26,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors' 
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from spopp_jax.models.attention import DEFAULT_ATTENTION_CHUNK
@@ -72,8 +72,35 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.exists(single):
         raise FileNotFoundError(f"neither {INDEX_FILE} nor {SINGLE_FILE} in {path}")
-    with safe_open(single, framework="numpy") as f:
+    with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}
+
+
+def _open_safetensors(file: str):
+    """`safe_open(file)`; a truncated / corrupt file raises ValueError naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a readable safetensors file ({error}); "
+                         "re-copy or re-download it") from None
+
+
+def _check_float_tensor(file: str, name: str, tensor_slice) -> None:
+    """Parameters are floating point; an integer / bool tensor is a corrupt checkpoint
+    (it would otherwise be silently cast)."""
+    stored = tensor_slice.get_dtype()
+    if not (stored.startswith("F") or stored.startswith("BF")):
+        raise ValueError(f"{name} in {file} has dtype {stored}, not a floating dtype")
+
+
+def _read_model_config(path: str) -> ModelConfig:
+    """`ModelConfig.from_hf(path)`; an unreadable / inconsistent config.json raises
+    ValueError naming the file."""
+    try:
+        return ModelConfig.from_hf(path)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{os.path.join(path, 'config.json')}: {type(error).__name__}: "
+                         f"{error}") from error
 
 
 def _slice_reader(tensor_slice, transposed: bool, dtype: np.dtype):
@@ -110,8 +137,9 @@ def load_parameters(path: str, config: ModelConfig, dtype="float32", mesh: Mesh 
                 raise KeyError(f"checkpoint {path} has no tensor {name!r}")
             file = files[name]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+                handles[file] = stack.enter_context(_open_safetensors(file))
             tensor_slice = handles[file].get_slice(name)
+            _check_float_tensor(file, name, tensor_slice)
             stored_shape = tuple(tensor_slice.get_shape())
             expected = tuple(reversed(leaf.shape)) if transposed else tuple(leaf.shape)
             if stored_shape != expected:
@@ -140,7 +168,7 @@ def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None, remat:
     `torch_dtype`) and, given `mesh` (Auto axis types,
     axes "fsdp" / "tensor"), sharded by the partition rules. `remat=True` recomputes
     each layer in the backward pass; `attention_chunk_size` queries per attention block."""
-    config = ModelConfig.from_hf(path)
+    config = _read_model_config(path)
     if dtype is None:
         dtype = checkpoint_dtype(config)
     graphdef, state = load_parameters(path, config, dtype, mesh, remat=remat,
