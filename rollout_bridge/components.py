@@ -35,6 +35,7 @@ LEARNER_KNOBS = {
     "num_mini_batches": "optim.num_mini_batches", "logprob_chunk_size": "optim.logprob_chunk_size",
     "clip_low": "loss.clip_low", "clip_high": "loss.clip_high", "dual_clip": "loss.dual_clip",
     "is_cap": "loss.is_cap", "old_logp_source": "loss.old_logp_source",
+    "max_consecutive_skips": "optim.max_consecutive_skips",
 }
 LEARNER_DERIVED: dict[str, str] = {}
 
@@ -197,11 +198,10 @@ def load_policy(folder: Path, model_section, mesh=None):
 def load_chat(folder: Path, tools=None):
     """The chat format of the tokenizer at ``folder`` (``tools``: tool schemas handed to
     its chat template, e.g. Math-TIR's Python tool for Qwen)."""
-    from transformers import AutoTokenizer
-
     from rollout_bridge.agent import ChatFormat
+    from rollout_bridge.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = load_tokenizer(folder)
     if tools:
         return ChatFormat.from_tokenizer(tokenizer, tools=list(tools))
     return ChatFormat.from_tokenizer(tokenizer)

@@ -251,9 +251,13 @@ class OptimSection:
     # Log-probs in chunks of this many positions from the final hidden states, so no
     # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
     logprob_chunk_size: Optional[int] = None
+    # A step with a non-finite loss or gradient is skipped (parameters and optimizer state
+    # unchanged); this many skipped steps in a row stop the run with a message.
+    max_consecutive_skips: int = 5
 
     def __post_init__(self):
-        _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches", "adam_eps")
+        _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches", "adam_eps",
+                  "max_consecutive_skips")
         for name in ("adam_b1", "adam_b2"):
             _check(0.0 <= getattr(self, name) < 1.0, f"optim.{name}", "in [0, 1)", getattr(self, name))
         if self.logprob_chunk_size is not None:

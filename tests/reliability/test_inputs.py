@@ -1,6 +1,6 @@
 """Malformed local inputs: config files and CLI values, HF model folders, tokenizer folders,
 game / data folders. Each must end in an error that names the field or the file (an exit
-status 2 / `SystemExit("input error: ...")` for train.py's own checks), never a bare
+status 2 and one 'error: ...' line for train.py's own checks), never a bare
 traceback from a library, and must leave the inputs untouched."""
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from safetensors.numpy import load_file, save_file
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402  (the CLI's own parse / input checks, in-process)
+from rollout_bridge import components  # noqa: E402
+from rollout_bridge.envs.kinds import build_env  # noqa: E402
+from spopp_jax.run_errors import run_cleanly  # noqa: E402
 
 from rollout_bridge.envs import textworld_games  # noqa: E402
 from rollout_bridge.prior import read_prior_file  # noqa: E402
@@ -41,6 +44,7 @@ class Case:
     make: Callable[[Path], Callable[[], object]]
     error: type | tuple[type, ...]
     match: str
+    stderr_has: str = ""
 
 
 def check_case(case: Case, tmp_path: Path) -> None:
@@ -54,21 +58,39 @@ def check_case(case: Case, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ config / CLI
 
 
+def as_cli(action: Callable[[], object]) -> Callable[[], object]:
+    """``action`` as train.py's entry point runs it (spopp_jax.run_errors.run_cleanly): a
+    user error becomes one stderr line and SystemExit(2)."""
+    def run():
+        code = run_cleanly(action)
+        if code:
+            raise SystemExit(code)
+
+    return run
+
+
 def cli(*args: str) -> Callable[[Path], Callable[[], object]]:
-    return lambda tmp: (lambda: train.parse_config(list(args)))
+    return lambda tmp: as_cli(lambda: train.parse_config(list(args)))
 
 
 def yaml_file(text: str) -> Callable[[Path], Callable[[], object]]:
     def make(tmp: Path):
         path = tmp / "recipe.yaml"
         path.write_text(text)
-        return lambda: train.parse_config(["--config_path", str(path)])
+        return as_cli(lambda: train.parse_config(["--config_path", str(path)]))
 
     return make
 
 
 def inputs(*args: str) -> Callable[[Path], Callable[[], object]]:
-    return lambda tmp: (lambda: train.check_inputs(train.parse_config(list(args))))
+    """train.py's input checks before any work: the component inputs, then the env kind's
+    (which refuses a missing folder before generating or loading anything)."""
+    def check():
+        cfg = train.parse_config(list(args))
+        components.check_inputs(cfg)
+        build_env(cfg, False)
+
+    return lambda tmp: as_cli(check)
 
 
 def _row(fault, behaviour, category="config / CLI",
@@ -94,17 +116,17 @@ CONFIG_CASES = [
     Case(_row("YAML recipe with a wrong type (`steps: many`)", "exit 2 naming `steps`"),
          yaml_file("steps: many\n"), SystemExit, "2"),
     Case(_row("`--model.path` to a folder that does not exist",
-              "SystemExit 'input error: model.path=... does not exist. Nothing is downloaded...'"),
-         inputs("--model.path", "/nonexistent/model"), SystemExit, "input error: model.path="),
+              "exit 2: 'error: model.path=... does not exist. Nothing is downloaded...'"),
+         inputs("--model.path", "/nonexistent/model"), SystemExit, "2", "error: model.path="),
     Case(_row("`--env.game_dir` that does not exist",
-              "SystemExit 'input error: env.game_dir=... does not exist' with the ALFWorld hint",
+              "exit 2: 'error: env.game_dir=... does not exist' with the ALFWorld hint",
               category="game / data folder"),
-         inputs("--env.game_dir", "/nonexistent/games"), SystemExit, "input error: env.game_dir="),
-    Case(_row("`--env.kind math_tir` with a missing data folder (parquet prompts); no parquet "
-              "reader exists in this build", "SystemExit 'input error: env.data_dir=... does not "
-              "exist'", category="game / data folder"),
-         inputs("--env.kind", "math_tir", "--env.data_dir", "/nonexistent/dapo"), SystemExit,
-         "input error: env.data_dir="),
+         inputs("--env.game_dir", "/nonexistent/games"), SystemExit, "2", "error: env.game_dir="),
+    Case(_row("`--env.kind math_tir --math_tir.source dapo` with a missing data folder "
+              "(parquet prompts)", "exit 2: 'error: env.data_dir=... does not exist'",
+              category="game / data folder"),
+         inputs("--env.kind", "math_tir", "--math_tir.source", "dapo", "--env.data_dir", "/nonexistent/dapo"),
+         SystemExit, "2", "error: env.data_dir="),
 ]
 
 
@@ -113,9 +135,9 @@ CONFIG_CASES = [
 def test_config_and_cli(case, tmp_path, capsys):
     check_case(case, tmp_path)
     err = capsys.readouterr().err
-    if "input error" not in case.match:
-        assert err.strip(), "exit 2 without a message on stderr"
-        assert "Traceback" not in err
+    assert err.strip(), "exit 2 without a message on stderr"
+    assert "Traceback" not in err
+    assert case.stderr_has in err, err
 
 
 # ------------------------------------------------------------------ HF model folders

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import threading
 
 import numpy as np
@@ -73,9 +72,6 @@ def simulate(chat, num_updates: int, keep_records: bool):
     samples, loop_times = [], []
 
     def on_update(record):
-        if not keep_records:   # what a bounded caller would do (see the open row below)
-            orchestrator.records.clear()
-            orchestrator.events.clear()
         if record.update % SAMPLE_EVERY == 0:
             samples.append((record.update, resources()))
             loop_times.append(asyncio.get_running_loop().time())
@@ -83,7 +79,7 @@ def simulate(chat, num_updates: int, keep_records: bool):
     def learner(learner_input):
         return LearnerOutput(weights=None, metrics={"loss": 0.0})
 
-    config = OrchestratorConfig(batch_size=BATCH, max_in_flight=IN_FLIGHT, seed=0)
+    config = OrchestratorConfig(batch_size=BATCH, max_in_flight=IN_FLIGHT, seed=0, keep_history=keep_records)
     agent = AgentConfig(max_turns=1, max_total_tokens=64, sampling=SamplingParams(max_new_tokens=4))
     orchestrator = Orchestrator(engine, lambda: OneTurnEnv(rng), chat, learner, NUM_TASKS, config,
                                 agent, on_update=on_update)
@@ -117,7 +113,7 @@ def check_flat(samples, rss_slack_mib: float) -> dict:
 @covers(Row("long run", "a simulated 24-hour run: 3,500 updates (virtual clock, scripted engine, "
             "real orchestrator / agent / tracker)", "runs to the end",
             "RSS, open files, threads, event-loop tasks flat after warm-up (RSS within 40 MiB) "
-            "when the caller trims `records` / `events` (open row below)",
+            "with `keep_history=False` (what train.py sets)",
             kind="fault"))
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
@@ -133,13 +129,14 @@ def test_simulated_day_is_flat(chat, capsys):
 
 
 @covers(Row("long run", "the orchestrator's `records` and `events` lists over a long run",
-            "grow by one UpdateRecord and ~2 events per trajectory (each holding its "
-            "trajectory) per update; train.py never trims them: ~18 KiB per update of this "
-            "tiny job (RSS +59 MiB over 3,250 simulated updates with `events` kept)",
-            "pinned: len(records) == updates, events >= 2 per consumed trajectory; flip when "
-            "orchestrator v2 streams them", kind="fault", status="open"))
-def test_update_records_grow_with_the_run_is_open(chat):
+            "kept only with `keep_history=True` (the library default, for tests and analysis); "
+            "train.py sets False and records stream to the metric sinks (orchestrator v2)",
+            "with keep_history=False both stay empty over the run; with True they hold one "
+            "record per update and >= 2 events per consumed trajectory", kind="fault"))
+def test_update_records_are_bounded_when_history_is_off(chat):
+    orchestrator, _, _ = simulate(chat, 20, keep_records=False)
+    assert orchestrator.updates == 20
+    assert len(orchestrator.records) == 0 and len(orchestrator.events) == 0
     orchestrator, _, _ = simulate(chat, 20, keep_records=True)
     assert len(orchestrator.records) == orchestrator.updates == 20
     assert len(orchestrator.events) >= 2 * 20 * BATCH
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0

@@ -68,7 +68,7 @@ def checkpoint_record(run: Path, step: int) -> dict:
     for leaf in jax.tree.leaves(state["params"]):
         params.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return {
-        "tracker": _digest(extras["tracker"]),
+        "tracker": _digest(extras["method"]),
         "counters": {k: int(v) for k, v in extras["counters"].items()},
         "step": int(state["step"]),
         "policy_event": int(state["policy_event"]),
@@ -121,7 +121,7 @@ def kill_and_resume(reference, phase: str, nth: int, name: str) -> dict:
     resumed = run_process(job(cache, run) + ["--resume"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     if latest is not None:
-        line = re.search(r"resume: step (\d+), policy event (\d+), tracker sha1 ([0-9a-f]+)",
+        line = re.search(r"resume: step (\d+), policy event (\d+), method state sha1 ([0-9a-f]+)",
                          resumed.stdout)
         assert line is not None, resumed.stdout[-2000:]
         assert int(line.group(1)) == latest
@@ -186,12 +186,14 @@ def test_kill_9_mid_checkpoint_write_then_resume(reference, capsys):
         print(f"\nkill point {summary}")
 
 
-@covers(Row("process crash", "resume after a crash: trajectories in flight / buffered and the "
-            "engine's sampling stream at the kill", "dropped: they are regenerated after the "
+@covers(Row("process crash", "resume after a crash: requests in flight and the engine's "
+            "sampling stream at the kill", "dropped: those requests are regenerated after the "
             "resume (engine reseeded), so the final tracker can differ from an uninterrupted "
-            "run's; orchestrator v2 (another issue) is to checkpoint them",
-            "the checkpoint holds only tracker, RNG key and counters (pinned here: the test "
-            "fails when the state grows, then flip this row)", kind="fault", status="open"))
+            "run's; buffered (finished, untrained) trajectories and the method state (tracker, "
+            "SPO's previous responses) ARE checkpointed since orchestrator v2",
+            "the checkpoint holds method state, RNG key, counters and the ready buffer, no "
+            "in-flight requests (pinned here: the test fails when the state grows, then flip "
+            "this row)", kind="fault", status="open"))
 def test_resume_drops_in_flight_work_is_open():
     from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
     from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig
@@ -199,7 +201,7 @@ def test_resume_drops_in_flight_work_is_open():
     engine = FakeEngine(lambda request: ScriptedReply((1,)))
     orchestrator = Orchestrator(engine, lambda: None, chat=None, learner=lambda x: None,
                                 num_tasks=2, config=OrchestratorConfig(batch_size=2))
-    assert set(orchestrator.state_dict()) == {"tracker", "rng_key", "counters"}
+    assert set(orchestrator.state_dict()) == {"method", "rng_key", "counters", "ready"}
 
 
 @covers(Row("numerics", "train.py: every batch's advantages NaN from update 2 on (injected)",
