@@ -5,6 +5,8 @@ Name mapping (our nnx path -> HF tensor name):
   <prefix>.embedding -> <prefix>.weight
   <prefix>.scale     -> <prefix>.weight
   <prefix>.bias      -> <prefix>.bias
+  <prefix>.weight, <prefix>.dt_bias, <prefix>.A_log -> the same name, stored in HF layout
+      (zero-centred norms, the Gated DeltaNet conv kernel [C, 1, K] and decay parameters)
 With tied embeddings there is no `lm_head` parameter; a stored `lm_head.weight` is ignored.
 
 Loading never materialises the model on one device: each parameter is built with
@@ -39,6 +41,8 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # Tensors some checkpoints carry that the model does not use.
 _IGNORABLE = re.compile(r"(rotary_emb\.inv_freq$)")
+# Parameters kept with their HF name and layout.
+_HF_LAYOUT_LEAVES = ("weight", "dt_bias", "A_log")
 
 
 def hf_tensor_name(param_name: str) -> tuple[str, bool]:
@@ -48,8 +52,8 @@ def hf_tensor_name(param_name: str) -> tuple[str, bool]:
         return f"{prefix}.weight", True
     if leaf in ("embedding", "scale"):
         return f"{prefix}.weight", False
-    if leaf == "bias":
-        return f"{prefix}.bias", False
+    if leaf in ("bias",) + _HF_LAYOUT_LEAVES:
+        return param_name, False
     raise ValueError(f"no HF name for parameter {param_name!r}")
 
 
