@@ -234,6 +234,9 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     text.setdefault("model_type", QWEN3_5)
     if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    for key in ("dtype", "torch_dtype"):  # the checkpoint's dtype, for from_pretrained(None)
+        if hf.get(key) and not text.get(key):
+            text[key] = hf[key]
     text["architectures"] = [ARCHITECTURES[QWEN3_5]]
     return text
 

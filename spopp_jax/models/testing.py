@@ -69,9 +69,10 @@ def random_hf_model(hf_config, seed: int = 0):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+    zero_centred = hf_config.model_type == "qwen3_5_text"
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name and hf_config.model_type == "qwen3_5_text" and "linear_attn" not in name:
+            if "norm" in name and zero_centred and "linear_attn" not in name:
                 param.uniform_(-0.5, 0.5)  # zero-centred norms: the scale is 1 + weight
             elif "norm" in name:
                 param.uniform_(0.5, 1.5)
