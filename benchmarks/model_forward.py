@@ -128,16 +128,19 @@ def hybrid_decode_rows(model, graphdef, state, args) -> None:
         new_cache = lambda: model.init_cache(slots, context + args.decode_steps)
         jax.block_until_ready(decode_step(state, tokens, start, new_cache()))  # compile
 
-        def decode():
-            cache_now, positions = new_cache(), start
-            for _ in range(args.decode_steps):
-                _, cache_now = decode_step(state, tokens, positions, cache_now)
-                positions = positions + 1
-            jax.block_until_ready(cache_now)
-        t = timed(decode, max(1, args.repeats // 2))
+        t = timed(lambda: decode_loop(decode_step, state, tokens, start, new_cache(),
+                                      args.decode_steps), max(1, args.repeats // 2))
         print(f"qwen3_5 cached decode at context {context}: {t / args.decode_steps * 1e3:7.2f} "
               f"ms/step, {slots * args.decode_steps / t:8.0f} tok/s ({slots} slots); "
               f"{load_average()}")
+
+
+def decode_loop(decode_step, state, tokens, positions, cache, steps: int) -> None:
+    """`steps` cached decode steps, every slot one position further each step."""
+    for _ in range(steps):
+        _, cache = decode_step(state, tokens, positions, cache)
+        positions = positions + 1
+    jax.block_until_ready(cache)
 
 
 def timed_once(fn) -> float:
@@ -212,14 +215,10 @@ def main() -> None:
     max_len = args.seq + args.decode_steps
     slot_ids = jnp.asarray(rng.integers(0, args.vocab, size=(args.decode_slots, 1)), jnp.int32)
 
-    def decode():
-        cache = model.init_cache(args.decode_slots, max_len)
-        positions = jnp.arange(args.decode_slots, dtype=jnp.int32)[:, None] * 3
-        for _ in range(args.decode_steps):
-            _, cache = decode_step(state, slot_ids, positions, cache)
-            positions = positions + 1
-        jax.block_until_ready(cache)
-    t = timed(decode, max(1, args.repeats // 2))
+    positions = jnp.arange(args.decode_slots, dtype=jnp.int32)[:, None] * 3
+    t = timed(lambda: decode_loop(decode_step, state, slot_ids, positions,
+                                  model.init_cache(args.decode_slots, max_len),
+                                  args.decode_steps), max(1, args.repeats // 2))
     print(f"jax cached decode:      {t / args.decode_steps * 1e3:8.2f} ms/step "
           f"({args.decode_slots} slots, cache {max_len})")
 
