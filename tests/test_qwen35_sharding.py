@@ -5,7 +5,6 @@ sharded model's logits and gradients equal the unsharded ones (one subprocess:
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # the 8-device worker must set this before jax is imported
@@ -72,15 +71,9 @@ def worker(out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def eight_device_result(tmp_path_factory):
+def eight_device_result(tmp_path_factory, run_on_8_devices):
     out_dir = tmp_path_factory.mktemp("qwen35_sharded")
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # The worker runs as a script: import this checkout's packages, not another install.
-    env["PYTHONPATH"] = os.pathsep.join([repo_root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out_dir)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_on_8_devices([os.path.abspath(__file__), str(out_dir)], timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out_dir / "checks.json") as f:
         checks = json.load(f)
