@@ -180,3 +180,35 @@ def test_split_intro():
              "Your task is to: put a clean mug in cabinet.")
     assert split_intro(intro) == ("put a clean mug in cabinet.", "You are in the middle of a room.")
     assert split_intro("no task here") == ("", "no task here")
+
+
+def _transcript(tasks) -> list[str]:
+    lines = []
+    for task_id in range(tasks.num_tasks):
+        episode = tasks.episode(task_id)
+        lines.append(episode.reset())
+        lines += [episode.step(c).observation for c in episode.walkthrough + ["look"]
+                  if not episode.done]
+        episode.close()
+    return lines
+
+
+def test_speedups_leave_the_game_text_unchanged(generated, released_layout, monkeypatch):
+    from textworld.envs.pddl import textgen
+
+    from rollout_bridge.envs import alfworld_env
+
+    folders = (generated, released_layout)
+    alfworld_env.uninstall_speedups()
+    monkeypatch.setattr(alfworld_env, "install_speedups", lambda: None)
+    try:
+        assert not hasattr(textgen._parse_and_convert, "original")
+        plain = [_transcript(AlfworldTasks.from_folder(f)) for f in folders]
+    finally:
+        monkeypatch.undo()
+        alfworld_env.install_speedups()
+    assert hasattr(textgen._parse_and_convert, "original")
+    fast = [_transcript(AlfworldTasks.from_folder(f)) for f in folders]
+    fast_again = [_transcript(AlfworldTasks.from_folder(f)) for f in folders]   # from cache
+    assert plain == fast == fast_again
+    assert len(plain[0]) > 4 and "You move the apple 1 to the fridge 1." in plain[1][-1]

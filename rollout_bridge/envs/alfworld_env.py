@@ -15,6 +15,13 @@ Observations are those of `textworld_env` ("Goal: ...", the game's text, "Action
 the goal is the intro's "Your task is to: ..." sentence. Reward 1.0 on the step that wins;
 an episode ends on a win or after `max_turns` (ALFWorld: 50) commands.
 
+Speed and threads: textworld's PddlState translates the PDDL problem to SAS (twice) on
+every load and every reset, and `fast_downward.pddl2sas` sets module-global options (not
+thread-safe); every step re-parses each admissible command's grammar template with tatsu.
+Loads are serialized by `textworld_env`'s start lock (tatsu's parser is not thread-safe
+either), and `install_speedups` memoizes both pure text -> structure steps in this process
+(benchmarks/alfworld_env_step.py measures the effect).
+
 Resources: every `PddlEnv` loads its own copy of fast-downward's 34 MB library (its
 global state is per copy) and never unloads it. Environments therefore borrow a
 `PddlEnv` from a `PlayerPool` on `reset` and return it on `close`: a run holds one per
@@ -23,6 +30,8 @@ concurrent episode, not one per episode played.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import re
 import threading
@@ -40,11 +49,64 @@ from rollout_bridge.envs.textworld_env import (
     resolve_command,
     sanitize_command,
 )
+from rollout_bridge.envs.textworld_env import _START_LOCK as LOAD_LOCK
 
 ALFWORLD_MAX_TURNS = 50                     # the paper's interaction budget
 EXPERT_TYPES = (None, "planner", "handcoded")
 _TASK_LINE = re.compile(r"Your task is to:\s*(.*?)\s*$", re.S)
 _WELCOME = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
+TRANSLATION_CACHE_SIZE = 1024   # SAS translations kept (2 per game: plain, optimized)
+TEXT_PARSE_CACHE_SIZE = 4096    # parsed grammar texts kept (templates, rules, intros)
+
+
+def _memoized_translate(original):
+    translate = functools.lru_cache(maxsize=TRANSLATION_CACHE_SIZE)(original)
+
+    def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+        return translate(domain, problem, bool(verbose), bool(optimize))
+    return pddl2sas
+
+
+def _memoized_text_parse(original):
+    parse = functools.lru_cache(maxsize=TEXT_PARSE_CACHE_SIZE)(
+        lambda text, rule_name, trace: original(text, rule_name=rule_name, trace=trace))
+
+    def parse_and_convert(text, rule_name="start", trace=False, **kwargs):
+        if kwargs or not isinstance(text, str):
+            return original(text, rule_name=rule_name, trace=trace, **kwargs)
+        return copy.deepcopy(parse(text, rule_name, bool(trace)))   # callers mutate symbols
+    return parse_and_convert
+
+
+def _patch_points():
+    import fast_downward
+    from textworld.envs.pddl import logic, textgen
+
+    return ((fast_downward, "pddl2sas", _memoized_translate),
+            (logic, "_parse_and_convert", _memoized_text_parse),
+            (textgen, "_parse_and_convert", _memoized_text_parse))
+
+
+def install_speedups() -> None:
+    """Memoize, in this process, the pure text -> structure steps textworld's PDDL engine
+    repeats: `fast_downward.pddl2sas` (PDDL -> SAS, twice per load and per reset), the
+    game-logic parser `logic._parse_and_convert` (domain + grammar, every load) and the
+    text parser `textgen._parse_and_convert` (tatsu, once per admissible command per step). Results are deep-copied where callers mutate them; the game text is
+    unchanged (tests/test_alfworld_env.py compares transcripts). Idempotent."""
+    for module, name, memoize in _patch_points():
+        current = getattr(module, name)
+        if getattr(current, "original", None) is None:
+            patched = memoize(current)
+            patched.original = current
+            setattr(module, name, patched)
+
+
+def uninstall_speedups() -> None:
+    """Restore the library functions `install_speedups` replaced."""
+    for module, name, _ in _patch_points():
+        original = getattr(getattr(module, name), "original", None)
+        if original is not None:
+            setattr(module, name, original)
 
 
 def split_intro(intro: str) -> tuple[str, str]:
@@ -63,6 +125,7 @@ class AlfredPddlGame:
     def __init__(self, expert: str | None = None, plan: bool = False):
         if expert not in EXPERT_TYPES:
             raise ValueError(f"expert must be one of {EXPERT_TYPES}, got {expert!r}")
+        install_speedups()
         import textworld
         from alfworld.agents.environment.alfred_tw_env import (
             AlfredDemangler,
@@ -85,12 +148,12 @@ class AlfredPddlGame:
 
     def load(self, game: str | os.PathLike | Mapping):
         """Start `game`; return its first state (feedback = the intro)."""
-        if isinstance(game, Mapping):
-            self._env.load(dict(game))
-        else:
+        if not isinstance(game, Mapping):
             read_game_file(game)            # a clear error for a malformed file
-            self._env.load(str(game))
-        return self._env.reset()
+            game = str(game)
+        with LOAD_LOCK:
+            self._env.load(dict(game) if isinstance(game, Mapping) else game)
+            return self._env.reset()
 
     def step(self, command: str):
         state, _, _ = self._env.step(command)
