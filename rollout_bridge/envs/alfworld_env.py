@@ -23,9 +23,10 @@ either), and `install_speedups` memoizes both pure text -> structure steps in th
 (benchmarks/alfworld_env_step.py measures the effect).
 
 Resources: every `PddlEnv` loads its own copy of fast-downward's 34 MB library (its
-global state is per copy) and never unloads it. Environments therefore borrow a
-`PddlEnv` from a `PlayerPool` on `reset` and return it on `close`: a run holds one per
-concurrent episode, not one per episode played.
+global state is per copy) and never unloads it (unloading one and loading another
+segfaults). Environments therefore borrow a `PddlEnv` from the process's shared
+`PlayerPool` on `reset` and return it on `close`: a process holds one per concurrent
+episode (plus one planner for generation), not one per episode played.
 """
 
 from __future__ import annotations
@@ -143,7 +144,6 @@ class AlfredPddlGame:
         self.expert = expert
         self._env = env
         self._pddl = env.unwrapped
-        self._closed = False
         self.lock = threading.Lock()   # a game is stepped by one thread at a time
 
     def load(self, game: str | os.PathLike | Mapping):
@@ -163,26 +163,11 @@ class AlfredPddlGame:
         """Replan after every command (state["policy_commands"]) or not (much faster)."""
         self._pddl.request_infos.policy_commands = bool(on)
 
-    def close(self) -> None:
-        """Unload this player's fast-downward library (the player is unusable after)."""
-        if self._closed:
-            return
-        self._closed = True
-        import fast_downward
-
-        lib = getattr(self._pddl, "downward_lib", None)
-        if lib is not None:
-            fast_downward.close_lib(lib)
-
-    def __enter__(self) -> "AlfredPddlGame":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 class PlayerPool:
-    """Idle `AlfredPddlGame`s shared by a run's environments (thread-safe)."""
+    """Idle `AlfredPddlGame`s (thread-safe). Players live as long as the process: loading
+    many fast-downward copies after unloading one crashes (segfault in dlopen), so none is
+    ever unloaded; `shared_pool` gives every task set of the process the same pool."""
 
     def __init__(self, expert: str | None = None):
         self.expert = expert
@@ -201,11 +186,17 @@ class PlayerPool:
         with self._lock:
             self._idle.append(player)
 
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for player in idle:
-            player.close()
+
+_SHARED_POOLS: dict = {}
+_SHARED_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(expert: str | None = None) -> PlayerPool:
+    """The process's pool of players for `expert` (players are reused across task sets)."""
+    with _SHARED_POOLS_LOCK:
+        if expert not in _SHARED_POOLS:
+            _SHARED_POOLS[expert] = PlayerPool(expert)
+        return _SHARED_POOLS[expert]
 
 
 class AlfworldEpisode:
@@ -285,14 +276,14 @@ def list_alfworld_games(folder: str | os.PathLike) -> list[Path]:
 
 class AlfworldTasks(TextWorldTasks):
     """A set of ALFWorld games (generated or downloaded). Episodes borrow players from
-    `pool` (one pool per task set; `close()` unloads its idle players)."""
+    the process's shared pool and return them on `close()`."""
 
     def __init__(self, game_files: Sequence[str | os.PathLike], root: str | os.PathLike,
                  max_turns: int = ALFWORLD_MAX_TURNS,
                  style: ObservationStyle = ObservationStyle(max_feedback_chars=2000),
                  expert: str | None = None):
         super().__init__(game_files, root, max_turns, style)
-        self.pool = PlayerPool(expert)
+        self.pool = shared_pool(expert)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, max_turns: int = ALFWORLD_MAX_TURNS,
@@ -319,7 +310,7 @@ class AlfworldTasks(TextWorldTasks):
         return episode
 
     def close(self) -> None:
-        self.pool.close()
+        """Nothing to release: players stay in the process's shared pool."""
 
 
 class AlfworldEnv(Environment):

@@ -35,7 +35,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -212,15 +214,45 @@ def task_candidates(scene: Scene, task_type: str) -> list[TaskDraw]:
     return found
 
 
-def draw_task(rng: random.Random, task_type: str) -> TaskDraw:
-    """A scene where `task_type` is possible, then one of its targets, uniformly."""
+def draw_task(rng: random.Random, task_type: str, exclude: frozenset = frozenset()) -> TaskDraw:
+    """A scene where `task_type` is possible, then one of its targets, uniformly; targets
+    whose `folder_name()` is in `exclude` (tasks of another set) are never drawn."""
     scenes = list(scene_numbers())
     rng.shuffle(scenes)
     for number in scenes:
-        candidates = task_candidates(load_scene(number), task_type)
+        candidates = [c for c in task_candidates(load_scene(number), task_type)
+                      if c.folder_name() not in exclude]
         if candidates:
             return rng.choice(candidates)
     raise RuntimeError(f"no floor plan allows task type {task_type!r}")
+
+
+def restrict_scene(rng: random.Random, scene: Scene, draw: TaskDraw,
+                   max_receptacles: int | None) -> Scene:
+    """The scene with at most `max_receptacles` receptacles (None: all of the floor plan):
+    one of the goal's type, the state change's (sink, microwave, fridge), a lamp holder,
+    one other receptacle that can hold the target, then random others."""
+    if max_receptacles is None or len(scene.receptacles) <= max_receptacles:
+        return scene
+    ids = sorted(scene.receptacles)
+    needed_types = [draw.parent_target, STATE_CHANGE.get(draw.task_type, ("",))[0]]
+    keep: list[str] = []
+
+    def keep_one(pool: list[str]) -> None:
+        pool = [r for r in pool if r not in keep]
+        if pool:
+            keep.append(rng.choice(pool))
+    for rtype in needed_types:
+        if rtype:
+            keep_one([r for r in ids if scene.receptacle_type(r) == rtype])
+    if draw.toggle_target:
+        keep_one([r for r in ids if scene.receptacle_type(r) in LAMP_RECEPTACLES])
+    keep_one([r for r in ids if scene.receptacle_type(r) != draw.parent_target
+              and can_contain(scene.receptacle_type(r), draw.object_target)])
+    others = [r for r in ids if r not in keep]
+    keep += rng.sample(others, max(0, max_receptacles - len(keep)))
+    return Scene(scene.number, {r: scene.receptacles[r] for r in sorted(keep)},
+                 scene.object_types, scene.lamp_types)
 
 
 def task_description(rng: random.Random, draw: TaskDraw) -> str:
@@ -438,8 +470,13 @@ class GeneratedGame:
                 "walkthrough": self.game["walkthrough"]}
 
 
-def generate_game(seed: int, task_type: str, max_distractors: int = 6) -> GeneratedGame:
-    """The game of `seed` for `task_type` (deterministic), solved by the planner."""
+def generate_game(seed: int, task_type: str, max_distractors: int = 6,
+                  max_receptacles: int | None = None,
+                  exclude: frozenset = frozenset()) -> GeneratedGame:
+    """The game of `seed` for `task_type` (deterministic), solved by the planner; its task
+    (`TaskDraw.folder_name()`) is not in `exclude`."""
+    if max_receptacles is not None and max_receptacles < 4:
+        raise ValueError(f"max_receptacles must be None or >= 4, got {max_receptacles}")
     if task_type not in TASK_TYPES:
         raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
     if max_distractors < 0:
@@ -448,8 +485,8 @@ def generate_game(seed: int, task_type: str, max_distractors: int = 6) -> Genera
     data = package_data()
     errors = []
     for attempt in range(MAX_DRAWS_PER_GAME):
-        draw = draw_task(rng, task_type)
-        scene = load_scene(draw.scene)
+        draw = draw_task(rng, task_type, exclude)
+        scene = restrict_scene(rng, load_scene(draw.scene), draw, max_receptacles)
         placement = place_objects(rng, scene, draw, max_distractors)
         task = task_description(rng, draw)
         problem = problem_pddl(f"plan_generated_s{seed}", scene, draw, placement,
@@ -493,6 +530,8 @@ class AlfworldSetSpec:
     base_seed: int
     task_types: tuple[str, ...] = TASK_TYPES
     max_distractors: int = 6
+    max_receptacles: int | None = None     # None: every receptacle of the floor plan
+    exclude_tasks: tuple[str, ...] = ()    # task folder names of other sets, never drawn
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9_\-]+", self.name):
@@ -508,23 +547,35 @@ class AlfworldSetSpec:
                              f"got {self.task_types!r}")
         if self.max_distractors < 0:
             raise ValueError(f"max_distractors must be >= 0, got {self.max_distractors}")
+        if self.max_receptacles is not None and self.max_receptacles < 4:
+            raise ValueError(f"max_receptacles must be None or >= 4, got {self.max_receptacles}")
+        object.__setattr__(self, "exclude_tasks", tuple(sorted(set(self.exclude_tasks))))
 
-    def game_args(self, index: int) -> tuple[int, str, int]:
+    def game_args(self, index: int) -> tuple:
         return (self.base_seed + index, self.task_types[index % len(self.task_types)],
-                self.max_distractors)
+                self.max_distractors, self.max_receptacles, frozenset(self.exclude_tasks))
 
     @property
     def folder_name(self) -> str:
         types = "".join(str(TASK_TYPES.index(t) + 1) for t in self.task_types)
-        return (f"alfworld_{self.name}_t{types}_d{self.max_distractors}_s{self.base_seed}"
-                f"_n{self.num_games}")
+        name = (f"alfworld_{self.name}_t{types}_d{self.max_distractors}"
+                f"_r{self.max_receptacles or 'all'}_s{self.base_seed}_n{self.num_games}")
+        if self.exclude_tasks:
+            digest = hashlib.sha1("\n".join(self.exclude_tasks).encode()).hexdigest()[:10]
+            name += f"_x{digest}"
+        return name
 
 
 def _spec_record(spec: AlfworldSetSpec) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(spec)))
 
 
-def _make_one(args: tuple[int, str, int]) -> GeneratedGame:
+def task_names(files: Sequence[str | os.PathLike]) -> set[str]:
+    """The task folder names (`<type>-<Obj>-None-<Recep>-<scene>`) of a set's game files."""
+    return {Path(f).parent.parent.name for f in files}
+
+
+def _make_one(args: tuple) -> GeneratedGame:
     return generate_game(*args)
 
 
@@ -547,7 +598,9 @@ def generate_game_set(spec: AlfworldSetSpec, data_dir: str | os.PathLike, worker
         results = map(_make_one, jobs)
         pool = None
     else:
-        pool = concurrent.futures.ProcessPoolExecutor(workers)
+        # spawn, not fork: the parent may run JAX threads and hold fast-downward copies
+        pool = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"))
         results = pool.map(_make_one, jobs)
     try:
         for generated in results:
