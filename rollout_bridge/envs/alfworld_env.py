@@ -40,13 +40,15 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from rollout_bridge.envs.alfworld_games import GAME_FILE, read_game_file
-from rollout_bridge.envs.base import Environment, StepResult, check_task_id
+from rollout_bridge.envs.base import check_task_id
 from rollout_bridge.envs.textworld_env import (
     ObservationStyle,
     StepOutcome,
+    TextWorldEnv,
     TextWorldTasks,
     clean_feedback,
     format_observation,
+    reply_for_command,
     resolve_command,
     sanitize_command,
 )
@@ -236,9 +238,7 @@ class AlfworldEpisode:
 
     def reply_for(self, command: str) -> str:
         """What the policy should type to issue `command` now (its number if numbered)."""
-        if self.style.numbered_actions and command in self.admissible:
-            return str(self.admissible.index(command) + 1)
-        return command
+        return reply_for_command(command, self.admissible, self.style.numbered_actions)
 
     def step(self, text: str) -> StepOutcome:
         if not self._started:
@@ -313,31 +313,11 @@ class AlfworldTasks(TextWorldTasks):
         """Nothing to release: players stay in the process's shared pool."""
 
 
-class AlfworldEnv(Environment):
-    """`Environment` over an `AlfworldTasks` set: one episode at a time, its player
-    borrowed from the set's pool on `reset` and returned on `close`."""
+class AlfworldEnv(TextWorldEnv):
+    """`Environment` over an `AlfworldTasks` set (TextWorldEnv's logic: one episode at a
+    time; the episode borrows a player from the pool on `reset`, returns it on `close`)."""
 
     def __init__(self, tasks: AlfworldTasks):
-        self.tasks = tasks
-        self.num_tasks = tasks.num_tasks
-        self._episode: AlfworldEpisode | None = None
-
-    def reset(self, task_id: int) -> str:
-        self.close()
-        self._episode = self.tasks.episode(task_id)
-        return self._episode.reset()
-
-    def step(self, action_text: str) -> StepResult:
-        if self._episode is None:
-            raise RuntimeError("call reset(task_id) before step()")
-        outcome = self._episode.step(action_text)
-        return StepResult(outcome.observation, outcome.reward, outcome.done)
-
-    @property
-    def last_episode(self) -> AlfworldEpisode | None:
-        return self._episode
-
-    def close(self) -> None:
-        if self._episode is not None:
-            self._episode.close()
-            self._episode = None
+        if not isinstance(tasks, AlfworldTasks):
+            raise TypeError(f"tasks must be AlfworldTasks, got {type(tasks).__name__}")
+        super().__init__(tasks)

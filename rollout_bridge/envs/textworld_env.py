@@ -82,6 +82,14 @@ def resolve_command(command: str, admissible: Sequence[str], numbered: bool) -> 
     return command
 
 
+def reply_for_command(command: str, admissible: Sequence[str], numbered: bool) -> str:
+    """What the policy should type to issue `command` (its 1-based number if numbered and
+    admissible; `resolve_command` inverts it)."""
+    if numbered and command in admissible:
+        return str(list(admissible).index(command) + 1)
+    return command
+
+
 def _request_infos():
     from textworld import EnvInfos
 
@@ -175,9 +183,7 @@ class TextWorldEpisode:
 
     def reply_for(self, command: str) -> str:
         """What the policy should type to issue `command` now (its number if numbered)."""
-        if self.style.numbered_actions and command in self.admissible:
-            return str(self.admissible.index(command) + 1)
-        return command
+        return reply_for_command(command, self.admissible, self.style.numbered_actions)
 
     def _replay(self) -> None:
         self.close()
