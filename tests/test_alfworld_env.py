@@ -214,3 +214,10 @@ def test_speedups_leave_the_game_text_unchanged(generated, released_layout, monk
     fast_again = [_transcript(AlfworldTasks.from_folder(f)) for f in folders]   # from cache
     assert plain == fast == fast_again
     assert len(plain[0]) > 4 and "You move the apple 1 to the fridge 1." in plain[1][-1]
+
+
+def test_textworld_tasks_refuse_alfworld_games_by_name(released_layout):
+    from rollout_bridge.envs.textworld_env import TextWorldTasks
+
+    with pytest.raises(ValueError, match=r"game\.tw-pddl is an ALFWorld game.*AlfworldTasks"):
+        TextWorldTasks.from_folder(released_layout)

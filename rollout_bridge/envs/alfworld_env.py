@@ -278,6 +278,8 @@ class AlfworldTasks(TextWorldTasks):
     """A set of ALFWorld games (generated or downloaded). Episodes borrow players from
     the process's shared pool and return them on `close()`."""
 
+    plays_pddl = True
+
     def __init__(self, game_files: Sequence[str | os.PathLike], root: str | os.PathLike,
                  max_turns: int = ALFWORLD_MAX_TURNS,
                  style: ObservationStyle = ObservationStyle(max_feedback_chars=2000),
