@@ -221,3 +221,35 @@ def test_textworld_tasks_refuse_alfworld_games_by_name(released_layout):
 
     with pytest.raises(ValueError, match=r"game\.tw-pddl is an ALFWorld game.*AlfworldTasks"):
         TextWorldTasks.from_folder(released_layout)
+
+
+def test_concurrent_episodes_in_threads_do_not_break(generated):
+    """textworld's PDDL engine parses with tatsu on every step (not thread-safe): before
+    the engine lock, 8 threads stepping at once lost episodes to IndexError."""
+    import random
+    import threading
+
+    tasks = AlfworldTasks.from_folder(generated, max_turns=6,
+                                      style=ObservationStyle(240, numbered_actions=True))
+    errors = []
+
+    def play(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(2):
+            env = AlfworldEnv(tasks)
+            try:
+                env.reset(rng.randrange(tasks.num_tasks))
+                for _ in range(4):
+                    reply = str(rng.randint(1, len(env.last_episode.admissible)))
+                    if env.step(reply).done:
+                        break
+            except Exception as exc:   # noqa: BLE001 - counted, then asserted empty
+                errors.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                env.close()
+    threads = [threading.Thread(target=play, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []

@@ -16,11 +16,13 @@ the goal is the intro's "Your task is to: ..." sentence. Reward 1.0 on the step 
 an episode ends on a win or after `max_turns` (ALFWorld: 50) commands.
 
 Speed and threads: textworld's PddlState translates the PDDL problem to SAS (twice) on
-every load and every reset, and `fast_downward.pddl2sas` sets module-global options (not
-thread-safe); every step re-parses each admissible command's grammar template with tatsu.
-Loads are serialized by `textworld_env`'s start lock (tatsu's parser is not thread-safe
-either), and `install_speedups` memoizes both pure text -> structure steps in this process
-(benchmarks/alfworld_env_step.py measures the effect).
+every load and every reset, and `fast_downward.pddl2sas` sets module-global options; every
+step re-parses grammar text and rule conditions with tatsu parsers, which are not
+thread-safe (8 threads stepping 8 games at once: 5 of 16 episodes died with "IndexError:
+pop from empty list"). So every load and step of every player holds one process lock
+(`ENGINE_LOCK`, shared with `textworld_env`'s loads); the work is pure Python under the
+GIL, so little parallelism is lost. `install_speedups` memoizes the pure text ->
+structure steps in this process (benchmarks/alfworld_env_step.py measures the effect).
 
 Resources: every `PddlEnv` loads its own copy of fast-downward's 34 MB library (its
 global state is per copy) and never unloads it (unloading one and loading another
@@ -52,7 +54,7 @@ from rollout_bridge.envs.textworld_env import (
     resolve_command,
     sanitize_command,
 )
-from rollout_bridge.envs.textworld_env import _START_LOCK as LOAD_LOCK
+from rollout_bridge.envs.textworld_env import _START_LOCK as ENGINE_LOCK
 
 ALFWORLD_MAX_TURNS = 50                     # the paper's interaction budget
 EXPERT_TYPES = (None, "planner", "handcoded")
@@ -146,19 +148,19 @@ class AlfredPddlGame:
         self.expert = expert
         self._env = env
         self._pddl = env.unwrapped
-        self.lock = threading.Lock()   # a game is stepped by one thread at a time
 
     def load(self, game: str | os.PathLike | Mapping):
         """Start `game`; return its first state (feedback = the intro)."""
         if not isinstance(game, Mapping):
             read_game_file(game)            # a clear error for a malformed file
             game = str(game)
-        with LOAD_LOCK:
+        with ENGINE_LOCK:
             self._env.load(dict(game) if isinstance(game, Mapping) else game)
             return self._env.reset()
 
     def step(self, command: str):
-        state, _, _ = self._env.step(command)
+        with ENGINE_LOCK:
+            state, _, _ = self._env.step(command)
         return state
 
     def set_planning(self, on: bool) -> None:
@@ -228,8 +230,7 @@ class AlfworldEpisode:
                                   self.admissible, self.style.numbered_actions)
 
     def reset(self) -> str:
-        with self.player.lock:
-            state = self.player.load(self.path)
+        state = self.player.load(self.path)
         self.commands, self.turns, self.done, self._started = [], 0, False, True
         self.objective, room = split_intro(state.feedback)
         self.walkthrough = list(state.get("extra.walkthrough") or [])
@@ -248,8 +249,7 @@ class AlfworldEpisode:
         command = resolve_command(sanitize_command(text), self.admissible,
                                   self.style.numbered_actions)
         self.turns += 1
-        with self.player.lock:
-            state = self.player.step(command)
+        state = self.player.step(command)
         self.commands.append(command)
         self._observe(state)
         self.done = bool(self.won or self.turns >= self.max_turns)
