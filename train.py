@@ -170,9 +170,9 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
                                          "success after RL (same rollouts)": after})
     summary = {"success_before_rl": before, "success_after_rl": after,
                "success_per_step": [r.get("success_rate") for r in rows], "rl_wall_s": time.time() - start}
-    for name in after_extra:  # e.g. success_before_rl_no_tool / success_after_rl_no_tool (Math-TIR)
-        summary[f"success_before_rl_{name}"] = before_extra.get(name)
-        summary[f"success_after_rl_{name}"] = after_extra[name]
+    for name in after_extra:  # e.g. heldout_before_rl / heldout_after_rl (ALFWorld), no_tool_* (Math-TIR)
+        summary[f"{name}_before_rl"] = before_extra.get(name)
+        summary[f"{name}_after_rl"] = after_extra[name]
     write_json_atomic(paths.summary, summary)
     return summary
 

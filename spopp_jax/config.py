@@ -103,7 +103,7 @@ class EnvSection:
     Observations: the game text cut to `max_feedback_chars`, then the admissible commands,
     numbered when `numbered_actions` (the reply may then be the number)."""
 
-    kind: Literal["textworld", "synthetic", "math_tir"] = "textworld"
+    kind: Literal["textworld", "alfworld", "synthetic", "math_tir"] = "textworld"
     game_dir: Optional[str] = None
     data_dir: str = "artifacts/textworld_games"
     num_games: int = 16
@@ -116,6 +116,14 @@ class EnvSection:
     numbered_actions: bool = True
     warmstart_games: int = 48
     warmstart_seed: int = 100_000
+    # kind=alfworld only (rollout_bridge.envs.alfworld_tasks): held-out games (generated
+    # with seeds from heldout_seed, or the first heldout_games of heldout_dir), objects
+    # besides the targets, receptacles kept per floor plan (None = all, as released)
+    heldout_games: int = 0
+    heldout_seed: int = 200_000
+    heldout_dir: Optional[str] = None
+    max_distractors: int = 6
+    max_receptacles: Optional[int] = None
 
     def __post_init__(self):
         _check_literals("env", self)
@@ -126,6 +134,10 @@ class EnvSection:
         _check(self.warmstart_games >= 0, "env.warmstart_games", ">= 0", self.warmstart_games)
         _check(self.game_seed >= 0, "env.game_seed", ">= 0", self.game_seed)
         _check(self.warmstart_seed >= 0, "env.warmstart_seed", ">= 0", self.warmstart_seed)
+        _check(self.heldout_games >= 0, "env.heldout_games", ">= 0", self.heldout_games)
+        _check(self.max_distractors >= 0, "env.max_distractors", ">= 0", self.max_distractors)
+        _check(self.max_receptacles is None or self.max_receptacles >= 4,
+               "env.max_receptacles", "null or >= 4", self.max_receptacles)
 
 
 @dataclass

@@ -227,7 +227,7 @@ def test_section_owners_really_read_each_field_of_their_section():
 
     owners = {"model": [components.model_folder, components.tiny_model_shape, components.load_policy,
                         components.check_inputs],
-              "mesh": [components.build_mesh], "env": [kinds.build_env, kinds.textworld_bundle, kinds.math_tir_bundle],
+              "mesh": [components.build_mesh], "env": [kinds.build_env, kinds.textworld_bundle, kinds.math_tir_bundle, kinds.alfworld_bundle],
               "warmstart": [job.run_warmstart], "prior": [job.run_prior]}
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for section, functions in owners.items():

@@ -55,6 +55,6 @@ def test_tiny_job_runs_end_to_end(tmp_path):
                           timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for key in ("success_before_rl", "success_after_rl", "success_before_rl_no_tool", "success_after_rl_no_tool"):
+    for key in ("success_before_rl", "success_after_rl", "no_tool_before_rl", "no_tool_after_rl"):
         assert key in summary
     assert (tmp_path / "data" / "teacher_train.jsonl").exists()

@@ -10,8 +10,11 @@ import jax.numpy as jnp
 from transformers import Qwen3_5ForCausalLM
 
 import train
+from rollout_bridge import components
+from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.tokenizer import build_tiny_tokenizer
 from spopp_jax.models import ModelConfig, init_model, save_pretrained
+from spopp_jax.run_errors import UserError
 
 TEXTS = ["You are in the middle of a room. Looking quickly around you, you see a desk.",
          "> go to desk 1", "On the desk 1, you see a pen and a mug.", "> take mug 1"]
@@ -46,18 +49,19 @@ def model_folder(tmp_path_factory):
 @pytest.mark.parametrize("recipe,missing", list(RECIPES.items()))
 def test_recipe_starts_up_to_the_missing_data_message(model_folder, recipe, missing):
     cfg = train.parse_config(["--config_path", recipe, "--model.path", str(model_folder)])
-    with pytest.raises(SystemExit, match=missing):
-        train.check_inputs(cfg)
-    model = train.load_model(model_folder, cfg)
+    components.check_inputs(cfg)  # the model folder is there
+    with pytest.raises(UserError, match=missing):
+        build_env(cfg, cfg.warmstart.enabled)
+    model = components.load_policy(model_folder, cfg.model)
     assert model.dtype == jnp.dtype(cfg.model.dtype)
     assert "linear_attention" in model.config.layer_types
     assert np.isfinite(np.asarray(model(jnp.arange(12)[None] % 50))).all()
 
 
 def test_random_folder_loads_in_transformers_with_equal_logits(model_folder):
-    ours = train.load_model(model_folder, train.parse_config(
+    ours = components.load_policy(model_folder, train.parse_config(
         ["--config_path", "configs/alfworld_qwen35_0p8b.yaml", "--model.path",
-         str(model_folder), "--model.dtype", "float32"]))
+         str(model_folder), "--model.dtype", "float32"]).model)
     reference = Qwen3_5ForCausalLM.from_pretrained(str(model_folder)).float().eval()
     ids = np.arange(20)[None] % 50
     with torch.no_grad():

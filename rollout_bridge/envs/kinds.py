@@ -28,8 +28,9 @@ class EnvBundle:
     ``demonstration(t)`` (teacher (observation, reply) pairs) for the warm-start SFT, or
     None; held_out: a task set for evaluation, None = evaluate on ``train``; corpus:
     texts for a locally trained tiny tokenizer; chat_tools: tool schemas handed to the chat
-    template (None: no tools); extra_evals: name -> env factory of additional evaluations
-    of the policy before and after RL (e.g. Math-TIR with the tool disabled); close:
+    template (None: no tools); extra_evals: name -> (task set, env factory) of additional
+    evaluations of the policy before and after RL (e.g. ALFWorld's held-out games, Math-TIR
+    with the tool disabled); close:
     releases what the kind started (sandbox workers, verifier processes).
     """
 
@@ -40,7 +41,7 @@ class EnvBundle:
     warm: Any | None = None
     held_out: Any | None = None
     chat_tools: Sequence[Mapping[str, Any]] | None = None
-    extra_evals: Mapping[str, EnvFactory] = dataclasses.field(default_factory=dict)
+    extra_evals: Mapping[str, tuple[Any, EnvFactory]] = dataclasses.field(default_factory=dict)
     close: Callable[[], None] = lambda: None
 
     @property
@@ -167,8 +168,63 @@ def math_tir_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
     return EnvBundle(train=setup.train, env_factory=setup.env_factory(), max_turns=env.max_turns + 1,
                      corpus=setup.corpus, warm=setup.demonstrations,
                      chat_tools=[PYTHON_TOOL_SCHEMA] if section.tool_format == "qwen" else None,
-                     extra_evals={"no_tool": setup.env_factory(tools_enabled=False)}, close=setup.close)
+                     extra_evals={"no_tool": (setup.train, setup.env_factory(tools_enabled=False))},
+                     close=setup.close)
+
+
+def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
+    """ALFWorld (docs/ALFWORLD.md): games generated from the alfworld package's own domain,
+    layouts and goal templates (``env.game_dir`` null), or downloaded game folders
+    (``env.game_dir``, ``env.heldout_dir``); held-out games never trained on are evaluated
+    before and after RL (``extra_evals["heldout"]``)."""
+    import importlib.util
+    import os
+
+    env = cfg.env
+    missing = [m for m in ("alfworld", "fast_downward") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"env.kind='alfworld' needs {', '.join(missing)}: pip install 'alfworld==0.4.2' "
+                        "'textworld[pddl]'")
+    for field, folder in (("env.game_dir", env.game_dir), ("env.heldout_dir", env.heldout_dir)):
+        if folder is not None and not Path(folder).is_dir():
+            raise UserError(f"{field}={folder!r} does not exist")
+    from rollout_bridge.envs import alfworld_tasks
+
+    config = alfworld_tasks.AlfworldTaskConfig(
+        game_dir=env.game_dir, heldout_dir=env.heldout_dir, data_dir=env.data_dir, num_games=env.num_games,
+        game_seed=env.game_seed, heldout_games=env.heldout_games, heldout_seed=env.heldout_seed,
+        warmstart_games=env.warmstart_games if with_demonstrations else 0, warmstart_seed=env.warmstart_seed,
+        max_distractors=env.max_distractors, max_receptacles=env.max_receptacles, max_turns=env.max_turns,
+        max_feedback_chars=env.max_feedback_chars, numbered_actions=env.numbered_actions,
+        workers=max(1, min(2, os.cpu_count() or 1)))
+    log(f"ALFWorld games in {env.data_dir} (generated once, then reused)" if env.game_dir is None
+        else f"ALFWorld games from {env.game_dir}")
+    bars: list[_GenerationBar] = []
+
+    def bar(name: str) -> _GenerationBar:
+        bars.append(_GenerationBar(f"ALFWorld {name} games", progress))
+        return bars[-1]
+
+    try:
+        sets = alfworld_tasks.build_task_sets(config, bar)
+    finally:
+        for made in bars:
+            made.close()
+    held = sets.heldout
+    log(f"ALFWorld tasks: {sets.train.num_tasks} train, {0 if held is None else held.num_tasks} held-out, "
+        f"{0 if sets.warm is None else sets.warm.num_tasks} warm-start")
+
+    def corpus() -> list[str]:
+        texts = [sets.train.episode(t).reset() for t in range(sets.train.num_tasks)]
+        if sets.warm is not None:
+            texts += [f"{obs}\n{reply}" for t in range(sets.warm.num_tasks) for obs, reply in sets.warm.demonstration(t)]
+        return texts
+
+    extra = {} if held is None else {"heldout": (held, alfworld_tasks.env_factory(held))}
+    return EnvBundle(train=sets.train, env_factory=alfworld_tasks.env_factory(sets.train), max_turns=env.max_turns,
+                     corpus=corpus, warm=sets.warm, held_out=held, extra_evals=extra)
 
 
 register_env_kind("textworld", textworld_bundle)
+register_env_kind("alfworld", alfworld_bundle)
 register_env_kind("math_tir", math_tir_bundle)
