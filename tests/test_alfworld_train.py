@@ -25,7 +25,7 @@ def test_alfworld_job_runs_end_to_end(tmp_path):
         "--output_dir", str(run), "--steps", "2", "--checkpoint_every", "2",
         "--progress", "false", "--env.data_dir", str(tmp_path / "games"),
         "--env.num_games", "4", "--env.heldout_games", "2", "--env.warmstart_games", "4",
-        "--env.max_receptacles", "4", "--env.max_distractors", "0", "--env.max_turns", "4",
+        "--env.max_receptacles", "4", "--env.max_distractors", "0", "--env.max_turns", "12",
         "--model.tiny_dir", str(tmp_path / "tiny"), "--model.tiny_vocab_size", "400",
         "--warmstart.epochs", "1", "--warmstart.batch_size", "4",
         "--prior.rollouts_per_task", "1",
