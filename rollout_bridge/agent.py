@@ -178,7 +178,7 @@ async def run_episode(
     """
     loop = asyncio.get_running_loop()
     env = as_async(env)
-    turn_latencies, env_latencies, events, reasons = [], [], [], []
+    turn_latencies, env_latencies, events, last_events, reasons = [], [], [], [], []
     history: _History | None = None
     outcome = dict(reward=0.0, truncated=False, failed=False, aborted=False, error=None)
 
@@ -206,6 +206,7 @@ async def run_episode(
             result = await engine.generate(list(history.token_ids), params)
             turn_latencies.append(loop.time() - start)
             events.append(result.policy_event)
+            last_events.append(result.event_span[1])
             reasons.append(result.finish_reason)
             if result.finish_reason == "abort":
                 outcome["aborted"] = True
@@ -248,6 +249,7 @@ async def run_episode(
         turn_latencies=tuple(turn_latencies),
         env_latencies=tuple(env_latencies),
         turn_policy_events=tuple(events),
+        turn_last_policy_events=tuple(last_events),
         finish_reasons=tuple(reasons),
         **outcome,
     )
