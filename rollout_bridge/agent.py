@@ -174,7 +174,7 @@ async def run_episode(
     Environment exceptions and time-outs end the episode as ``failed`` (reward 0, error
     text recorded); an engine abort ends it as ``aborted``; hitting ``max_turns`` or
     ``max_total_tokens`` before the environment finishes ends it ``truncated`` (reward 0).
-    Cancellation (the orchestrator aborting) propagates.
+    Cancellation (the orchestrator aborting) closes the environment, then propagates.
     """
     loop = asyncio.get_running_loop()
     env = as_async(env)
@@ -228,6 +228,9 @@ async def run_episode(
                 break
             history.add_context(context)
     except asyncio.CancelledError:
+        # the orchestrator aborted this episode (close(), drain abort, max_policy_lag):
+        # release the environment before the cancellation propagates
+        await _close_quietly(env, config.env_timeout_s)
         raise
     except asyncio.TimeoutError:
         outcome.update(failed=True, reward=0.0, error=f"environment timed out after {config.env_timeout_s}s")

@@ -282,7 +282,7 @@ class RolloutSection:
     max_in_flight_per_task: int = 1
     sibling_rule: Literal["balanced", "proportional"] = "balanced"
     max_buffered_batches: int = 1
-    drain: Literal["finish", "abort", "none"] = "finish"
+    drain: Literal["finish", "abort", "none"] = "none"
     max_policy_lag: int = 8
     train_on_failed: bool = False
     env_timeout_s: Optional[float] = 60.0

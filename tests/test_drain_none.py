@@ -160,3 +160,28 @@ def test_drain_none_needs_an_inflight_engine(chat):
     assert RolloutSection(drain="none").drain == "none"
     with pytest.raises(ValueError, match="rollout.max_policy_lag"):
         RolloutSection(max_policy_lag=-1)
+
+
+def test_a_cancelled_episode_closes_its_environment(chat):
+    """A lag abort cancels the episode task: the environment must still be released."""
+    from rollout_bridge.agent import run_episode
+    from rollout_bridge.trajectory import DispatchStamp
+    from test_orchestrator import ScriptedEnv
+
+    world = World(chat, 2, reward_table(1), lambda task, visit: 100.0)
+    closed = []
+
+    class ClosingEnv(ScriptedEnv):
+        async def close(self):
+            closed.append(self.task)
+
+    async def main():
+        stamp = DispatchStamp(0, 1, 0, 0.0, 0.5, 0.0)
+        episode = asyncio.ensure_future(run_episode(world.engine, ClosingEnv(world), chat, stamp))
+        await asyncio.sleep(1.0)  # now inside engine.generate
+        episode.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+        return world.engine.num_in_flight
+
+    assert run_virtual(main()) == 0 and closed == [1]
