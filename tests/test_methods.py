@@ -52,8 +52,8 @@ def test_trajectory_codec_round_trips_every_field():
     assert all(leaf.size > 0 for leaf in jax.tree.leaves(encoded))  # orbax refuses empty arrays
     # a new Trajectory field must be added to the codec (or a checkpoint silently loses it)
     covered = {"stamp", "token_ids", "action_mask", "rollout_logp", "prompt_length", "reward", "finish_time",
-               "turn_latencies", "env_latencies", "turn_policy_events", "turn_last_policy_events", "finish_reasons", "truncated", "failed",
-               "aborted", "error"}
+               "turn_latencies", "env_latencies", "turn_policy_events", "turn_last_policy_events", "finish_reasons",
+               "truncated", "failed", "aborted", "error"}
     assert {f.name for f in dataclasses.fields(Trajectory)} == covered
 
 
