@@ -21,7 +21,12 @@ in `output_dir` when it was made with the same settings):
  4. RL: the orchestrator + `PolicyLearner`; metrics to `metrics.jsonl` / TensorBoard, an
     orbax checkpoint every `checkpoint_every` updates (learner state, the method's state
     incl. SPO's previous responses, sampler RNG, counters, buffered trajectories), then
-    the same rollouts with the final policy (success AFTER RL) and `learning_curve.png`.
+    the same rollouts with the final policy (success AFTER RL) and `learning_curve.png`;
+    the final policy as a HF folder in `hf_model` (with `export_every` also
+    `exports/step_<k>`), and with `--wandb true` the metrics also in Weights & Biases.
+verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
+A user mistake (missing config file, unwritable output_dir, full disk, a setting this
+version lacks) ends in one line and exit status 2 (spopp_jax.run_errors).
 A crash loses at most the updates since the last checkpoint; `--resume` restores it exactly.
 """
 
@@ -38,28 +43,35 @@ import jax.numpy as jnp
 
 from rollout_bridge import components as build
 from rollout_bridge.envs.kinds import build_env
-from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, latest_checkpoint_step, log,
-                                refuse_overwrite, run_prior, run_warmstart, state_digest, success_rollouts)
+from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, extra_evaluations, latest_checkpoint_step,
+                                log, refuse_overwrite, run_prior, run_warmstart, state_digest, success_rollouts)
 from rollout_bridge.metrics import MetricsWriter, plot_learning_curve, read_metrics
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.policy_learner import PolicyLearner
 from rollout_bridge.prior import write_json_atomic
-from spopp_jax.checkpoint import Checkpointer
+from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
 from spopp_jax.config import TrainConfig, format_config_error, load_config
+from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
+                                  run_cleanly, unknown_fields_line)
 from spopp_jax.learner import init_train_state
 
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
+EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
 
 
 def parse_config(argv: Sequence[str]) -> TrainConfig:
-    """draccus parse after the argv hooks; a bad value exits 2 naming the field."""
+    """draccus parse after the argv hooks (verl aliases); a missing config file, a refused
+    alias, a bad value or a setting this version lacks raise UserError (one line, exit 2
+    through run_cleanly) naming the file / field."""
     from draccus.utils import ParsingError
 
+    check_config_path(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
     except ParsingError as error:
-        print(f"config error: {format_config_error(error)}", file=sys.stderr)
-        raise SystemExit(2) from None
+        message = format_config_error(error)
+        older = unknown_fields_line(message, config_path_argument(argv), TrainConfig)
+        raise UserError(older or message, "config error") from None
 
 
 @dataclasses.dataclass
@@ -90,15 +102,19 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
                                 job.agent, prior_alpha=alpha0, prior_beta=beta0)
     resume_step = None
     if cfg.resume and latest is not None:  # exactly as saved; the engine then serves the saved weights
-        restored = checkpointer.restore(learner.state, expected_config=checkpoint_key(cfg))
+        try:
+            restored = checkpointer.restore(learner.state, expected_config=checkpoint_key(cfg))
+        except CheckpointMismatchError as error:
+            raise UserError(f"--resume: {error}\n(resume with that run's settings, or choose a new "
+                            "--output_dir)") from None
         learner.state = restored.train_state
         orchestrator.load_state_dict(restored.extras["orchestrator"])
         await engine.publish(learner.weights(), orchestrator.policy_event)
         resume_step = restored.step
         log(f"resume: step {restored.step}, policy event {orchestrator.policy_event}, method state sha1 "
             f"{state_digest(orchestrator.state_dict()['method'])}, {len(orchestrator.ready)} buffered trajectories")
-    sinks = [UpdateLogger(MetricsWriter(paths.root, cfg.tensorboard, resume_step=resume_step), cfg.steps,
-                          orchestrator.updates, cfg.progress)] + build.metric_sinks(cfg, paths.root)
+    writer = MetricsWriter(paths.root, cfg.tensorboard, resume_step=resume_step, sinks=build.wandb_sinks(cfg, paths.root, log))
+    sinks = [UpdateLogger(writer, cfg.steps, orchestrator.updates, cfg.progress)] + build.metric_sinks(cfg, paths.root)
     orchestrator.on_update = sinks
     try:
         while orchestrator.updates < cfg.steps:
@@ -108,6 +124,9 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
             saved = dataclasses.replace(learner.state, policy_event=jnp.asarray(orchestrator.policy_event, jnp.int32))
             checkpointer.save(orchestrator.updates, saved, {"orchestrator": orchestrator.state_dict()},
                               config=checkpoint_key(cfg))
+            if cfg.export_every and orchestrator.updates % cfg.export_every == 0:
+                build.export_policy(cfg, learner, policy, paths.export(orchestrator.updates), log)
+        build.export_policy(cfg, learner, policy, paths.hf_model, log)
         await orchestrator.close()
         for sink in sinks:
             getattr(sink, "close", lambda: None)()
@@ -115,17 +134,32 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
         log(f"evaluation: {n} rollouts x {job.env.num_tasks} tasks with the final policy")
         successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
                                                    n, "eval", cfg.progress)
+        extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight, n,
+                                        "after", cfg.progress)
     finally:
         await engine.close()
         checkpointer.close()
     for hook in build.END_OF_RUN_HOOKS:
         hook(cfg, paths.root, learner)
-    return successes, trials
+    return successes, trials, extra
+
+
+async def evaluate_before_rl(job: Job, policy: Path, chat) -> dict:
+    """The env kind's extra evaluations of the initial policy (empty when it has none)."""
+    if not job.env.extra_evals:
+        return {}
+    engine = job.engine(build.load_policy(policy, job.cfg.model), seed=job.cfg.seed + EXTRA_EVAL_SEED_OFFSET)
+    try:
+        return await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
+                                       job.cfg.prior.rollouts_per_task, "before", job.cfg.progress)
+    finally:
+        await engine.close()
 
 
 def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> dict:
     start = time.time()
-    successes, trials = asyncio.run(rl_loop(job, policy, chat, alpha0, beta0))
+    before_extra = asyncio.run(evaluate_before_rl(job, policy, chat))
+    successes, trials, after_extra = asyncio.run(rl_loop(job, policy, chat, alpha0, beta0))
     after = float(successes.sum() / max(trials.sum(), 1))
     paths = job.paths
     write_json_atomic(paths.eval_after, {"successes": successes.tolist(), "trials": trials.tolist(),
@@ -137,24 +171,33 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
                                          "success after RL (same rollouts)": after})
     summary = {"success_before_rl": before, "success_after_rl": after,
                "success_per_step": [r.get("success_rate") for r in rows], "rl_wall_s": time.time() - start}
+    for name in after_extra:  # e.g. heldout_before_rl / heldout_after_rl (ALFWorld), no_tool_* (Math-TIR)
+        summary[f"{name}_before_rl"] = before_extra.get(name)
+        summary[f"{name}_after_rl"] = after_extra[name]
     write_json_atomic(paths.summary, summary)
     return summary
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    paths = RunPaths(Path(cfg.output_dir))
-    paths.root.mkdir(parents=True, exist_ok=True)
+    paths = RunPaths(check_output_dir(cfg.output_dir))
     start = time.time()
     build.check_inputs(cfg)  # local inputs and the engine choice: fail before any work
     if cfg.stage in ("all", "rl"):  # never silently restart a run
         refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)
-    env = build_env(cfg.env, cfg.warmstart.enabled, log, cfg.progress)
+    env = build_env(cfg, cfg.warmstart.enabled, log, cfg.progress)
+    try:
+        return run_stages(cfg, paths, env, start)
+    finally:
+        env.close()  # e.g. Math-TIR's sandbox workers and verifier processes
+
+
+def run_stages(cfg: TrainConfig, paths: RunPaths, env, start: float) -> dict:
     agent = build.build_agent_config(cfg, env.max_turns)
     learner_cfg = build.build_learner_config(cfg)
     job = Job(cfg, paths, env, agent, build.build_orchestrator_config(cfg, agent, cfg.seed), learner_cfg)
     base = build.model_folder(cfg.model, env.corpus, log)
-    chat = build.load_chat(base)
+    chat = build.load_chat(base, env.chat_tools)
     policy = run_warmstart(cfg, paths, base, chat, env.warm, learner_cfg)
     if cfg.stage == "warmstart":
         return {"policy": str(policy)}
@@ -170,4 +213,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cleanly(main))

@@ -2,13 +2,22 @@
 same random weights in transformers' PyTorch model (eager and torch.compile) for reference.
 
     python benchmarks/model_forward.py [--hidden 256 --layers 4 --batch 4 --seq 256]
+    python benchmarks/model_forward.py --arch qwen3_5 [--rounds 3]
 
 Prints one line per measurement (median of --repeats after warm-up) and the hardware.
+
+`--arch qwen3_5`: a ~10M-parameter Qwen3.5-shaped hybrid (3 Gated DeltaNet layers per full
+attention layer): forward+backward tokens/s at T = 512 and 4096 for JAX and transformers'
+torch fallback (`torch_chunk_gated_delta_rule`), interleaved per round with the 1-minute
+load average printed per round; the compiled forward+backward's memory (XLA's
+`memory_analysis`: temporaries + arguments + outputs) at T = 4096 and 16384; and cached
+decode ms/step with every slot at context 256 vs 4096.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -20,7 +29,8 @@ import numpy as np
 from flax import nnx
 
 from spopp_jax.models import from_pretrained
-from spopp_jax.models.testing import random_hf_model, tiny_hf_config
+from spopp_jax.models.hf_io import param_count
+from spopp_jax.models.testing import random_hf_model, tiny_hf_config, tiny_qwen35_hf_config
 from _hardware import cpu_model
 
 
@@ -34,8 +44,115 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+# The hybrid's shape: ~10M parameters, Qwen3.5 layout (interval 4, rotary 1/4 of head_dim).
+QWEN35_SHAPE = dict(vocab_size=8192, hidden_size=256, intermediate_size=768,
+                    num_hidden_layers=8, full_attention_interval=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                    linear_num_value_heads=8, linear_key_head_dim=32,
+                    linear_value_head_dim=32, max_position_embeddings=32768)
+QWEN35_TRAIN_LENGTHS = (512, 4096)
+QWEN35_MEMORY_LENGTHS = (4096, 16384)
+QWEN35_DECODE_CONTEXTS = (256, 4096)
+
+
+def load_average() -> str:
+    return "load average (1 min) %.2f" % os.getloadavg()[0]
+
+
+def hybrid_loss_fn(graphdef):
+    def token_logp_sum(state, ids):
+        logits = nnx.merge(graphdef, state)(ids)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+    return jax.jit(jax.grad(token_logp_sum))
+
+
+def hybrid_rows(args) -> None:
+    """The Qwen3.5 rows (module docstring)."""
+    import torch
+    hf_model = random_hf_model(tiny_qwen35_hf_config(**QWEN35_SHAPE))
+    hf_model.config._attn_implementation = "sdpa"
+    with tempfile.TemporaryDirectory() as folder:
+        hf_model.save_pretrained(folder)
+        model = from_pretrained(folder)
+    graphdef, state = nnx.split(model)
+    grad_fn = hybrid_loss_fn(graphdef)
+    rng = np.random.default_rng(0)
+    print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, jax {jax.__version__} on "
+          f"{jax.devices()[0].platform}, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads); {load_average()}")
+    print(f"qwen3_5 model: {param_count(model) / 1e6:.1f}M parameters, layer types "
+          f"{model.config.layer_types}, delta-rule chunk {model.config.linear_chunk_size}")
+
+    def torch_step(ids):
+        hf_model.zero_grad(set_to_none=True)
+        logits = hf_model(input_ids=ids).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        logp.gather(-1, ids[:, 1:, None]).sum().backward()
+
+    for length in QWEN35_TRAIN_LENGTHS:
+        ids_np = rng.integers(0, QWEN35_SHAPE["vocab_size"], size=(1, length))
+        ids, torch_ids = jnp.asarray(ids_np, jnp.int32), torch.as_tensor(ids_np)
+        jax_step = lambda: jax.block_until_ready(grad_fn(state, ids))
+        jax_step(), torch_step(torch_ids)  # warm-up / compile
+        jax_times, torch_times = [], []
+        for round_index in range(args.rounds):  # interleaved: same load for both
+            jax_times.append(timed_once(jax_step))
+            torch_times.append(timed_once(lambda: torch_step(torch_ids)))
+            print(f"  T={length} round {round_index}: jax {length / jax_times[-1]:8.0f} tok/s,"
+                  f" torch {length / torch_times[-1]:8.0f} tok/s; {load_average()}")
+        jax_t, torch_t = statistics.median(jax_times), statistics.median(torch_times)
+        print(f"qwen3_5 fwd+bwd T={length}: jax {length / jax_t:8.0f} tok/s, torch fallback "
+              f"{length / torch_t:8.0f} tok/s, ratio {torch_t / jax_t:.2f}x (median of "
+              f"{args.rounds})")
+    for length in QWEN35_MEMORY_LENGTHS:
+        ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
+        stats = grad_fn.lower(state, ids).compile().memory_analysis()
+        total = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                 + stats.output_size_in_bytes)
+        print(f"qwen3_5 fwd+bwd memory T={length}: {total / 2**20:8.1f} MiB "
+              f"(temporaries {stats.temp_size_in_bytes / 2**20:.1f} MiB)")
+    hybrid_decode_rows(model, graphdef, state, args)
+
+
+def hybrid_decode_rows(model, graphdef, state, args) -> None:
+    # The cache is donated, as in the engine: no per-step copy of the attention KV cache.
+    @functools.partial(jax.jit, donate_argnums=3)
+    def decode_step(state, token, position, cache):
+        return nnx.merge(graphdef, state).forward_cached(token, position, cache)
+
+    slots = args.decode_slots
+    tokens = jnp.ones((slots, 1), jnp.int32)
+    for context in QWEN35_DECODE_CONTEXTS:
+        start = jnp.full((slots, 1), context, jnp.int32)
+        new_cache = lambda: model.init_cache(slots, context + args.decode_steps)
+        jax.block_until_ready(decode_step(state, tokens, start, new_cache()))  # compile
+
+        t = timed(lambda: decode_loop(decode_step, state, tokens, start, new_cache(),
+                                      args.decode_steps), max(1, args.repeats // 2))
+        print(f"qwen3_5 cached decode at context {context}: {t / args.decode_steps * 1e3:7.2f} "
+              f"ms/step, {slots * args.decode_steps / t:8.0f} tok/s ({slots} slots); "
+              f"{load_average()}")
+
+
+def decode_loop(decode_step, state, tokens, positions, cache, steps: int) -> None:
+    """`steps` cached decode steps, every slot one position further each step."""
+    for _ in range(steps):
+        _, cache = decode_step(state, tokens, positions, cache)
+        positions = positions + 1
+    jax.block_until_ready(cache)
+
+
+def timed_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
@@ -48,6 +165,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-torch-compile", action="store_true")
     args = parser.parse_args()
+    if args.arch == "qwen3_5":
+        hybrid_rows(args)
+        return
 
     import torch
     hf_config = tiny_hf_config(
@@ -95,14 +215,10 @@ def main() -> None:
     max_len = args.seq + args.decode_steps
     slot_ids = jnp.asarray(rng.integers(0, args.vocab, size=(args.decode_slots, 1)), jnp.int32)
 
-    def decode():
-        cache = model.init_cache(args.decode_slots, max_len)
-        positions = jnp.arange(args.decode_slots, dtype=jnp.int32)[:, None] * 3
-        for _ in range(args.decode_steps):
-            _, cache = decode_step(state, slot_ids, positions, cache)
-            positions = positions + 1
-        jax.block_until_ready(cache)
-    t = timed(decode, max(1, args.repeats // 2))
+    positions = jnp.arange(args.decode_slots, dtype=jnp.int32)[:, None] * 3
+    t = timed(lambda: decode_loop(decode_step, state, slot_ids, positions,
+                                  model.init_cache(args.decode_slots, max_len),
+                                  args.decode_steps), max(1, args.repeats // 2))
     print(f"jax cached decode:      {t / args.decode_steps * 1e3:8.2f} ms/step "
           f"({args.decode_slots} slots, cache {max_len})")
 

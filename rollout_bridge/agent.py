@@ -190,8 +190,8 @@ async def run_episode(
             env_latencies.append(loop.time() - start)
 
     try:
-        observation = await timed_env(env.reset(stamp.task_id))
-        history = _History(chat.prompt_ids(observation))
+        observation = _observation_text(await timed_env(env.reset(stamp.task_id)))
+        history = _History(_fitting_prompt(chat.prompt_ids(observation), config.max_total_tokens))
         for turn in range(config.max_turns):
             budget = config.max_total_tokens - len(history.token_ids)
             if budget < 1:
@@ -222,7 +222,8 @@ async def run_episode(
             if turn == config.max_turns - 1:
                 outcome["truncated"] = True
                 break
-            context = chat.close_ids(result.token_ids) + chat.observation_turn_ids(step.observation)
+            observation = _observation_text(step.observation)
+            context = chat.close_ids(result.token_ids) + chat.observation_turn_ids(observation)
             if len(history.token_ids) + len(context) >= config.max_total_tokens:
                 outcome["truncated"] = True
                 break
@@ -256,6 +257,24 @@ async def run_episode(
         finish_reasons=tuple(reasons),
         **outcome,
     )
+
+
+def _observation_text(observation: Any) -> str:
+    """An environment's observation, which must be a str (else TypeError naming its type)."""
+    if not isinstance(observation, str):
+        raise TypeError(f"observation must be str, got {type(observation).__name__}")
+    return observation
+
+
+def _fitting_prompt(prompt_ids: list[int], max_total_tokens: int) -> list[int]:
+    """The initial prompt, refused (ValueError) when it leaves no room for a reply, so an
+    over-long first observation never becomes an over-long trajectory."""
+    if len(prompt_ids) >= max_total_tokens:
+        raise ValueError(
+            f"observation of {len(prompt_ids)} tokens does not fit "
+            f"max_total_tokens={max_total_tokens}"
+        )
+    return prompt_ids
 
 
 async def _close_quietly(env, timeout_s: float | None) -> None:

@@ -25,6 +25,7 @@ from rollout_bridge.agent import AgentConfig
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.orchestrator import OrchestratorConfig
 from spopp_jax.learner import LearnerConfig
+from spopp_jax.run_errors import UserError
 
 # ------------------------------------------------------------------ knob maps
 LEARNER_KNOBS = {
@@ -34,6 +35,7 @@ LEARNER_KNOBS = {
     "num_mini_batches": "optim.num_mini_batches", "logprob_chunk_size": "optim.logprob_chunk_size",
     "clip_low": "loss.clip_low", "clip_high": "loss.clip_high", "dual_clip": "loss.dual_clip",
     "is_cap": "loss.is_cap", "old_logp_source": "loss.old_logp_source",
+    "max_consecutive_skips": "optim.max_consecutive_skips",
 }
 LEARNER_DERIVED: dict[str, str] = {}
 
@@ -77,14 +79,27 @@ SECTION_OWNERS = {
     "model": "rollout_bridge.components.model_folder / load_policy (model.*)",
     "mesh": "rollout_bridge.components.build_mesh (mesh.*)",
     "env": "rollout_bridge.envs.kinds (env.*)",
+    "math_tir": "rollout_bridge.envs.math_tir.build_math_tir (math_tir.*, env.kind=math_tir)",
     "warmstart": "rollout_bridge.job.run_warmstart (warmstart.*)",
     "prior": "rollout_bridge.job.run_prior (prior.*)",
 }
 JOB_FIELDS = ("stage", "seed", "steps", "output_dir", "resume", "checkpoint_every", "keep_checkpoints",
-              "progress", "tensorboard")  # read by train.py's composition itself
+              "progress", "tensorboard", "export_every")  # read by train.py's composition itself
+WANDB_FIELDS = ("wandb", "wandb_mode", "wandb_project")  # read by wandb_sinks
 
 # ------------------------------------------------------------------ extension points
-ARGV_PREPROCESSORS: list[Callable[[list[str]], list[str]]] = []
+def _verl_aliases(argv: list[str]) -> list[str]:
+    """verl knob names accepted as aliases (docs/CONVENTIONS.md); a refused one is a
+    config error naming the key."""
+    from spopp_jax.verl_aliases import AliasError, rewrite_verl_aliases
+
+    try:
+        return rewrite_verl_aliases(argv)
+    except AliasError as error:
+        raise UserError(str(error), "config error") from None
+
+
+ARGV_PREPROCESSORS: list[Callable[[list[str]], list[str]]] = [_verl_aliases]
 METRIC_SINK_FACTORIES: list[Callable[[Any, Path], Callable]] = []
 END_OF_RUN_HOOKS: list[Callable[[Any, Path, Any], None]] = []
 
@@ -119,7 +134,7 @@ def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> Orchestrato
 def check_engine_choice(cfg) -> None:
     """``rollout.engine`` / ``rollout.server_urls``: this build drives the JAX engine only."""
     if cfg.rollout.engine != "jax" or cfg.rollout.server_urls is not None:
-        raise SystemExit(f"rollout.engine={cfg.rollout.engine!r}: train.py drives the embedded "
+        raise UserError(f"rollout.engine={cfg.rollout.engine!r}: train.py drives the embedded "
                          "JAX engine only in this build")
 
 
@@ -131,7 +146,7 @@ def check_inputs(cfg) -> None:
         try:
             check_model_folder(cfg.model.path)
         except FileNotFoundError as error:
-            raise SystemExit(f"input error: {error}") from None
+            raise UserError(f"{error}") from None
     check_engine_choice(cfg)
 
 
@@ -168,7 +183,7 @@ def model_folder(model_section, corpus: Callable[[], Any], log: Callable[[str], 
         try:
             return check_model_folder(model_section.path)
         except FileNotFoundError as error:
-            raise SystemExit(f"input error: {error}") from None
+            raise UserError(f"{error}") from None
     folder = ensure_tiny_model(model_section.tiny_dir, corpus(), tiny_model_shape(model_section))
     log(f"tiny model: {folder}")
     return folder
@@ -181,16 +196,43 @@ def load_policy(folder: Path, model_section, mesh=None):
     return from_pretrained(str(folder), dtype=model_section.dtype, mesh=mesh)
 
 
-def load_chat(folder: Path):
-    from transformers import AutoTokenizer
-
+def load_chat(folder: Path, tools=None):
+    """The chat format of the tokenizer at ``folder`` (``tools``: tool schemas handed to
+    its chat template, e.g. Math-TIR's Python tool for Qwen)."""
     from rollout_bridge.agent import ChatFormat
+    from rollout_bridge.tokenizer import load_tokenizer
 
-    return ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    tokenizer = load_tokenizer(folder)
+    if tools:
+        return ChatFormat.from_tokenizer(tokenizer, tools=list(tools))
+    return ChatFormat.from_tokenizer(tokenizer)
 
 
 def metric_sinks(cfg, run_dir: Path) -> list[Callable]:
     return [factory(cfg, run_dir) for factory in METRIC_SINK_FACTORIES]
+
+
+def wandb_sinks(cfg, run_dir: Path, log: Callable[[str], None] = print) -> list:
+    """Row sinks for ``MetricsWriter(sinks=...)``: a wandb run when ``cfg.wandb`` (same
+    metric names as metrics.jsonl / TensorBoard; offline by default)."""
+    if not cfg.wandb:
+        return []
+    from rollout_bridge.metrics import WandbSink
+    from spopp_jax.config import config_to_dict
+
+    sink = WandbSink(run_dir, cfg.wandb_project, cfg.wandb_mode, config=config_to_dict(cfg))
+    log(f"wandb ({cfg.wandb_mode}): {sink.location}")
+    return [sink]
+
+
+def export_policy(cfg, learner, policy: Path, out: Path, log: Callable[[str], None] = print) -> None:
+    """The learner's current policy as a HF folder (config, safetensors, the tokenizer of
+    ``policy``, a generation config with the rollout sampling settings)."""
+    from spopp_jax.export import SamplingDefaults, export_model
+
+    r = cfg.rollout
+    export_model(learner.weights(), policy, out, SamplingDefaults(r.temperature, r.top_p, r.top_k, r.max_new_tokens))
+    log(f"exported the policy to {out}")
 
 
 def preprocess_argv(argv: list[str]) -> list[str]:

@@ -17,6 +17,7 @@ import numpy as np
 from rollout_bridge.components import load_policy
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
+from spopp_jax.run_errors import UserError
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
 TRAILING_WINDOW = 5  # updates in the trailing success mean of the progress bar
@@ -33,6 +34,10 @@ class RunPaths:
     eval_after = property(lambda self: self.root / "eval_after.json")
     curve = property(lambda self: self.root / "learning_curve.png")
     summary = property(lambda self: self.root / "summary.json")
+    hf_model = property(lambda self: self.root / "hf_model")
+
+    def export(self, step: int) -> Path:
+        return self.root / "exports" / f"step_{step}"
 
 
 def log(message: str) -> None:
@@ -62,7 +67,7 @@ def latest_checkpoint_step(paths: RunPaths) -> int | None:
 
 def refuse_overwrite(resume: bool, latest: int | None, paths: RunPaths) -> None:
     if latest is not None and not resume:
-        raise SystemExit(f"{paths.checkpoints} holds checkpoints up to step {latest}: pass "
+        raise UserError(f"{paths.checkpoints} holds checkpoints up to step {latest}: pass "
                          "--resume to continue that run, or choose a new --output_dir")
 
 
@@ -144,8 +149,8 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
         if record.get("key") == key:
             log(f"warm start: reusing {paths.warmstart_model} (final SFT loss {record['losses'][-1]:.3f})")
             return paths.warmstart_model
-    examples = sft_examples(warm_tasks, chat, max_length=ws.max_length)
-    log(f"warm start: SFT on {len(examples)} walkthroughs of games outside the training set, "
+    examples = sft_examples(warm_tasks, chat, max_length=ws.max_length, loss_on=ws.loss_on)
+    log(f"warm start: SFT on {len(examples)} demonstrations of tasks outside the training set (loss on {ws.loss_on}), "
         f"{ws.epochs} epochs, batch {ws.batch_size}, lr {ws.learning_rate}")
     sft_cfg = LearnerConfig(learning_rate=ws.learning_rate, weight_decay=ws.weight_decay,
                             max_grad_norm=learner_config.max_grad_norm,
@@ -175,6 +180,22 @@ async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, w
                                        on_done=lambda _: bar.update(1))
     finally:
         bar.close()
+
+
+async def extra_evaluations(engine, env, chat, agent, concurrency: int, n: int, when: str,
+                            progress: bool) -> dict:
+    """The env kind's additional evaluations (``env.extra_evals``: ALFWorld's held-out
+    games, Math-TIR with the tool disabled): name -> {success_rate, successes, trials}
+    (per task) of ``n`` rollouts per task."""
+    results = {}
+    for name, (tasks, factory) in env.extra_evals.items():
+        view = dataclasses.replace(env, train=tasks, env_factory=factory)
+        log(f"evaluation {when} RL ({name}): {n} rollouts x {view.num_tasks} tasks")
+        successes, trials = await success_rollouts(engine, view, chat, agent, concurrency, n, name, progress)
+        results[name] = {"success_rate": float(successes.sum() / max(trials.sum(), 1)),
+                         "successes": successes.tolist(), "trials": trials.tolist()}
+        log(f"evaluation {when} RL ({name}): success {results[name]['success_rate']:.3f}")
+    return results
 
 
 def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine: Callable, rho: float,

@@ -30,7 +30,8 @@ import numpy as np
 from rollout_bridge import baselines
 from rollout_bridge.background_publish import snapshot_params
 from rollout_bridge.methods import LearnerInput, LearnerOutput
-from spopp_jax.learner import LearnerConfig, ModelDef, TrainBatch, make_compute_logprobs, make_train_step
+from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, make_compute_logprobs,
+                               make_train_step)
 
 
 class PolicyLearner:
@@ -45,6 +46,8 @@ class PolicyLearner:
         self.pad_to_multiple = pad_to_multiple
         self.train_step = make_train_step(model_def, config)
         self.compute_logprobs = make_compute_logprobs(model_def, config.logprob_chunk_size)
+        # a non-finite step is skipped inside train_step; max_consecutive_skips in a row stop the run
+        self.skip_guard = SkipGuard.from_config(config)
 
     def weights(self):
         """The current policy as an NNX module (what the engine publishes); over a copy of
@@ -61,6 +64,10 @@ class PolicyLearner:
                 batch = dataclasses.replace(batch, old_logp=logp_then)
         self.state, metrics = self.train_step(self.state, batch)
         metrics = {k: float(v) for k, v in metrics.items()}
+        if metrics.get("skipped_updates"):
+            print(f"learner: non-finite loss/gradient, update skipped (loss {metrics['loss']}, grad_norm "
+                  f"{metrics['grad_norm']}); parameters unchanged", flush=True)
+        self.skip_guard.observe(metrics)
         if learner_input.previous is None:
             return LearnerOutput(self.weights(), metrics)
         logp_then = np.asarray(logp_then)

@@ -101,7 +101,13 @@ def write_json_atomic(path: str | os.PathLike, record: dict) -> Path:
 def read_prior_file(path: str | os.PathLike, num_tasks: int) -> tuple[np.ndarray, np.ndarray]:
     """(alpha0, beta0) float32 [num_tasks] from a prior file; the task count must match."""
     with open(path) as f:
-        record = json.load(f)
+        try:
+            record = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"prior file {str(path)!r} is not valid JSON: {error}") from None
+    missing = [key for key in ("alpha0", "beta0") if key not in record]
+    if missing:
+        raise ValueError(f"prior file {str(path)!r} lacks {', '.join(map(repr, missing))}")
     alpha0 = np.asarray(record["alpha0"], np.float32)
     beta0 = np.asarray(record["beta0"], np.float32)
     if alpha0.shape != (num_tasks,) or beta0.shape != (num_tasks,):

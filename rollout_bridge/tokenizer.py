@@ -69,3 +69,17 @@ def build_tiny_tokenizer(
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """``AutoTokenizer.from_pretrained(folder)`` of a local folder (nothing is downloaded);
+    a missing or corrupt tokenizer file raises ValueError naming the folder instead of a
+    library traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - transformers/tokenizers raise many types
+        raise ValueError(
+            f"tokenizer in {str(folder)!r} could not be loaded ({type(error).__name__}: {error})"
+        ) from error

@@ -18,6 +18,7 @@ into its target sharding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Mapping
@@ -37,8 +38,21 @@ _MANIFEST = "manifest"
 _EXTRA_PREFIX = "extra_"
 
 
+# Bumped when the on-disk layout changes; a checkpoint with a higher number is refused.
+# Checkpoints written before the number was recorded read as version 1.
+CHECKPOINT_FORMAT_VERSION = 1
+
+
 class CheckpointMismatchError(ValueError):
     """The checkpoint on disk does not match the model/config the caller asked for."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint step on disk cannot be read (truncated or missing files)."""
+
+
+class CheckpointWriteError(OSError):
+    """A save failed (e.g. the disk is full); the previous checkpoints are untouched."""
 
 
 class RestoredCheckpoint(NamedTuple):
@@ -230,11 +244,21 @@ class Checkpointer:
             # Wrapped in a dict: orbax's StandardSave refuses a bare array / scalar item.
             items[_EXTRA_PREFIX + name] = ocp.args.StandardSave({"tree": _to_savable(tree)})
         items[_CONFIG] = ocp.args.JsonSave(to_json_config(config if config is not None else {}))
-        items[_MANIFEST] = ocp.args.JsonSave({"extras": sorted(extras), "prng_keys": key_impls})
-        if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
-            raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
-        if not self._async:
-            self._manager.wait_until_finished()
+        items[_MANIFEST] = ocp.args.JsonSave({
+            "extras": sorted(extras), "prng_keys": key_impls,
+            "format_version": CHECKPOINT_FORMAT_VERSION})
+        previous = self.all_steps()
+        try:
+            if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
+                raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
+            if not self._async:
+                self._manager.wait_until_finished()
+        except (OSError, ValueError) as error:   # tensorstore reports ENOSPC/EFBIG as ValueError
+            raise CheckpointWriteError(
+                f"checkpoint step {step} could not be written to {self.directory} "
+                f"({type(error).__name__}: {error}); the previous checkpoints {previous} "
+                "are intact"
+            ) from error
 
     # -- restore
     def read_config(self, step: int | None = None) -> dict[str, Any]:
@@ -262,13 +286,23 @@ class Checkpointer:
             step: the step to restore; the latest when None.
         """
         step = self._resolve_step(step)
-        json_items = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{_CONFIG: ocp.args.JsonRestore(), _MANIFEST: ocp.args.JsonRestore()}
-            ),
-        )
+        with self._readable(step):
+            json_items = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    **{_CONFIG: ocp.args.JsonRestore(), _MANIFEST: ocp.args.JsonRestore()}
+                ),
+            )
         saved_config, manifest = json_items[_CONFIG], json_items[_MANIFEST]
+        if manifest is None:
+            raise self._corrupt(step, "its manifest is missing")
+        version = manifest.get("format_version", 1)
+        if version > CHECKPOINT_FORMAT_VERSION:
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} in {self.directory} was written by a newer spopp-jax "
+                f"(checkpoint format {version}, this build reads up to "
+                f"{CHECKPOINT_FORMAT_VERSION}); upgrade spopp-jax to resume it"
+            )
         if expected_config is not None:
             diffs = config_differences(saved_config, expected_config)
             if diffs:
@@ -297,7 +331,8 @@ class Checkpointer:
             items[_EXTRA_PREFIX + name] = ocp.args.StandardRestore(
                 None if target is None else {"tree": _abstract(target)}
             )
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        with self._readable(step):
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         extras = {
             name: _rewrap_keys(
                 restored[_EXTRA_PREFIX + name]["tree"], manifest["prng_keys"].get(name, {})
@@ -305,6 +340,26 @@ class Checkpointer:
             for name in manifest["extras"]
         }
         return RestoredCheckpoint(step, restored[_TRAIN_STATE], extras, saved_config)
+
+    def _corrupt(self, step: int, why: str) -> CheckpointCorruptError:
+        older = [s for s in self.all_steps() if s < step]
+        hint = f"; restore an older one with step={older[-1]}" if older else ""
+        return CheckpointCorruptError(
+            f"checkpoint step {step} in {self.directory} is unreadable: {why}{hint}"
+        )
+
+    @contextlib.contextmanager
+    def _readable(self, step: int):
+        """Turns the storage layer's errors on a damaged step folder (truncated files,
+        missing items) into `CheckpointCorruptError` naming the step."""
+        try:
+            yield
+        except (CheckpointMismatchError, FileNotFoundError) as error:
+            if isinstance(error, CheckpointMismatchError):
+                raise
+            raise self._corrupt(step, f"{type(error).__name__}: {error}") from error
+        except (OSError, ValueError, RuntimeError, KeyError) as error:
+            raise self._corrupt(step, f"{type(error).__name__}: {error}") from error
 
     def _train_state_metadata(self, step: int) -> Any:
         """Shapes/dtypes of the saved train state, read from disk (also in a fresh process,

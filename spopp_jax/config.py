@@ -21,6 +21,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
+# The Math-TIR section is pure data defined next to its environment (the one import of
+# rollout_bridge here; a registry of per-kind sections would remove it).
+from rollout_bridge.envs.math_tir.env import MathTIRSection
+
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "TrackerSection",
     "SamplerSection", "AdvantageSection", "LossSection", "OptimSection", "RolloutSection",
@@ -99,7 +103,7 @@ class EnvSection:
     Observations: the game text cut to `max_feedback_chars`, then the admissible commands,
     numbered when `numbered_actions` (the reply may then be the number)."""
 
-    kind: Literal["textworld", "synthetic", "math_tir"] = "textworld"
+    kind: Literal["textworld", "alfworld", "synthetic", "math_tir"] = "textworld"
     game_dir: Optional[str] = None
     data_dir: str = "artifacts/textworld_games"
     num_games: int = 16
@@ -112,6 +116,14 @@ class EnvSection:
     numbered_actions: bool = True
     warmstart_games: int = 48
     warmstart_seed: int = 100_000
+    # kind=alfworld only (rollout_bridge.envs.alfworld_tasks): held-out games (generated
+    # with seeds from heldout_seed, or the first heldout_games of heldout_dir), objects
+    # besides the targets, receptacles kept per floor plan (None = all, as released)
+    heldout_games: int = 0
+    heldout_seed: int = 200_000
+    heldout_dir: Optional[str] = None
+    max_distractors: int = 6
+    max_receptacles: Optional[int] = None
 
     def __post_init__(self):
         _check_literals("env", self)
@@ -122,6 +134,10 @@ class EnvSection:
         _check(self.warmstart_games >= 0, "env.warmstart_games", ">= 0", self.warmstart_games)
         _check(self.game_seed >= 0, "env.game_seed", ">= 0", self.game_seed)
         _check(self.warmstart_seed >= 0, "env.warmstart_seed", ">= 0", self.warmstart_seed)
+        _check(self.heldout_games >= 0, "env.heldout_games", ">= 0", self.heldout_games)
+        _check(self.max_distractors >= 0, "env.max_distractors", ">= 0", self.max_distractors)
+        _check(self.max_receptacles is None or self.max_receptacles >= 4,
+               "env.max_receptacles", "null or >= 4", self.max_receptacles)
 
 
 @dataclass
@@ -135,8 +151,10 @@ class WarmStartSection:
     learning_rate: float = 1e-2
     weight_decay: float = 0.0
     max_length: int = 512
+    loss_on: Literal["final_message", "all_assistant"] = "all_assistant"
 
     def __post_init__(self):
+        _check_literals("warmstart", self)
         _positive("warmstart", self, "epochs", "batch_size", "learning_rate", "max_length")
         _check(self.weight_decay >= 0, "warmstart.weight_decay", ">= 0", self.weight_decay)
 
@@ -245,9 +263,13 @@ class OptimSection:
     # Log-probs in chunks of this many positions from the final hidden states, so no
     # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
     logprob_chunk_size: Optional[int] = None
+    # A step with a non-finite loss or gradient is skipped (parameters and optimizer state
+    # unchanged); this many skipped steps in a row stop the run with a message.
+    max_consecutive_skips: int = 5
 
     def __post_init__(self):
-        _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches", "adam_eps")
+        _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches", "adam_eps",
+                  "max_consecutive_skips")
         for name in ("adam_b1", "adam_b2"):
             _check(0.0 <= getattr(self, name) < 1.0, f"optim.{name}", "in [0, 1)", getattr(self, name))
         if self.logprob_chunk_size is not None:
@@ -337,6 +359,10 @@ class TrainConfig:
     `steps` updates of `rollout.batch_size` trajectories; a checkpoint every
     `checkpoint_every` updates (and at the end) in `output_dir/checkpoints`, keeping
     `keep_checkpoints`; `resume=true` continues from the newest one.
+    The final policy is exported as a HF folder to `output_dir/hf_model`; with
+    `export_every` (a multiple of checkpoint_every) also `output_dir/exports/step_<k>`.
+    `wandb`: also log the metrics to Weights & Biases (`wandb_mode` offline = on disk under
+    `output_dir/wandb`, no account needed; the `wandb` extra).
     """
 
     method: Literal["spopp", "spo", "grpo", "rloo"] = "spopp"
@@ -349,6 +375,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     progress: bool = True
     tensorboard: bool = True
+    export_every: Optional[int] = None
+    wandb: bool = False
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "spopp-jax"
     model: ModelSection = field(default_factory=ModelSection)
     env: EnvSection = field(default_factory=EnvSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
@@ -360,19 +390,25 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     mesh: MeshSection = field(default_factory=MeshSection)
+    math_tir: MathTIRSection = field(default_factory=MathTIRSection)  # env.kind=math_tir only
 
     def __post_init__(self):
         _check_literals("", self)
         _positive("", self, "steps", "checkpoint_every", "keep_checkpoints")
         _check(self.seed >= 0, "seed", ">= 0", self.seed)
         _check(bool(self.output_dir), "output_dir", "non-empty", self.output_dir)
-        if self.env.game_dir is None and self.env.kind == "textworld":
+        if self.env.game_dir is None and self.env.kind in ("textworld", "math_tir"):
             # m in-flight requests per task (SPEC 2: m = 1): enough distinct tasks
             if self.method not in GROUP_METHODS:
                 slots = self.rollout.max_in_flight_per_task * self.env.num_games
                 _check(self.rollout.max_inflight <= slots, "rollout.max_inflight",
                        f"<= rollout.max_in_flight_per_task x env.num_games={slots} "
                        "(in-flight requests per task are bounded)", self.rollout.max_inflight)
+        if self.export_every is not None:
+            _check(self.export_every > 0 and self.export_every % self.checkpoint_every == 0,
+                   "export_every", f"a positive multiple of checkpoint_every="
+                   f"{self.checkpoint_every} (exports are made at checkpoints) or null",
+                   self.export_every)
         _check(self.checkpoint_every % self.rollout.publish_every == 0, "checkpoint_every",
                f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
                "holds exactly the published policy)", self.checkpoint_every)

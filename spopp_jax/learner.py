@@ -49,6 +49,9 @@ __all__ = [
     "make_loss_and_grad",
     "make_train_step",
     "make_sft_step",
+    "update_is_finite",
+    "SkipGuard",
+    "NonFiniteUpdatesError",
 ]
 
 Params = Any  # nested dict of arrays (nnx.to_pure_dict of the model's nnx.Param state)
@@ -74,6 +77,8 @@ class LearnerConfig:
     clipping. ``logprob_chunk_size``: None = log-probs from the full [B, T, V] logits;
     an int C = the LM head and logsumexp run over C positions at a time (rematerialised in
     the backward pass), so at most [B, C, V] logits are live (`chunked_token_logprobs`).
+    ``max_consecutive_skips``: a `SkipGuard` built from this config stops the run after
+    that many train steps in a row skipped for a non-finite loss or gradient.
     """
 
     learning_rate: float = 1e-6
@@ -90,6 +95,7 @@ class LearnerConfig:
     is_cap: float = 2.0
     old_logp_source: Literal["current", "rollout"] = "current"
     logprob_chunk_size: int | None = None
+    max_consecutive_skips: int = 5
 
     def __post_init__(self):
         if self.logprob_chunk_size is not None and not (
@@ -109,6 +115,10 @@ class LearnerConfig:
         if self.old_logp_source not in ("current", "rollout"):
             raise ValueError(
                 f"old_logp_source must be 'current' or 'rollout', got {self.old_logp_source!r}"
+            )
+        if not (isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1):
+            raise ValueError(
+                f"max_consecutive_skips must be an int >= 1, got {self.max_consecutive_skips!r}"
             )
         if not self.learning_rate >= 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
@@ -564,12 +574,73 @@ def make_loss_and_grad(model_def: ModelDef, config: LearnerConfig, objective: st
     )
 
 
-def _apply_update(optimizer, state: TrainState, grads: Params) -> tuple[TrainState, jax.Array]:
+def update_is_finite(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+    """ok = isfinite(loss) ∧ isfinite(‖g‖₂): a NaN or ±inf anywhere in the gradient makes
+    its global norm non-finite, so one scalar test covers every leaf (bool scalar)."""
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+
+def _apply_update(
+    optimizer, state: TrainState, grads: Params, loss: jax.Array
+) -> tuple[TrainState, jax.Array, jax.Array]:
+    """One optimizer step, or none when the loss or the gradient is not finite.
+
+    Returns (state', grad_norm, skipped) with state' = the AdamW-updated state (``step``
+    + 1) when `update_is_finite`, else ``state`` itself, leaf for leaf (params, optimizer
+    moments and count, step): a non-finite loss or gradient never reaches the weights.
+    ``skipped`` is an int32 0/1. Jit-safe: the choice is a `jnp.where` per leaf, no host
+    sync; the caller reads ``skipped`` from the step's metrics (`SkipGuard`).
+    """
     grad_norm = optax.global_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
-    return new_state, grad_norm
+    updated = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
+    ok = update_is_finite(loss, grad_norm)
+    new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+    return new_state, grad_norm, jnp.logical_not(ok).astype(jnp.int32)
+
+
+class NonFiniteUpdatesError(RuntimeError):
+    """Too many train steps in a row had a non-finite loss or gradient (`SkipGuard`)."""
+
+
+@dataclasses.dataclass
+class SkipGuard:
+    """Host-side counter of skipped updates; stops a run that only produces NaN/inf.
+
+    A train step counts as skipped when its ``skipped_updates`` metric is > 0 (with K
+    mini-batches: any of its K optimizer steps was skipped). `observe` raises
+    `NonFiniteUpdatesError` when ``max_consecutive`` train steps in a row were skipped;
+    one clean step resets the streak. ``total`` counts every skipped optimizer step.
+    """
+
+    max_consecutive: int
+    consecutive: int = 0
+    total: int = 0
+
+    @classmethod
+    def from_config(cls, config: LearnerConfig) -> "SkipGuard":
+        return cls(config.max_consecutive_skips)
+
+    def __post_init__(self):
+        if not (isinstance(self.max_consecutive, int) and self.max_consecutive >= 1):
+            raise ValueError(f"max_consecutive must be an int >= 1, got {self.max_consecutive!r}")
+
+    def observe(self, metrics: dict[str, Any]) -> int:
+        """Reads ``metrics["skipped_updates"]`` of one train step; returns the streak."""
+        skipped = int(metrics["skipped_updates"])
+        self.total += skipped
+        self.consecutive = self.consecutive + 1 if skipped > 0 else 0
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteUpdatesError(
+                f"{self.consecutive} train steps in a row had a non-finite loss or gradient "
+                f"(loss={float(metrics.get('loss', float('nan')))!r}, grad_norm="
+                f"{float(metrics.get('grad_norm', float('nan')))!r}); their updates were "
+                "skipped, parameters and optimizer state are those of the last finite step. "
+                "Stopping: check the data (NaN log-probs / advantages), the learning rate "
+                "and the model's dtype"
+            )
+        return self.consecutive
 
 
 def _starting_old_logp(
@@ -629,16 +700,16 @@ def _mini_batch_steps(model_def, config, objective, optimizer, state: TrainState
         loss, grads, tokens, sums = _loss_grads_sums(
             model_def, state.params, mini, config, objective
         )
-        state, grad_norm = _apply_update(optimizer, state, grads)
-        return state, (loss, tokens, sums, grad_norm)
+        state, grad_norm, skipped = _apply_update(optimizer, state, grads, loss)
+        return state, (loss, tokens, sums, grad_norm, skipped)
 
     first = jax.tree.map(lambda x: x[0], mini_batches)
-    _, (_, _, sums_shape, _) = jax.eval_shape(one_step, state, first)
+    _, (_, _, sums_shape, _, _) = jax.eval_shape(one_step, state, first)
     zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
 
     def body(carry, mini):
-        state, loss_sum, tokens_acc, sums_acc, norm_sum, _ = carry
-        state, (loss, tokens, sums, grad_norm) = one_step(state, mini)
+        state, loss_sum, tokens_acc, sums_acc, norm_sum, _, skipped_acc = carry
+        state, (loss, tokens, sums, grad_norm, skipped) = one_step(state, mini)
         # loss = Σ_k / max(N_k, 1), so loss · N_k is the mini-batch's token-sum (0 if empty).
         loss_sum = loss_sum + loss * tokens.astype(jnp.float32)
         carry = (
@@ -648,18 +719,21 @@ def _mini_batch_steps(model_def, config, objective, optimizer, state: TrainState
             combine(sums_acc, sums),
             norm_sum + grad_norm,
             grad_norm,
+            skipped_acc + skipped,
         )
         return carry, None
 
     zero = jnp.zeros((), jnp.float32)
-    init = (state, zero, jnp.zeros((), jnp.int32), zero_sums, zero, zero)
-    (state, loss_sum, tokens, sums, norm_sum, last_norm), _ = jax.lax.scan(
+    zero_int = jnp.zeros((), jnp.int32)
+    init = (state, zero, zero_int, zero_sums, zero, zero, zero_int)
+    (state, loss_sum, tokens, sums, norm_sum, last_norm, skipped), _ = jax.lax.scan(
         body, init, mini_batches
     )
     loss = loss_sum / jnp.maximum(tokens, 1).astype(jnp.float32)
     metrics = _batch_metrics(objective, loss, tokens, sums)
     metrics["grad_norm"] = norm_sum / config.num_mini_batches
     metrics["grad_norm_last"] = last_norm
+    metrics["skipped_updates"] = skipped
     return state, metrics
 
 
@@ -669,9 +743,9 @@ def _make_step(model_def, config, objective, state_sharding, batch_sharding):
     def step(state: TrainState, batch: TrainBatch):
         if config.num_mini_batches > 1:
             return _mini_batch_steps(model_def, config, objective, optimizer, state, batch)
-        _, grads, metrics = loss_and_grads(model_def, state.params, batch, config, objective)
-        new_state, grad_norm = _apply_update(optimizer, state, grads)
-        return new_state, {**metrics, "grad_norm": grad_norm}
+        loss, grads, metrics = loss_and_grads(model_def, state.params, batch, config, objective)
+        new_state, grad_norm, skipped = _apply_update(optimizer, state, grads, loss)
+        return new_state, {**metrics, "grad_norm": grad_norm, "skipped_updates": skipped}
 
     if state_sharding is None and batch_sharding is None:
         return jax.jit(step, donate_argnums=0)
@@ -699,7 +773,11 @@ def make_train_step(
     The ratio is taken against ``batch.old_logp`` when given, else per
     `config.old_logp_source`. Metrics: ``loss``, ``grad_norm`` (before clipping),
     ``tokens`` (global action-token count) and the `policy_loss` metrics aggregated over
-    the whole batch (fractions / means per action token, ``ratio_max``).
+    the whole batch (fractions / means per action token, ``ratio_max``), and
+    ``skipped_updates`` (int32): optimizer steps NOT taken because the loss or the gradient
+    was not finite; such a step leaves params, optimizer state and ``step`` exactly as they
+    were (`_apply_update`); feed the metrics to a `SkipGuard` to stop a run that only
+    produces NaN/inf.
 
     `state_sharding` / `batch_sharding` (pytrees of `Sharding`, e.g. from
     `spopp_jax.sharding`) pin the layouts; without them the inputs' shardings propagate.
@@ -729,7 +807,7 @@ def make_sft_step(
     (SPEC 6 cold start: "loss on the final assistant message only" = its action mask).
     ``rollout_logp`` / ``advantages`` / ``old_logp`` are ignored (pass zeros). Same
     optimizer, micro-batching, mini-batching (K sequential steps, no old policy) and
-    donation as `make_train_step`. Metrics: ``loss``, ``grad_norm``, ``tokens`` (and
-    ``grad_norm_last`` when K > 1).
+    donation and non-finite guard as `make_train_step`. Metrics: ``loss``, ``grad_norm``,
+    ``tokens``, ``skipped_updates`` (and ``grad_norm_last`` when K > 1).
     """
     return _make_step(model_def, config, "sft", state_sharding, batch_sharding)

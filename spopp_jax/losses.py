@@ -27,6 +27,7 @@ from spopp_jax import _checks
 __all__ = [
     "LOG_RATIO_CLAMP",
     "policy_loss",
+    "k3_from_log_ratio",
     "combine_loss_metrics",
     "loss_metric_means",
 ]
@@ -41,6 +42,7 @@ _SUM_KEYS = (
     "dual_clip_count",
     "is_truncated_count",
     "approx_kl_sum",
+    "approx_kl_clipped_sum",
     "importance_weight_sum",
 )
 _MAX_KEYS = ("ratio_max",)
@@ -126,7 +128,12 @@ def policy_loss(
       ``clip_lower_count``: Â < 0 and r < 1 − clip_low (lower clip binds);
       ``dual_clip_count``: Â < 0 and the dual clip binds (max(r, clip(r)) > c);
       ``is_truncated_count``: exp(old_logp − rollout_logp) > is_cap;
-      ``approx_kl_sum``: Σ (r − 1 − log r), the k3 estimator of KL(π_old ‖ π_θ);
+      ``approx_kl_sum``: Σ (r − 1 − log r), the k3 estimator of KL(π_old ‖ π_θ); unbounded
+        in r, so one far-off-policy token can dominate it;
+      ``approx_kl_clipped_sum``: Σ (r_c − 1 − log r_c) with r_c = clip(r, 1 − clip_low,
+        1 + clip_high), k3 on the clipped ratio: each token adds at most
+        max(k3(1 − clip_low), k3(1 + clip_high)) (0.0231 at the defaults), so it reads the
+        bulk of the tokens; it equals ``approx_kl_sum`` when no ratio leaves the clip range;
       ``importance_weight_sum``: Σ w;
       ``ratio_max``: max r over action tokens (0 when there is none).
 
@@ -195,10 +202,19 @@ def _loss_metrics(
         "clip_lower_count": count((adv < 0) & (ratio < 1.0 - clip_low)),
         "dual_clip_count": count(dual),
         "is_truncated_count": count(jax.lax.stop_gradient(raw_weight) > is_cap),
-        "approx_kl_sum": jnp.sum(jnp.where(mask, ratio - 1.0 - log_ratio, zero)),
+        "approx_kl_sum": jnp.sum(jnp.where(mask, k3_from_log_ratio(log_ratio), zero)),
+        "approx_kl_clipped_sum": jnp.sum(
+            jnp.where(mask, k3_from_log_ratio(jnp.log(clipped_ratio)), zero)
+        ),
         "importance_weight_sum": jnp.sum(jnp.where(mask, is_weight, zero)),
         "ratio_max": jnp.max(jnp.where(mask, ratio, zero)),
     }
+
+
+def k3_from_log_ratio(log_ratio: jax.Array) -> jax.Array:
+    """k3 = r − 1 − log r with r = exp(log_ratio), elementwise (Schulman's low-variance
+    KL estimator, >= 0, 0 at r = 1). Callers clamp ``log_ratio`` before calling."""
+    return jnp.exp(log_ratio) - 1.0 - log_ratio
 
 
 def combine_loss_metrics(
@@ -216,7 +232,8 @@ def loss_metric_means(
     """Turn (globally aggregated) metric sums into per-action-token means/fractions.
 
     ``clip_upper_frac`` = clip_upper_count / token_count, likewise ``clip_lower_frac``,
-    ``dual_clip_frac``, ``is_truncated_frac``, ``approx_kl`` and ``importance_weight_mean``;
+    ``dual_clip_frac``, ``is_truncated_frac``, ``approx_kl``, ``approx_kl_clipped`` and
+    ``importance_weight_mean``;
     ``ratio_max`` passes through. A zero token count gives zeros, not NaN.
     """
     denom = jnp.maximum(jnp.asarray(token_count, jnp.float32), 1.0)
@@ -226,6 +243,7 @@ def loss_metric_means(
         "dual_clip_count": "dual_clip_frac",
         "is_truncated_count": "is_truncated_frac",
         "approx_kl_sum": "approx_kl",
+        "approx_kl_clipped_sum": "approx_kl_clipped",
         "importance_weight_sum": "importance_weight_mean",
     }
     out = {new: jnp.asarray(metrics[old], jnp.float32) / denom for old, new in names.items()}

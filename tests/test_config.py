@@ -204,6 +204,8 @@ def test_every_train_config_field_is_read_by_exactly_one_component():
         readers.setdefault(path, []).append("engine")
     for path in c.JOB_FIELDS:
         readers.setdefault(path, []).append("train.py")
+    for path in c.WANDB_FIELDS:
+        readers.setdefault(path, []).append("wandb_sinks")
     leaves = c.leaf_paths(TrainConfig)
     for path in leaves:
         section = path.split(".")[0]
@@ -225,7 +227,7 @@ def test_section_owners_really_read_each_field_of_their_section():
 
     owners = {"model": [components.model_folder, components.tiny_model_shape, components.load_policy,
                         components.check_inputs],
-              "mesh": [components.build_mesh], "env": [kinds.textworld_bundle, kinds.math_tir_unavailable],
+              "mesh": [components.build_mesh], "env": [kinds.build_env, kinds.textworld_bundle, kinds.math_tir_bundle, kinds.alfworld_bundle],
               "warmstart": [job.run_warmstart], "prior": [job.run_prior]}
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for section, functions in owners.items():

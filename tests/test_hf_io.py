@@ -139,7 +139,7 @@ def test_every_parameter_has_a_partition_rule():
     assert partition_spec("lm_head.kernel") == P("fsdp", "tensor")
     assert partition_spec("model.layers.0.self_attn.k_norm.scale") == P()
     with pytest.raises(ValueError, match="no partition rule"):
-        partition_spec("model.layers.0.linear_attn.A_log")
+        partition_spec("model.layers.0.linear_attn.unknown_parameter")
 
 
 def test_fit_spec_drops_axes_that_do_not_divide():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import sys
 import uuid
@@ -206,11 +207,15 @@ def parse_completion(payload: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple
     named = tuple(int(str(t).split("token_id:")[-1]) for t in tokens)
     if tokens and named != token_ids:
         raise ValueError(f"logprob tokens {named} disagree with token_ids {token_ids}")
+    logprob_values = tuple(float(v) for v in values)
+    for position, value in enumerate(logprob_values):
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite log-prob {value} at position {position}")
     reason = choice.get("finish_reason")
     finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(reason)
     if finish is None:
         raise ValueError(f"unknown finish_reason {reason!r}")
-    return token_ids, tuple(float(v) for v in values), finish
+    return token_ids, logprob_values, finish
 
 
 def rpc_agreed_int(payload: Mapping[str, Any]) -> int:

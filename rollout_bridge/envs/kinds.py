@@ -1,7 +1,8 @@
 """Environment kinds for ``train.py``: ``env.kind`` name -> builder of its task sets.
 
-A builder takes the ``env`` config section (plus whether warm-start demonstrations are
-wanted and a progress flag) and returns an :class:`EnvBundle`. A new kind (e.g.
+A builder takes the job config (it reads the ``env`` section and its kind's own section,
+e.g. ``math_tir``; plus whether warm-start demonstrations are wanted and a progress flag)
+and returns an :class:`EnvBundle`. A new kind (e.g.
 ``math_tir``, an ALFWorld game generator) is one builder and one ``register_env_kind``
 line (and its name in ``EnvSection.kind``'s Literal).
 """
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from rollout_bridge.envs.base import EnvFactory
+from spopp_jax.run_errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,11 @@ class EnvBundle:
     it per episode; max_turns: the episode turn limit; warm: a task set with
     ``demonstration(t)`` (teacher (observation, reply) pairs) for the warm-start SFT, or
     None; held_out: a task set for evaluation, None = evaluate on ``train``; corpus:
-    texts for a locally trained tiny tokenizer.
+    texts for a locally trained tiny tokenizer; chat_tools: tool schemas handed to the chat
+    template (None: no tools); extra_evals: name -> (task set, env factory) of additional
+    evaluations of the policy before and after RL (e.g. ALFWorld's held-out games, Math-TIR
+    with the tool disabled); close:
+    releases what the kind started (sandbox workers, verifier processes).
     """
 
     train: Any
@@ -34,6 +40,9 @@ class EnvBundle:
     corpus: Callable[[], Sequence[str]]
     warm: Any | None = None
     held_out: Any | None = None
+    chat_tools: Sequence[Mapping[str, Any]] | None = None
+    extra_evals: Mapping[str, tuple[Any, EnvFactory]] = dataclasses.field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
 
     @property
     def num_tasks(self) -> int:
@@ -45,7 +54,8 @@ _ENV_KINDS: dict[str, EnvBuilder] = {}
 
 
 def register_env_kind(name: str, builder: EnvBuilder) -> None:
-    """``builder(env_section, with_demonstrations, log, progress) -> EnvBundle``."""
+    """``builder(cfg, with_demonstrations, log, progress) -> EnvBundle`` (``cfg`` the job's
+    TrainConfig: ``cfg.env`` and the kind's own section)."""
     _ENV_KINDS[name] = builder
 
 
@@ -53,13 +63,13 @@ def env_kinds() -> tuple[str, ...]:
     return tuple(_ENV_KINDS)
 
 
-def build_env(env_section, with_demonstrations: bool, log: Callable[[str], None] = print,
+def build_env(cfg, with_demonstrations: bool, log: Callable[[str], None] = print,
               progress: bool = False) -> EnvBundle:
-    """The bundle of ``env_section.kind``; SystemExit naming the field when unknown."""
-    if env_section.kind not in _ENV_KINDS:
-        raise SystemExit(f"env.kind={env_section.kind!r} is not available in this build "
-                         f"(registered kinds: {list(_ENV_KINDS)})")
-    return _ENV_KINDS[env_section.kind](env_section, with_demonstrations, log, progress)
+    """The bundle of ``cfg.env.kind``; UserError naming the field when unknown."""
+    if cfg.env.kind not in _ENV_KINDS:
+        raise UserError(f"env.kind={cfg.env.kind!r} is not available in this build "
+                        f"(registered kinds: {list(_ENV_KINDS)})")
+    return _ENV_KINDS[cfg.env.kind](cfg, with_demonstrations, log, progress)
 
 
 class _GenerationBar:
@@ -93,14 +103,16 @@ def _generated(spec, data_dir: str, progress: bool, what: str, disjoint_from=())
         bar.close()
 
 
-def textworld_bundle(env, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
+def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
     """TextWorld: ``env.game_dir`` (your own games, e.g. ALFWorld's) or a seeded generated
     set; warm-start walkthroughs from a generated set disjoint from the training games."""
     from rollout_bridge.envs import textworld_games as games
     from rollout_bridge.envs.textworld_env import ObservationStyle, TextWorldEnv, TextWorldTasks
 
+    env = cfg.env
+
     if env.game_dir is not None and not Path(env.game_dir).is_dir():
-        raise SystemExit(f"input error: env.game_dir={env.game_dir!r} does not exist. For "
+        raise UserError(f"env.game_dir={env.game_dir!r} does not exist. For "
                          "ALFWorld: `pip install alfworld && alfworld-download`, then point "
                          "env.game_dir at $ALFWORLD_DATA/json_2.1.1/train")
     style = ObservationStyle(env.max_feedback_chars, env.numbered_actions)
@@ -120,7 +132,7 @@ def textworld_bundle(env, with_demonstrations: bool, log: Callable[[str], None],
     warm = None
     if with_demonstrations and env.warmstart_games > 0:
         if env.game_dir is not None:
-            raise SystemExit("warmstart.enabled with env.game_dir: the warm start uses generated "
+            raise UserError("warmstart.enabled with env.game_dir: the warm start uses generated "
                              "TextWorld games; set warmstart.enabled=false for your own games")
         warm_spec = games.GameSetSpec("warmstart", env.warmstart_games, env.warmstart_seed, env.world_size,
                                       env.nb_objects, env.quest_length)
@@ -138,14 +150,81 @@ def textworld_bundle(env, with_demonstrations: bool, log: Callable[[str], None],
                      corpus=corpus, warm=warm)
 
 
-def math_tir_unavailable(env, with_demonstrations: bool, log, progress) -> EnvBundle:
-    """Placeholder until the Math-TIR environment (sandboxed Python tool) lands."""
-    if not Path(env.data_dir).is_dir():
-        raise SystemExit(f"input error: env.data_dir={env.data_dir!r} does not exist: "
-                         "put the DAPO-Math-17K prompts and the cold-start SFT data there")
-    raise SystemExit("env.kind='math_tir': the Math-TIR environment (sandboxed Python "
-                     "tool) is not part of this build")
+def math_tir_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
+    """Math-TIR (SPEC 6): ``math_tir.source`` arithmetic (seeded problems + scripted teacher)
+    or dapo (DAPO-Math-17K parquet files in ``env.data_dir`` + a filtered teacher JSONL);
+    the model's Python runs in the tool sandbox; ``env.max_turns`` tool calls, then one
+    more turn for the final answer, scored by math-verify. Also evaluated with the tool
+    disabled (``extra_evals["no_tool"]``)."""
+    from rollout_bridge.envs.math_tir import build_math_tir
+    from rollout_bridge.envs.math_tir.tool_format import PYTHON_TOOL_SCHEMA
+
+    env, section = cfg.env, cfg.math_tir
+    if section.source == "dapo" and not Path(env.data_dir).is_dir():
+        raise UserError(f"env.data_dir={env.data_dir!r} does not exist: put the DAPO-Math-17K "
+                        "prompts and the cold-start SFT data there")
+    log(f"math_tir: {section.source} tasks, sandboxed Python tool ({section.sandbox.num_workers} warm workers)")
+    setup = build_math_tir(env, section, cfg.seed, with_teacher=with_demonstrations)
+    return EnvBundle(train=setup.train, env_factory=setup.env_factory(), max_turns=env.max_turns + 1,
+                     corpus=setup.corpus, warm=setup.demonstrations,
+                     chat_tools=[PYTHON_TOOL_SCHEMA] if section.tool_format == "qwen" else None,
+                     extra_evals={"no_tool": (setup.train, setup.env_factory(tools_enabled=False))},
+                     close=setup.close)
+
+
+def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
+    """ALFWorld (docs/ALFWORLD.md): games generated from the alfworld package's own domain,
+    layouts and goal templates (``env.game_dir`` null), or downloaded game folders
+    (``env.game_dir``, ``env.heldout_dir``); held-out games never trained on are evaluated
+    before and after RL (``extra_evals["heldout"]``)."""
+    import importlib.util
+    import os
+
+    env = cfg.env
+    missing = [m for m in ("alfworld", "fast_downward") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"env.kind='alfworld' needs {', '.join(missing)}: pip install 'alfworld==0.4.2' "
+                        "'textworld[pddl]'")
+    for field, folder in (("env.game_dir", env.game_dir), ("env.heldout_dir", env.heldout_dir)):
+        if folder is not None and not Path(folder).is_dir():
+            raise UserError(f"{field}={folder!r} does not exist")
+    from rollout_bridge.envs import alfworld_tasks
+
+    config = alfworld_tasks.AlfworldTaskConfig(
+        game_dir=env.game_dir, heldout_dir=env.heldout_dir, data_dir=env.data_dir, num_games=env.num_games,
+        game_seed=env.game_seed, heldout_games=env.heldout_games, heldout_seed=env.heldout_seed,
+        warmstart_games=env.warmstart_games if with_demonstrations else 0, warmstart_seed=env.warmstart_seed,
+        max_distractors=env.max_distractors, max_receptacles=env.max_receptacles, max_turns=env.max_turns,
+        max_feedback_chars=env.max_feedback_chars, numbered_actions=env.numbered_actions,
+        workers=max(1, min(2, os.cpu_count() or 1)))
+    log(f"ALFWorld games in {env.data_dir} (generated once, then reused)" if env.game_dir is None
+        else f"ALFWorld games from {env.game_dir}")
+    bars: list[_GenerationBar] = []
+
+    def bar(name: str) -> _GenerationBar:
+        bars.append(_GenerationBar(f"ALFWorld {name} games", progress))
+        return bars[-1]
+
+    try:
+        sets = alfworld_tasks.build_task_sets(config, bar)
+    finally:
+        for made in bars:
+            made.close()
+    held = sets.heldout
+    log(f"ALFWorld tasks: {sets.train.num_tasks} train, {0 if held is None else held.num_tasks} held-out, "
+        f"{0 if sets.warm is None else sets.warm.num_tasks} warm-start")
+
+    def corpus() -> list[str]:
+        texts = [sets.train.episode(t).reset() for t in range(sets.train.num_tasks)]
+        if sets.warm is not None:
+            texts += [f"{obs}\n{reply}" for t in range(sets.warm.num_tasks) for obs, reply in sets.warm.demonstration(t)]
+        return texts
+
+    extra = {} if held is None else {"heldout": (held, alfworld_tasks.env_factory(held))}
+    return EnvBundle(train=sets.train, env_factory=alfworld_tasks.env_factory(sets.train), max_turns=env.max_turns,
+                     corpus=corpus, warm=sets.warm, held_out=held, extra_evals=extra)
 
 
 register_env_kind("textworld", textworld_bundle)
-register_env_kind("math_tir", math_tir_unavailable)
+register_env_kind("alfworld", alfworld_bundle)
+register_env_kind("math_tir", math_tir_bundle)

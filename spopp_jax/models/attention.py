@@ -1,7 +1,11 @@
-"""Grouped-query self-attention with optional q/k RMSNorm (Qwen3) or qkv bias (Qwen2).
+"""Grouped-query self-attention with optional q/k RMSNorm (Qwen3) or qkv bias (Qwen2), and
+Qwen3.5's output gate and partial rotary.
 
   q = RoPE(q_norm(x Wq)), k = RoPE(k_norm(x Wk)), v = x Wv
   out = softmax(q k^T / sqrt(head_dim) + mask) v, then o_proj.
+Qwen3.5 (`config.attention_output_gate`): x Wq yields [query | gate] per head (2 head_dim),
+out = o_proj(attended * sigmoid(gate)); RoPE rotates only the first `config.rotary_dim`
+dims of each head; q/k norms are zero-centred (`OffsetRMSNorm`).
 The same module serves the full forward (`__call__`) and cached decode (`decode`): decode
 first writes this call's k/v at their positions, then attends over the whole cache.
 Calls longer than `chunk_size` queries attend chunk by chunk (`chunked_attention`).
@@ -15,8 +19,8 @@ from flax import nnx
 
 from spopp_jax.models.cache import AttentionCache, write_at_positions
 from spopp_jax.models.config import ModelConfig
-from spopp_jax.models.layers import (Linear, RMSNorm, apply_rope, grouped_query_attention,
-                                     rope_inverse_frequencies)
+from spopp_jax.models.layers import (Linear, OffsetRMSNorm, RMSNorm, apply_rope,
+                                     grouped_query_attention, rope_inverse_frequencies)
 from spopp_jax.models.masks import TokenLayout, mask_block
 
 # Queries per attention block: longer calls scan over query chunks of this size, so the
@@ -70,9 +74,11 @@ class Attention(nnx.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.output_gate = config.attention_output_gate
         hidden, head_dim = config.hidden_size, config.head_dim
-        self.q_proj = Linear(hidden, self.num_heads * head_dim, use_bias=config.qkv_bias,
-                             dtype=dtype, rngs=rngs)
+        query_width = self.num_heads * head_dim * (2 if self.output_gate else 1)
+        self.q_proj = Linear(hidden, query_width, use_bias=config.qkv_bias, dtype=dtype,
+                             rngs=rngs)
         self.k_proj = Linear(hidden, self.num_kv_heads * head_dim, use_bias=config.qkv_bias,
                              dtype=dtype, rngs=rngs)
         self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, use_bias=config.qkv_bias,
@@ -80,41 +86,52 @@ class Attention(nnx.Module):
         self.o_proj = Linear(self.num_heads * head_dim, hidden, use_bias=config.o_bias,
                              dtype=dtype, rngs=rngs)
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, dtype=dtype)
+            norm_class = OffsetRMSNorm if config.zero_centered_norms else RMSNorm
+            self.q_norm = norm_class(head_dim, eps=config.rms_norm_eps, dtype=dtype)
+            self.k_norm = norm_class(head_dim, eps=config.rms_norm_eps, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rope = (config.rope_theta, config.rope_type, config.rope_factor)
+        self.rope = (config.rotary_dim, config.rope_theta, config.rope_type,
+                     config.rope_factor)
 
     def init_cache(self, batch_size: int, max_len: int, dtype) -> AttentionCache:
         return AttentionCache.zeros(batch_size, max_len, self.num_kv_heads, self.head_dim, dtype)
 
     def _project(self, x: jax.Array, positions: jax.Array):
-        """q [B, T, K, G, D], k and v [B, T, K, D], rotary applied at `positions`."""
+        """q [B, T, K, G, D], k and v [B, T, K, D] (rotary applied at `positions`), and the
+        output gate [B, T, H * D] (None without `output_gate`)."""
         batch, time, _ = x.shape
-        q = self.q_proj(x).reshape(batch, time, self.num_heads, self.head_dim)
+        q = self.q_proj(x).reshape(batch, time, self.num_heads, -1)
+        gate = None
+        if self.output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)
+            gate = gate.reshape(batch, time, self.num_heads * self.head_dim)
         k = self.k_proj(x).reshape(batch, time, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, time, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inverse_frequencies(self.head_dim, *self.rope)
+        inv_freq = rope_inverse_frequencies(*self.rope)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         groups = self.num_heads // self.num_kv_heads
-        return q.reshape(batch, time, self.num_kv_heads, groups, self.head_dim), k, v
+        q = q.reshape(batch, time, self.num_kv_heads, groups, self.head_dim)
+        return q, k, v, gate
 
-    def _output(self, attended: jax.Array) -> jax.Array:
+    def _output(self, attended: jax.Array, gate: jax.Array | None) -> jax.Array:
         batch, time = attended.shape[:2]
-        return self.o_proj(attended.reshape(batch, time, self.num_heads * self.head_dim))
+        attended = attended.reshape(batch, time, self.num_heads * self.head_dim)
+        if gate is not None:
+            attended = attended * jax.nn.sigmoid(gate).astype(attended.dtype)
+        return self.o_proj(attended)
 
     def __call__(self, x: jax.Array, layout: TokenLayout) -> jax.Array:
-        q, k, v = self._project(x, layout.positions)
-        return self._output(chunked_attention(q, k, v, layout, self.chunk_size))
+        q, k, v, gate = self._project(x, layout.positions)
+        return self._output(chunked_attention(q, k, v, layout, self.chunk_size), gate)
 
     def decode(self, x: jax.Array, layout: TokenLayout,
                cache: AttentionCache) -> tuple[jax.Array, AttentionCache]:
-        q, k, v = self._project(x, layout.positions)
+        q, k, v, gate = self._project(x, layout.positions)
         cache = AttentionCache(key=write_at_positions(cache.key, k, layout.positions),
                                value=write_at_positions(cache.value, v, layout.positions))
         attended = chunked_attention(q.astype(cache.key.dtype), cache.key, cache.value, layout,
                                      self.chunk_size)
-        return self._output(attended.astype(x.dtype)), cache
+        return self._output(attended.astype(x.dtype), gate), cache

@@ -1,8 +1,9 @@
 """Decode-time caches: one pytree per layer, so layer types can keep different state.
 
 `KVCache` is a tuple with one entry per decoder layer. Attention layers hold an
-`AttentionCache` (keys/values indexed by absolute position); a future linear-attention
-(Gated DeltaNet) layer would hold its recurrent state in its own dataclass.
+`AttentionCache` (keys/values indexed by absolute position); Gated DeltaNet layers hold a
+`LinearAttentionCache` (the conv window and the recurrent state after the row's last token:
+constant size, whatever the context length). Every leaf has the slot (batch) axis first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,23 @@ class AttentionCache:
         return self.key.shape[1]
 
 
-KVCache = tuple  # tuple[AttentionCache | <other layer state>, ...], one per layer
+@struct.dataclass
+class LinearAttentionCache:
+    """conv: [batch, kernel - 1, conv_dim], the row's last kernel - 1 conv inputs (zeros
+    where the run is shorter); state: [batch, heads, key_dim, value_dim] float32, the delta
+    rule state S after the row's last token."""
+
+    conv: jax.Array
+    state: jax.Array
+
+    @classmethod
+    def zeros(cls, batch_size: int, kernel_size: int, conv_dim: int, heads: int, key_dim: int,
+              value_dim: int, dtype) -> "LinearAttentionCache":
+        return cls(conv=jnp.zeros((batch_size, kernel_size - 1, conv_dim), dtype),
+                   state=jnp.zeros((batch_size, heads, key_dim, value_dim), jnp.float32))
+
+
+KVCache = tuple  # tuple[AttentionCache | LinearAttentionCache, ...], one per layer
 
 
 def write_at_positions(buffer: jax.Array, update: jax.Array, positions: jax.Array) -> jax.Array:

@@ -5,7 +5,14 @@ Name mapping (our nnx path -> HF tensor name):
   <prefix>.embedding -> <prefix>.weight
   <prefix>.scale     -> <prefix>.weight
   <prefix>.bias      -> <prefix>.bias
+  <prefix>.weight, <prefix>.dt_bias, <prefix>.A_log -> the same name, stored in HF layout
+      (zero-centred norms, the Gated DeltaNet conv kernel [C, 1, K] and decay parameters)
 With tied embeddings there is no `lm_head` parameter; a stored `lm_head.weight` is ignored.
+
+A Qwen3.5 ConditionalGeneration checkpoint (the released multimodal folders) stores the text
+model under `model.language_model.`; it is read from there, and its vision tower
+(`model.visual.*`) and multi-token-prediction head (`mtp.*`) are skipped with one logged
+line. `save_pretrained` always writes the CausalLM layout (`Qwen3_5ForCausalLM`).
 
 Loading never materialises the model on one device: each parameter is built with
 `jax.make_array_from_callback` for its target sharding, and the callback reads only the
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from typing import Any, Iterator
@@ -26,7 +34,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors' 
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from spopp_jax.models.attention import DEFAULT_ATTENTION_CHUNK
@@ -39,6 +47,13 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # Tensors some checkpoints carry that the model does not use.
 _IGNORABLE = re.compile(r"(rotary_emb\.inv_freq$)")
+# Multimodal (ConditionalGeneration) checkpoints: the text model's prefix, and the tensors
+# of other parts that the text model does not use.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+_NOT_TEXT_MODEL = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)")
+_log = logging.getLogger(__name__)
+# Parameters kept with their HF name and layout.
+_HF_LAYOUT_LEAVES = ("weight", "dt_bias", "A_log")
 
 
 def hf_tensor_name(param_name: str) -> tuple[str, bool]:
@@ -48,8 +63,8 @@ def hf_tensor_name(param_name: str) -> tuple[str, bool]:
         return f"{prefix}.weight", True
     if leaf in ("embedding", "scale"):
         return f"{prefix}.weight", False
-    if leaf == "bias":
-        return f"{prefix}.bias", False
+    if leaf in ("bias",) + _HF_LAYOUT_LEAVES:
+        return param_name, False
     raise ValueError(f"no HF name for parameter {param_name!r}")
 
 
@@ -72,8 +87,35 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.exists(single):
         raise FileNotFoundError(f"neither {INDEX_FILE} nor {SINGLE_FILE} in {path}")
-    with safe_open(single, framework="numpy") as f:
+    with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}
+
+
+def _open_safetensors(file: str):
+    """`safe_open(file)`; a truncated / corrupt file raises ValueError naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a readable safetensors file ({error}); "
+                         "re-copy or re-download it") from None
+
+
+def _check_float_tensor(file: str, name: str, tensor_slice) -> None:
+    """Parameters are floating point; an integer / bool tensor is a corrupt checkpoint
+    (it would otherwise be silently cast)."""
+    stored = tensor_slice.get_dtype()
+    if not (stored.startswith("F") or stored.startswith("BF")):
+        raise ValueError(f"{name} in {file} has dtype {stored}, not a floating dtype")
+
+
+def _read_model_config(path: str) -> ModelConfig:
+    """`ModelConfig.from_hf(path)`; an unreadable / inconsistent config.json raises
+    ValueError naming the file."""
+    try:
+        return ModelConfig.from_hf(path)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{os.path.join(path, 'config.json')}: {type(error).__name__}: "
+                         f"{error}") from error
 
 
 def _slice_reader(tensor_slice, transposed: bool, dtype: np.dtype):
@@ -97,6 +139,7 @@ def load_parameters(path: str, config: ModelConfig, dtype="float32", mesh: Mesh 
     """
     graphdef, abstract_state = abstract_model(config, dtype, **model_options)
     files = _checkpoint_files(path)
+    stored_name = _stored_name_function(files)
     shardings = (parameter_shardings(abstract_state, mesh) if mesh is not None else
                  jax.tree_util.tree_map(lambda _: SingleDeviceSharding(jax.devices()[0]),
                                         abstract_state))
@@ -106,12 +149,14 @@ def load_parameters(path: str, config: ModelConfig, dtype="float32", mesh: Mesh 
 
         def load(key_path, leaf, sharding):
             name, transposed = hf_tensor_name(path_name(key_path))
+            name = stored_name(name)
             if name not in files:
                 raise KeyError(f"checkpoint {path} has no tensor {name!r}")
             file = files[name]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+                handles[file] = stack.enter_context(_open_safetensors(file))
             tensor_slice = handles[file].get_slice(name)
+            _check_float_tensor(file, name, tensor_slice)
             stored_shape = tuple(tensor_slice.get_shape())
             expected = tuple(reversed(leaf.shape)) if transposed else tuple(leaf.shape)
             if stored_shape != expected:
@@ -122,10 +167,30 @@ def load_parameters(path: str, config: ModelConfig, dtype="float32", mesh: Mesh 
                 leaf.shape, sharding, _slice_reader(tensor_slice, transposed, leaf.dtype))
 
         state = jax.tree_util.tree_map_with_path(load, abstract_state, shardings)
-    unexpected = [n for n in files if n not in used and not _ignorable(n, config)]
+    _log_skipped(path, [n for n in files if _NOT_TEXT_MODEL.match(n)])
+    unexpected = [n for n in files if n not in used and not _ignorable(n, config)
+                  and not _NOT_TEXT_MODEL.match(n)]
     if unexpected:
         raise ValueError(f"checkpoint tensors with no model parameter: {sorted(unexpected)[:8]}")
     return graphdef, state
+
+
+def _stored_name_function(files: dict[str, str]):
+    """HF CausalLM name -> name in this checkpoint: `model.X` is stored as
+    `model.language_model.X` in a ConditionalGeneration checkpoint (lm_head unchanged)."""
+    if not any(name.startswith(LANGUAGE_MODEL_PREFIX) for name in files):
+        return lambda name: name
+    return lambda name: (LANGUAGE_MODEL_PREFIX + name[len("model."):]
+                         if name.startswith("model.") else name)
+
+
+def _log_skipped(path: str, skipped: list[str]) -> None:
+    if not skipped:
+        return
+    groups = sorted({".".join(name.split(".")[:2 if name.startswith("model.") else 1])
+                     for name in skipped})
+    _log.info("%s: skipped %d tensors outside the text model (%s)", path, len(skipped),
+              ", ".join(f"{group}.*" for group in groups))
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
@@ -140,7 +205,7 @@ def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None, remat:
     `torch_dtype`) and, given `mesh` (Auto axis types,
     axes "fsdp" / "tensor"), sharded by the partition rules. `remat=True` recomputes
     each layer in the backward pass; `attention_chunk_size` queries per attention block."""
-    config = ModelConfig.from_hf(path)
+    config = _read_model_config(path)
     if dtype is None:
         dtype = checkpoint_dtype(config)
     graphdef, state = load_parameters(path, config, dtype, mesh, remat=remat,

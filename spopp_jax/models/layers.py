@@ -5,6 +5,7 @@ Parameter layouts (the HF <-> JAX mapping in `hf_io.py` relies on them):
   Linear.bias    [out]
   Embed.embedding [vocab, hidden]
   RMSNorm.scale  [dim]
+  OffsetRMSNorm.weight [dim]   (HF layout and name: y = n(x) (1 + weight))
 
 Compute dtype = parameter dtype; norms, rotary angles and softmax run in float32.
 """
@@ -70,6 +71,45 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
+class OffsetRMSNorm(nnx.Module):
+    """Zero-centred RMSNorm (Qwen3.5): y = (x / sqrt(mean(x^2) + eps)) * (1 + weight).
+
+    `weight` is stored as in HF (an offset, initialised to 0); all in float32, result in
+    x.dtype (as transformers' Qwen3_5RMSNorm).
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        normed = _normalise(x.astype(jnp.float32), self.eps)
+        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """Gated DeltaNet output norm: y = scale * rmsnorm(x) * silu(gate).
+
+    As transformers' Qwen3_5RMSNormGated: normalise in float32, cast to x.dtype, multiply
+    by `scale`, then by silu(float32 gate); result in x.dtype.
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        if gate.shape != x.shape:
+            raise ValueError(f"gate {gate.shape} must match x {x.shape}")
+        normed = self.scale[...] * _normalise(x.astype(jnp.float32), self.eps).astype(x.dtype)
+        return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def _normalise(x32: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) over the last axis (float32 in, float32 out)."""
+    return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis: scale * x / sqrt(mean(x^2) + eps).
 
@@ -78,15 +118,14 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """
     if scale.shape != x.shape[-1:]:
         raise ValueError(f"scale: shape {scale.shape} does not match x's last axis {x.shape}")
-    x32 = x.astype(jnp.float32)
-    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
+    normed = _normalise(x.astype(jnp.float32), eps).astype(x.dtype)
     return (scale * normed).astype(x.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, rope_theta: float, rope_type: str = "default",
                              rope_factor: float = 1.0) -> jax.Array:
-    """inv_freq[i] = 1 / theta^(2i / head_dim), i < head_dim / 2 (float32).
+    """inv_freq[i] = 1 / theta^(2i / head_dim), i < head_dim / 2 (float32). For partial
+    rotary pass the rotary dims as `head_dim` (transformers does the same).
 
     rope_type "linear" divides the frequencies by `rope_factor` (position interpolation).
     """
@@ -100,21 +139,25 @@ def rope_inverse_frequencies(head_dim: int, rope_theta: float, rope_type: str = 
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, "rotate half" layout (as transformers' Qwen3).
+    """Rotary embedding, "rotate half" layout (as transformers' Qwen3 / Qwen3.5).
 
-    x: [B, T, heads, D]; positions: [B, T] int; inv_freq: [D/2].
-    angle = position * inv_freq;  with x = (x1, x2) the two halves of the head dim:
-    out = (x1 cos - x2 sin, x2 cos + x1 sin). Angles and products in float32.
+    x: [B, T, heads, D]; positions: [B, T] int; inv_freq: [R/2], R <= D the rotary dims.
+    angle = position * inv_freq;  with (x1, x2) the two halves of the first R dims:
+    out = (x1 cos - x2 sin, x2 cos + x1 sin, x[R:]) (partial rotary: the last D - R dims
+    pass unchanged). Angles and products in float32.
     """
     if x.ndim != 4 or positions.shape != x.shape[:2]:
         raise ValueError(f"x must be [B, T, heads, D] and positions [B, T]; got {x.shape}, "
                          f"{positions.shape}")
-    if inv_freq.shape != (x.shape[-1] // 2,):
+    rotary_dim = 2 * inv_freq.shape[0]
+    if inv_freq.ndim != 1 or rotary_dim > x.shape[-1]:
         raise ValueError(f"inv_freq: shape {inv_freq.shape}, head_dim {x.shape[-1]}")
-    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
+    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, R/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32[..., :rotary_dim], 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin,
+                               x32[..., rotary_dim:]], axis=-1)
     return rotated.astype(x.dtype)
 
 

@@ -53,6 +53,13 @@ def may_attend(layout: TokenLayout) -> jax.Array:
                       layout.key_segment)
 
 
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] bool: token t begins a contiguous segment (t = 0 or its id differs from
+    t - 1's)."""
+    return jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def default_positions(token_valid: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Number of earlier real tokens in the same (contiguous) segment: left padding and
     every packed segment start at position 0; padding gets the last real position (>= 0).
@@ -62,8 +69,7 @@ def default_positions(token_valid: jax.Array, segment_ids: jax.Array) -> jax.Arr
     """
     valid = token_valid.astype(jnp.int32)
     count = jnp.cumsum(valid, axis=1)
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = segment_starts(segment_ids)
     base = jax.lax.cummax(jnp.where(starts, count - valid, 0), axis=1)
     return jnp.maximum(count - base - 1, 0)
 

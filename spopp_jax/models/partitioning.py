@@ -7,6 +7,11 @@
   q/k/v bias             [out]             -> (tensor,)
   o/down kernel          [in, out]         -> (tensor, fsdp)   input dim on tensor
   o bias, norm scales                      -> replicated
+Gated DeltaNet (Qwen3.5 linear_attn):
+  in_proj_qkv/z/b/a kernel [in, out]       -> (fsdp, tensor)   output dim on tensor
+  out_proj kernel        [in, out]         -> (tensor, fsdp)   input dim on tensor
+  conv1d.weight          [channels, 1, K]  -> (tensor,)        channels as in_proj_qkv out
+  dt_bias, A_log [heads], norm weights     -> replicated
 A parameter that matches no rule raises ValueError (new parameters need a rule).
 """
 
@@ -29,7 +34,11 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"(q_proj|k_proj|v_proj)\.bias$", P(TENSOR)),
     (r"(o_proj|down_proj)\.kernel$", P(TENSOR, FSDP)),
     (r"o_proj\.bias$", P()),
-    (r"(norm|layernorm)\.scale$", P()),
+    (r"(norm|layernorm)\.(scale|weight)$", P()),
+    (r"in_proj_(qkv|z|b|a)\.kernel$", P(FSDP, TENSOR)),
+    (r"out_proj\.kernel$", P(TENSOR, FSDP)),
+    (r"conv1d\.weight$", P(TENSOR)),
+    (r"\.(dt_bias|A_log)$", P()),
 )
 
 

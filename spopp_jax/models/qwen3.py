@@ -1,4 +1,5 @@
-"""Qwen3 / Qwen2 causal LM in Flax NNX (module tree mirrors transformers' names).
+"""Qwen3 / Qwen2 / Qwen3.5 (text) causal LM in Flax NNX (module tree mirrors transformers'
+names).
 
   h_0 = embed(input_ids)
   h_{l+1} = h_l' + mlp(norm2(h_l')),  h_l' = h_l + mixer_l(norm1(h_l))
@@ -19,11 +20,19 @@ from flax import nnx
 from spopp_jax.models.attention import DEFAULT_ATTENTION_CHUNK, Attention
 from spopp_jax.models.cache import AttentionCache, KVCache
 from spopp_jax.models.config import ModelConfig
-from spopp_jax.models.layers import Embed, Linear, RMSNorm, SwiGLU
+from spopp_jax.models.gated_deltanet import GatedDeltaNet
+from spopp_jax.models.layers import Embed, Linear, OffsetRMSNorm, RMSNorm, SwiGLU
 from spopp_jax.models.masks import TokenLayout, cached_layout, sequence_layout
 
 # layer type -> (HF attribute name, mixer class)
-TOKEN_MIXERS = {"full_attention": ("self_attn", Attention)}
+TOKEN_MIXERS = {"full_attention": ("self_attn", Attention),
+                "linear_attention": ("linear_attn", GatedDeltaNet)}
+
+
+def make_norm(config: ModelConfig, dim: int, dtype) -> RMSNorm | OffsetRMSNorm:
+    """The decoder's RMSNorm: zero-centred (y = n(x)(1 + w)) for Qwen3.5, else n(x) w."""
+    norm_class = OffsetRMSNorm if config.zero_centered_norms else RMSNorm
+    return norm_class(dim, eps=config.rms_norm_eps, dtype=dtype)
 
 
 def _dtype(dtype) -> jnp.dtype:
@@ -42,9 +51,8 @@ class DecoderLayer(nnx.Module):
         setattr(self, self.mixer_name, mixer_class(config, dtype=dtype, rngs=rngs,
                                                    chunk_size=attention_chunk_size))
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
-                                                dtype=dtype)
+        self.input_layernorm = make_norm(config, config.hidden_size, dtype)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype)
 
     @property
     def mixer(self):
@@ -83,7 +91,7 @@ class Qwen3Model(nnx.Module):
             DecoderLayer(config, i, dtype=dtype, rngs=rngs,
                          attention_chunk_size=attention_chunk_size)
             for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = make_norm(config, config.hidden_size, dtype)
 
     def __call__(self, input_ids: jax.Array, layout: TokenLayout) -> jax.Array:
         x = self.embed_tokens(input_ids)

@@ -1,0 +1,42 @@
+"""The ALFWorld recipes load as env kind `alfworld` and reach the task-set builder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spopp_jax.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_tiny_recipe_is_generated_alfworld_with_heldout_and_warm_start():
+    cfg = load_config(config_path=CONFIGS / "alfworld_tiny.yaml")
+    assert cfg.env.kind == "alfworld" and cfg.env.game_dir is None
+    assert cfg.env.num_games == 128 and cfg.env.heldout_games > 0
+    assert cfg.warmstart.enabled and cfg.env.warmstart_games > 0
+    assert cfg.prior.enabled and cfg.model.path is None
+
+
+@pytest.mark.parametrize("name", ["alfworld_qwen35_0p8b", "alfworld_qwen35_2b"])
+def test_paper_recipes_take_downloaded_or_generated_games(name):
+    downloaded = load_config(config_path=CONFIGS / f"{name}.yaml")
+    assert downloaded.env.kind == "alfworld" and downloaded.env.max_turns == 50
+    generated = load_config(["--env.game_dir", "null"], config_path=CONFIGS / f"{name}.yaml")
+    assert generated.env.game_dir is None and generated.env.num_games == 128
+    assert generated.env.max_receptacles is None      # whole floor plans, as released
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--env.max_receptacles", "2"], "env.max_receptacles"),
+    (["--env.heldout_games", "-1"], "env.heldout_games"),
+])
+def test_bad_alfworld_fields_named(args, field):
+    from draccus.utils import ParsingError
+
+    from spopp_jax.config import format_config_error
+
+    with pytest.raises(ParsingError) as info:
+        load_config(args)
+    assert field in format_config_error(info.value)

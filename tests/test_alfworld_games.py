@@ -1,0 +1,139 @@
+"""Generated ALFWorld games (issue #18): all six task types, solvable by the planner, the
+stored walkthrough wins when replayed under ALFWorld's wrappers, deterministic per seed,
+objects only where alfworld's constants allow, malformed game files give a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("alfworld")
+pytest.importorskip("fast_downward")
+
+from alfworld.gen import constants  # noqa: E402
+
+from rollout_bridge.envs import alfworld_games as games  # noqa: E402
+from rollout_bridge.envs.alfworld_env import AlfworldTasks  # noqa: E402
+
+SIX = games.AlfworldSetSpec("test", num_games=6, base_seed=40, max_distractors=3)
+
+
+@pytest.fixture(scope="module")
+def game_set(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("alfworld_games")
+    seen = []
+    files = games.generate_game_set(SIX, data_dir, workers=2,
+                                    progress=lambda done, total: seen.append((done, total)))
+    return data_dir, files, seen
+
+
+def _facts(problem: str, predicate: str) -> list[list[str]]:
+    return [m.split() for m in re.findall(rf"\({predicate} ([^()]*)\)", problem)]
+
+
+def test_set_has_six_task_types_each_solvable_and_progress_shown(game_set):
+    _, files, seen = game_set
+    assert len(files) == 6 and seen[-1] == (6, 6)
+    types = []
+    for path in files:
+        game = games.read_game_file(path)
+        assert game["solvable"] is True and game["walkthrough"]
+        traj = json.loads((path.parent / games.TRAJ_DATA).read_text())
+        types.append(traj["task_type"])
+        assert path.parent.parent.name.startswith(traj["task_type"] + "-")
+        assert traj["generated"]["task"] in game["grammar"]
+        assert games.GOAL_PLACEHOLDER not in game["grammar"]
+    assert sorted(types) == sorted(games.TASK_TYPES)
+
+
+def test_walkthrough_replay_wins_and_no_game_starts_won(game_set):
+    data_dir, files, _ = game_set
+    tasks = AlfworldTasks(files, data_dir / SIX.folder_name)
+    try:
+        for task_id in range(tasks.num_tasks):
+            episode = tasks.episode(task_id)
+            episode.reset()
+            assert not episode.won
+            traj = json.loads((__import__("pathlib").Path(episode.path).parent
+                               / games.TRAJ_DATA).read_text())
+            assert episode.objective == traj["generated"]["task"] + "."
+            for command in episode.walkthrough:
+                assert command in episode.admissible      # every step is a legal command
+                outcome = episode.step(command)
+            assert outcome.won and outcome.reward == 1.0 and outcome.done
+            episode.close()
+    finally:
+        tasks.close()
+
+
+def test_objects_placed_only_where_constants_allow_and_openables_closed(game_set):
+    _, files, _ = game_set
+    for path in files:
+        problem = games.read_game_file(path)["pddl_problem"].split("(:goal")[0]   # init only
+        otype = {o: t for o, t in _facts(problem, "objectType")}
+        rtype = {r: t for r, t in _facts(problem, "receptacleType")}
+        assert "(opened " not in problem
+        for obj, rec in _facts(problem, "inReceptacle"):
+            o, r = otype[obj].removesuffix("Type"), rtype[rec].removesuffix("Type")
+            if o in games.LAMP_TYPES:
+                assert r in games.LAMP_RECEPTACLES
+            else:
+                assert o in constants.VAL_RECEPTACLE_OBJECTS[r], (o, r)
+        for rec in rtype:
+            openable = rtype[rec].removesuffix("Type") in constants.OPENABLE_CLASS_SET
+            assert (f"(openable {rec})" in problem) == openable
+
+
+def test_same_seed_same_game_other_seed_other_game():
+    first = games.generate_game(7, "pick_heat_then_place_in_recep", max_distractors=2)
+    again = games.generate_game(7, "pick_heat_then_place_in_recep", max_distractors=2)
+    other = games.generate_game(8, "pick_heat_then_place_in_recep", max_distractors=2)
+    assert first == again
+    assert first.game["pddl_problem"] != other.game["pddl_problem"]
+
+
+def test_complete_set_is_reused_not_regenerated(game_set, monkeypatch):
+    data_dir, files, _ = game_set
+
+    def refuse(*args):
+        raise AssertionError("a complete set must not be generated again")
+    monkeypatch.setattr(games, "generate_game", refuse)
+    assert games.generate_game_set(SIX, data_dir) == files
+
+
+def test_mangled_ids_and_locations():
+    assert games.mangle("Apple|+00.30|-01.20") == "Apple_bar__plus_00_dot_30_bar__minus_01_dot_20"
+    assert games.location_id((0.25, -1.75, 180, 30)) == "loc_bar_1_bar__minus_7_bar_2_bar_30"
+    a, b = "loc_bar_1_bar__minus_7_bar_2_bar_30", "loc_bar_3_bar__minus_7_bar_0_bar_30"
+    assert games.grid_distance(a, b) == 2 + 2 + 1
+
+
+@pytest.mark.parametrize("content, field", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    (json.dumps({"pddl_domain": "(define)", "grammar": "g"}), "'pddl_problem'"),
+    (json.dumps({"pddl_domain": "d", "grammar": "g", "pddl_problem": "p", "solvable": False}),
+     "unsolvable"),
+])
+def test_malformed_game_file_gives_clear_error(tmp_path, content, field):
+    path = tmp_path / "trial" / games.GAME_FILE
+    path.parent.mkdir()
+    path.write_text(content)
+    with pytest.raises(games.GameFileError, match=re.escape(field)) as err:
+        games.read_game_file(path)
+    assert str(path) in str(err.value)
+    tasks = AlfworldTasks.from_folder(tmp_path)      # the env refuses it with the same error
+    with pytest.raises(games.GameFileError, match=re.escape(str(path))):
+        tasks.episode(0).reset()
+    tasks.close()
+
+
+def test_bad_spec_fields_named():
+    with pytest.raises(ValueError, match="task_types"):
+        games.AlfworldSetSpec("x", 1, 0, task_types=("pick_and_fly",))
+    with pytest.raises(ValueError, match="num_games"):
+        games.AlfworldSetSpec("x", 0, 0)
+    with pytest.raises(ValueError, match="task_type"):
+        games.generate_game(0, "pick_and_fly")
