@@ -95,7 +95,8 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
     latest = checkpointer.latest_step()
     refuse_overwrite(cfg.resume, latest, paths)
     model = build.load_policy(policy, cfg.model, build.build_mesh(cfg.mesh))
-    learner = PolicyLearner(*init_train_state(model, job.learner), job.learner, job.orchestrator.pad_to_multiple)
+    learner = PolicyLearner(*init_train_state(model, job.learner), job.learner, job.orchestrator.pad_to_multiple,
+                            snapshot_weights=job.orchestrator.drain == "none")  # next step runs during the install
     engine = job.engine(learner.weights(), seed=cfg.seed * ENGINE_SEED_STRIDE + (latest or 0))
     orchestrator = Orchestrator(engine, job.env.env_factory, chat, learner, job.env.num_tasks, job.orchestrator,
                                 job.agent, prior_alpha=alpha0, prior_beta=beta0)

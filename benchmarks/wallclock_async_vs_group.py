@@ -2,7 +2,7 @@
 
     python benchmarks/wallclock_async_vs_group.py [--tails 0.5 1.0 1.5] [--seeds 0 1 2]
         [--updates 12] [--slots 64] [--batch 64] [--group 8] [--tasks 256]
-        [--drain finish] [--figure docs/figures/wallclock_async_vs_group.png]
+        [--drain finish|abort|none] [--figure docs/figures/wallclock_async_vs_group.png]
 
 The real ``rollout_bridge.orchestrator.Orchestrator`` (and the real agent loop) runs under
 ``run_virtual``: a simulated clock driven by the latency model of ``benchmarks/_latency.py``
@@ -157,6 +157,15 @@ class TimedEngine(FakeEngine):
 
     async def publish(self, weights: Any, policy_event: int) -> None:
         await super().publish(weights, policy_event)
+        self._record_publish(weights, policy_event)
+
+    async def publish_inflight(self, weights: Any, policy_event: int) -> None:
+        """Drain "none": same install time, nothing waits; a turn's success is decided by
+        the event current when the turn started (its first tokens' weights)."""
+        await super().publish_inflight(weights, policy_event)
+        self._record_publish(weights, policy_event)
+
+    def _record_publish(self, weights: Any, policy_event: int) -> None:
         self.world.updates_in_event[int(policy_event)] = int(weights)
         self.world.timeline.publishes.append((self.world.now(), int(weights)))
 
@@ -237,6 +246,8 @@ def run_once(spec: RunSpec, chat: ChatFormat) -> dict:
     return dict(
         spec=spec, wall=wall, cpu=cpu, real=real,
         dispatched=orch.dispatched, completed=len(usable), consumed=orch.consumed, aborted=orch.aborted,
+        lag_aborted=orch.lag_aborted,
+        mixed_policy=float(np.mean([t.event_span[1] > t.event_span[0] for t, _ in consumed])),
         traj_per_s=len(usable) / wall, consumed_per_s=orch.consumed / wall,
         slot_utilisation=_latency.slot_utilisation(episodes, spec.slots, wall),
         useful_utilisation=_latency.slot_utilisation(timeline.episode_intervals(wall, only_done=True),
@@ -304,6 +315,8 @@ def summarize(results: list[dict], tails: list[float]) -> str:
             ("finish -> training start per consumed trajectory (s)", lambda r: r["finish_to_train"]),
             ("mean policy lag (events)", lambda r: r["lag_mean"]),
             ("aborted trajectories", lambda r: r["aborted"]),
+            ("  of which aborted for max_policy_lag", lambda r: r["lag_aborted"]),
+            ("trained trajectories with tokens of > 1 policy event", lambda r: r["mixed_policy"]),
             ("mean action tokens of trained trajectories", lambda r: r["consumed_tokens"]),
             ("host CPU ms per dispatched trajectory", lambda r: r["cpu_ms_per_traj"]),
         ]
@@ -359,7 +372,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tasks", type=int, default=256)
-    parser.add_argument("--drain", default="finish", choices=["finish", "abort"])
+    parser.add_argument("--drain", default="finish", choices=["finish", "abort", "none"])
     parser.add_argument("--publish-every", type=int, default=1)
     parser.add_argument("--task-share", type=float, default=LatencyModel().task_share,
                         help="share of ln-length variance that is per task (GRPO siblings share it)")

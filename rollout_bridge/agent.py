@@ -174,11 +174,11 @@ async def run_episode(
     Environment exceptions and time-outs end the episode as ``failed`` (reward 0, error
     text recorded); an engine abort ends it as ``aborted``; hitting ``max_turns`` or
     ``max_total_tokens`` before the environment finishes ends it ``truncated`` (reward 0).
-    Cancellation (the orchestrator aborting) propagates.
+    Cancellation (the orchestrator aborting) closes the environment, then propagates.
     """
     loop = asyncio.get_running_loop()
     env = as_async(env)
-    turn_latencies, env_latencies, events, reasons = [], [], [], []
+    turn_latencies, env_latencies, events, last_events, reasons = [], [], [], [], []
     history: _History | None = None
     outcome = dict(reward=0.0, truncated=False, failed=False, aborted=False, error=None)
 
@@ -206,6 +206,7 @@ async def run_episode(
             result = await engine.generate(list(history.token_ids), params)
             turn_latencies.append(loop.time() - start)
             events.append(result.policy_event)
+            last_events.append(result.event_span[1])
             reasons.append(result.finish_reason)
             if result.finish_reason == "abort":
                 outcome["aborted"] = True
@@ -228,6 +229,9 @@ async def run_episode(
                 break
             history.add_context(context)
     except asyncio.CancelledError:
+        # the orchestrator aborted this episode (close(), drain abort, max_policy_lag):
+        # release the environment before the cancellation propagates
+        await _close_quietly(env, config.env_timeout_s)
         raise
     except asyncio.TimeoutError:
         outcome.update(failed=True, reward=0.0, error=f"environment timed out after {config.env_timeout_s}s")
@@ -249,6 +253,7 @@ async def run_episode(
         turn_latencies=tuple(turn_latencies),
         env_latencies=tuple(env_latencies),
         turn_policy_events=tuple(events),
+        turn_last_policy_events=tuple(last_events),
         finish_reasons=tuple(reasons),
         **outcome,
     )

@@ -15,6 +15,20 @@ Single stream (SPO++ "spopp", and the original SPO "spo"):
   * publish every K updates. Drain "finish": stop dispatching, let old-policy requests
     finish (they keep their z and join the next batch), then publish. Drain "abort":
     ``engine.abort_all``, drop the in-flight trajectories and free their tasks, publish.
+    Drain "none" (SPEC 3, "Publishing without a drain"; the engine must have
+    ``supports_inflight_publish``): ``engine.publish_inflight`` runs as a background task;
+    dispatch and the learner's next update go on meanwhile, nothing is waited for or
+    aborted. A trajectory keeps its dispatch stamp z and frozen v̂; its tokens may come
+    from several events (``Trajectory.event_span``, in the update diagnostics as
+    ``event_span_mean`` / ``mixed_policy_fraction``). Publishes stay in order: the next
+    one starts when the previous install finished.
+  * staleness bound (every drain): lag = (policy event at consumption) − (dispatch event).
+    After each publish, a request still in flight whose lag already exceeds
+    ``max_policy_lag`` is aborted (its episode task cancelled, which frees the engine
+    slot) and its task freed; counted as ``lag_aborted_total``. Finished work is never
+    dropped for lag: a trajectory finished in time but waiting in the ready buffer may be
+    trained at a larger lag (bounded by ``max_buffered_batches``); the per-update
+    histogram ``policy_lag_count_<k>`` (last bucket: lag >= ``max_policy_lag``) shows it.
 GRPO ("grpo"): G rollouts of one task per group, a group barrier (a group joins the ready
 buffer only when all its members finished), A_i = R_i − mean(group), same whitening.
 Group integrity: a batch is whole groups only (``batch_size`` a multiple of ``group_size``;
@@ -99,10 +113,10 @@ __all__ = ["OrchestratorConfig", "Orchestrator", "UpdateRecord", "LearnerInput",
            "free_slot_mask", "sample_dispatch_tasks", "METHODS", "DRAINS", "MEASURES", "SIBLING_RULES"]
 
 METHODS = methods.names()
-DRAINS = ("finish", "abort")
+DRAINS = ("finish", "abort", "none")
 MEASURES = ("token", "trajectory")
 _COUNTERS = ("policy_event", "updates", "dispatched", "consumed", "failed", "aborted",
-             "dropped_groups", "dropped_group_trajectories")
+             "dropped_groups", "dropped_group_trajectories", "lag_aborted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +128,8 @@ class OrchestratorConfig:
     whiten_eps: float = 1e-8  # Ã = (A − μ)/(σ + eps), SPEC 4
     batch_size: int = 128  # N trajectories per update
     publish_every: int = 1  # K: publish after every K updates
-    drain: str = "finish"  # "finish" | "abort"
+    drain: str = "finish"  # "finish" | "abort" | "none" (in-flight publish, SPEC 3)
+    max_policy_lag: int = 8  # abort requests in flight whose lag exceeds this (module docstring)
     max_in_flight: int = 128  # concurrent trajectories
     max_in_flight_per_task: int = 1  # m; SPEC 2 experiments: 1 (see the module docstring)
     sibling_rule: str = "balanced"  # m > 1: "balanced" | "proportional" (module docstring)
@@ -147,6 +162,8 @@ class OrchestratorConfig:
                      "max_buffered_batches", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
         methods.method_class(self.method).check_config(self)
 
 
@@ -202,6 +219,11 @@ class Orchestrator:
     ):
         if num_tasks < 1:
             raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        if config.drain == "none" and not getattr(engine, "supports_inflight_publish", False):
+            raise ValueError(
+                f"rollout.drain=none needs an engine that publishes in flight; {type(engine).__name__} "
+                f"has supports_inflight_publish = False: use rollout.drain finish or abort"
+            )
         self.engine, self.env_factory, self.chat, self.learner = engine, env_factory, chat, learner
         self.num_tasks, self.config, self.agent_config = num_tasks, config, agent_config
         self.on_update = on_update
@@ -212,6 +234,7 @@ class Orchestrator:
         self.policy_event = int(engine.policy_event)
         self.updates = self.dispatched = self.consumed = self.failed = self.aborted = 0
         self.dropped_groups = self.dropped_group_trajectories = 0  # group methods; diagnostics only
+        self.lag_aborted = 0  # requests aborted by max_policy_lag (also counted in ``aborted``)
         self.events: list[tuple[str, Any]] = []
         self.records: list[UpdateRecord] = []
         self._busy = np.zeros(num_tasks, dtype=np.int64)
@@ -222,6 +245,8 @@ class Orchestrator:
         self._learner_pending: _PendingUpdate | None = None
         self._publish_pending: Any = None
         self._has_publish_pending = False
+        self._publish_task: asyncio.Future | None = None  # drain "none": the install running now
+        self._last_update_end: float | None = None
         self._target = 0
         self._z_cache: dict[int, float] = {}
         self._failure_streak = 0
@@ -275,11 +300,11 @@ class Orchestrator:
         self._target = self.updates + num_updates
         while True:
             await self._maybe_publish()
-            if self.updates >= self._target and not self._has_publish_pending:
+            if self.updates >= self._target and not self._publishing():
                 break
             self._maybe_start_update()
             self._dispatch()
-            if not self._in_flight and self._learner_task is None:
+            if not self._in_flight and self._learner_task is None and self._publish_task is None:
                 if self._has_publish_pending:
                     continue
                 raise RuntimeError("orchestrator stalled: nothing in flight and no batch to train")
@@ -287,9 +312,15 @@ class Orchestrator:
             finished = sorted((t for t in done if t in self._in_flight), key=self._arrival_key)
             for task in finished:
                 self._receive(task)
+            if self._publish_task is not None and self._publish_task.done():
+                await self._finish_inflight_publish()
             if self._learner_task is not None and self._learner_task.done():
                 await self._finish_update()
         return self.records[start:]
+
+    def _publishing(self) -> bool:
+        """A publish is waiting (for its drain or the previous install) or installing."""
+        return self._has_publish_pending or self._publish_task is not None
 
     async def _next_completions(self) -> list[asyncio.Future]:
         """Wait for the next finished rollout or learner call; return all finished so far.
@@ -305,6 +336,8 @@ class Orchestrator:
     async def close(self) -> None:
         """Abort in-flight work, wait for the learner, release the learner thread."""
         await self._abort_in_flight()
+        if self._publish_task is not None:
+            await asyncio.gather(self._publish_task, return_exceptions=True)
         if self._learner_task is not None:
             await asyncio.gather(self._learner_task, return_exceptions=True)
         self._executor.shutdown(wait=True)
@@ -318,7 +351,7 @@ class Orchestrator:
 
         Work still in flight when ``run`` returns continues and is collected by the next
         ``run`` call (``close`` aborts it)."""
-        if self._has_publish_pending or self.updates >= self._target:
+        if (self._has_publish_pending and self.config.drain != "none") or self.updates >= self._target:
             return 0
         outstanding = len(self._ready) + self.method.held_count() + len(self._in_flight)
         room = self.config.max_buffered_batches * self.config.batch_size - outstanding
@@ -406,16 +439,30 @@ class Orchestrator:
         for task in done:
             self._receive(task)
         await self.engine.abort_all()
-        pending = list(self._in_flight)
-        for task in pending:
+        await self._drop_in_flight(list(self._in_flight))
+
+    async def _drop_in_flight(self, tasks: Sequence[asyncio.Future]) -> None:
+        """Cancel these episodes (the engine frees their slots), free their tasks, count
+        them as aborted and tell the method (a group with an aborted member is dropped)."""
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for task in pending:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
             stamp = self._in_flight.pop(task)
             self._busy[stamp.task_id] -= 1
             self.aborted += 1
             self._log("drop", stamp)
             self._take(self.method.receive(stamp, None, "aborted"))
+
+    async def _abort_over_lag(self) -> None:
+        """SPEC 3 staleness bound: abort requests in flight with policy_event − dispatch
+        event > ``max_policy_lag`` (finished-but-unreceived ones are received normally)."""
+        limit = self.config.max_policy_lag
+        stale = [task for task, stamp in self._in_flight.items()
+                 if not task.done() and self.policy_event - stamp.policy_event > limit]
+        if stale:
+            self.lag_aborted += len(stale)
+            await self._drop_in_flight(stale)
 
     # ------------------------------------------------------------------ consumption
     def _maybe_start_update(self) -> None:
@@ -432,7 +479,10 @@ class Orchestrator:
         batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple)
         learner_input = LearnerInput(batch, trajectories, self.method.learner_extras(trajectories))
         lag = np.array([self.policy_event - t.policy_event for t in trajectories], dtype=np.int64)
+        start = asyncio.get_running_loop().time()
         diagnostics = baselines.batch_diagnostics(raw, lengths)
+        diagnostics.update(policy_lag_histogram(lag, self.config.max_policy_lag))
+        diagnostics.update(event_span_diagnostics(trajectories))
         diagnostics.update(
             reward_mean=float(np.mean([t.reward for t in trajectories])),
             policy_lag_mean=float(lag.mean()),
@@ -441,8 +491,11 @@ class Orchestrator:
             aborted_total=float(self.aborted),
             dropped_groups_total=float(self.dropped_groups),
             dropped_group_trajectories_total=float(self.dropped_group_trajectories),
+            lag_aborted_total=float(self.lag_aborted),
+            # loop time from the previous update's end to this start: waiting for data, a
+            # drain or a publish (0 for the first update of a run() call's learner)
+            learner_idle_s=0.0 if self._last_update_end is None else start - self._last_update_end,
         )
-        start = asyncio.get_running_loop().time()
         self._learner_pending = _PendingUpdate(trajectories, raw, whitened, lag, diagnostics, start,
                                                self.policy_event)
         self._learner_task = asyncio.ensure_future(self._call_learner(learner_input))
@@ -473,6 +526,7 @@ class Orchestrator:
             diagnostics=pending.diagnostics, learner_metrics=dict(output.metrics), start_time=pending.start,
             end_time=asyncio.get_running_loop().time(),
         )
+        self._last_update_end = record.end_time
         if self.config.keep_history:
             self.records.append(record)
         self._log("consume", record)
@@ -489,10 +543,45 @@ class Orchestrator:
         return self.on_update if isinstance(self.on_update, (list, tuple)) else (self.on_update,)
 
     async def _maybe_publish(self) -> None:
-        """Publish once the drain is complete (nothing from the old policy in flight)."""
-        if not self._has_publish_pending or self._in_flight:
+        """Drain "finish" / "abort": publish once nothing from the old policy is in flight.
+        Drain "none": start the in-flight install now unless the previous one still runs."""
+        if not self._has_publish_pending:
+            return
+        if self.config.drain == "none":
+            if self._publish_task is None:
+                weights, self._publish_pending, self._has_publish_pending = self._publish_pending, None, False
+                self._publish_task = asyncio.ensure_future(
+                    self.engine.publish_inflight(weights, self.policy_event + 1))
+                self._publish_task.add_done_callback(self._completions.put_nowait)
+            return
+        if self._in_flight:
             return
         weights, self._publish_pending, self._has_publish_pending = self._publish_pending, None, False
         await self.engine.publish(weights, self.policy_event + 1)
+        await self._published()
+
+    async def _finish_inflight_publish(self) -> None:
+        task, self._publish_task = self._publish_task, None
+        task.result()  # a failed install propagates (restore from checkpoint)
+        await self._published()
+
+    async def _published(self) -> None:
         self.policy_event += 1
         self._log("publish", self.policy_event)
+        await self._abort_over_lag()
+
+
+def policy_lag_histogram(lag: np.ndarray, max_policy_lag: int) -> dict[str, float]:
+    """Counts of trained trajectories per policy lag: ``policy_lag_count_<k>`` for
+    k = 0..max_policy_lag, the last bucket holding every lag >= max_policy_lag (fixed keys
+    per run, so tabular sinks keep their columns)."""
+    counts = np.bincount(np.minimum(lag, max_policy_lag), minlength=max_policy_lag + 1)
+    return {f"policy_lag_count_{k}": float(c) for k, c in enumerate(counts)}
+
+
+def event_span_diagnostics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """SPEC 3 in-flight publishing: event_span_mean = mean(last − first event among a
+    trajectory's tokens); mixed_policy_fraction = share of trajectories with tokens of
+    more than one policy event (0 under a drained publish)."""
+    widths = np.array([t.event_span[1] - t.event_span[0] for t in trajectories], dtype=np.float64)
+    return {"event_span_mean": float(widths.mean()), "mixed_policy_fraction": float(np.mean(widths > 0))}

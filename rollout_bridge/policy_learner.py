@@ -12,6 +12,12 @@ thread), the new weights for publishing and, when the method asks for a divergen
     D_i = token-mean |π_then − π_now| over y′'s action tokens.
 
 The engine's rollout log-probs never enter D.
+
+In-flight publishing (``rollout.drain none``): the orchestrator starts the next update while
+the engine still copies the published weights, and the jitted step DONATES its TrainState,
+so ``snapshot_weights=True`` hands out an un-donated copy of the parameters
+(``background_publish.snapshot_params``: one async device copy per update, the learner does
+not wait for it) instead of the live buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from rollout_bridge import baselines
+from rollout_bridge.background_publish import snapshot_params
 from rollout_bridge.methods import LearnerInput, LearnerOutput
 from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, make_compute_logprobs,
                                make_train_step)
@@ -30,8 +37,10 @@ from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, m
 class PolicyLearner:
     """``learner(LearnerInput) -> LearnerOutput`` holding the ``TrainState`` (``.state``)."""
 
-    def __init__(self, model_def: ModelDef, state: Any, config: LearnerConfig, pad_to_multiple: int = 64):
+    def __init__(self, model_def: ModelDef, state: Any, config: LearnerConfig, pad_to_multiple: int = 64,
+                 snapshot_weights: bool = False):
         self.model_def = model_def
+        self.snapshot_weights = snapshot_weights
         self.state = state
         self.config = config
         self.pad_to_multiple = pad_to_multiple
@@ -41,8 +50,10 @@ class PolicyLearner:
         self.skip_guard = SkipGuard.from_config(config)
 
     def weights(self):
-        """The current policy as an NNX module (what the engine publishes)."""
-        return self.model_def.merge(self.state.params)
+        """The current policy as an NNX module (what the engine publishes); over a copy of
+        the parameters with ``snapshot_weights`` (safe to install while the next step runs)."""
+        params = snapshot_params(self.state.params) if self.snapshot_weights else self.state.params
+        return self.model_def.merge(params)
 
     def __call__(self, learner_input: LearnerInput) -> LearnerOutput:
         batch = learner_input.batch

@@ -64,6 +64,7 @@ def encode_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "turn_latencies": encode_ragged([t.turn_latencies for t in ts], np.float64),
         "env_latencies": encode_ragged([t.env_latencies for t in ts], np.float64),
         "turn_policy_events": encode_ragged([t.turn_policy_events for t in ts], np.int64),
+        "turn_last_policy_events": encode_ragged([t.turn_last_policy_events for t in ts], np.int64),
         "finish_reasons": _encode_text([_TEXT_SEPARATOR.join(t.finish_reasons) for t in ts]),
         "error": _encode_text([t.error or "" for t in ts]),
         "has_error": column(lambda t: t.error is not None, bool),
@@ -81,6 +82,9 @@ def decode_trajectories(encoded: Mapping[str, Any]) -> list[Trajectory]:
     turns, envs = decode_ragged(encoded["turn_latencies"]), decode_ragged(encoded["env_latencies"])
     events, reasons = decode_ragged(encoded["turn_policy_events"]), _decode_text(encoded["finish_reasons"])
     errors = _decode_text(encoded["error"])
+    # checkpoints written before in-flight publishing have no last events ("same as first")
+    last_events = (decode_ragged(encoded["turn_last_policy_events"]) if "turn_last_policy_events" in encoded
+                   else [()] * n)
     out = []
     for i in range(n):
         stamp = DispatchStamp(
@@ -93,6 +97,7 @@ def decode_trajectories(encoded: Mapping[str, Any]) -> list[Trajectory]:
             finish_time=float(encoded["finish_time"][i]),
             turn_latencies=tuple(float(x) for x in turns[i]), env_latencies=tuple(float(x) for x in envs[i]),
             turn_policy_events=tuple(int(x) for x in events[i]),
+            turn_last_policy_events=tuple(int(x) for x in last_events[i]),
             finish_reasons=tuple(reasons[i].split(_TEXT_SEPARATOR)) if reasons[i] else (),
             error=errors[i] if bool(encoded["has_error"][i]) else None,
             **{k: bool(encoded["flags"][k][i]) for k in _FLAGS}))

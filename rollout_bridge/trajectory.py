@@ -40,6 +40,9 @@ class Trajectory:
     action_mask is False. ``reward`` is the binary terminal reward R (0 for failures,
     truncations and aborts). Times are event-loop seconds; ``turn_latencies`` are the
     engine latencies of each turn and ``env_latencies`` those of reset + each step.
+    ``turn_policy_events`` / ``turn_last_policy_events``: per turn, the policy event of its
+    first / last sampled token (they differ only when an in-flight publish landed during
+    the turn, SPEC 3 "Publishing without a drain"; empty last events mean "same as first").
     """
 
     stamp: DispatchStamp
@@ -52,6 +55,7 @@ class Trajectory:
     turn_latencies: tuple[float, ...] = ()
     env_latencies: tuple[float, ...] = ()
     turn_policy_events: tuple[int, ...] = ()
+    turn_last_policy_events: tuple[int, ...] = ()
     finish_reasons: tuple[str, ...] = ()
     truncated: bool = False
     failed: bool = False
@@ -88,6 +92,15 @@ class Trajectory:
     @property
     def dispatch_time(self) -> float:
         return self.stamp.dispatch_time
+
+    @property
+    def event_span(self) -> tuple[int, int]:
+        """(first, last) policy event among the trajectory's sampled tokens (SPEC 3: recorded
+        per trajectory); (stamp event, stamp event) when no turn was generated."""
+        if not self.turn_policy_events:
+            return (self.stamp.policy_event, self.stamp.policy_event)
+        last = self.turn_last_policy_events or self.turn_policy_events
+        return (min(self.turn_policy_events), max(last))
 
     @property
     def num_action_tokens(self) -> int:

@@ -286,7 +286,10 @@ class RolloutSection:
     `max_in_flight_per_task` m (SPEC 2: 1; m > 1 places siblings by `sibling_rule`, see
     rollout_bridge/orchestrator.py), `max_buffered_batches`: dispatch only while
     finished-but-unconsumed plus in-flight trajectories < this x batch_size (bounds policy
-    lag), `drain` of old-policy work on publish (SPEC 3), `train_on_failed`: failed
+    lag), `drain` of old-policy work on publish (SPEC 3; "none": in-flight publish, the
+    engine installs new weights between decode steps and nothing is drained),
+    `max_policy_lag`: a request still in flight after a publish whose policy lag (events
+    since its dispatch) exceeds this is aborted and its task freed, `train_on_failed`: failed
     episodes (env error / time-out, R = 0) are training samples, `env_timeout_s` bounds
     each environment call (null: none), `max_consecutive_failures` stops a run whose
     env/engine is broken. `engine_steps_per_call`: decode steps per JAX engine call (at
@@ -301,7 +304,8 @@ class RolloutSection:
     max_in_flight_per_task: int = 1
     sibling_rule: Literal["balanced", "proportional"] = "balanced"
     max_buffered_batches: int = 1
-    drain: Literal["finish", "abort"] = "finish"
+    drain: Literal["finish", "abort", "none"] = "none"
+    max_policy_lag: int = 8
     train_on_failed: bool = False
     env_timeout_s: Optional[float] = 60.0
     max_consecutive_failures: int = 256
@@ -320,6 +324,7 @@ class RolloutSection:
                   "temperature", "max_new_tokens", "max_seq_len", "engine_steps_per_call")
         if self.env_timeout_s is not None:
             _positive("rollout", self, "env_timeout_s")
+        _check(self.max_policy_lag >= 0, "rollout.max_policy_lag", ">= 0", self.max_policy_lag)
         _check(self.server_urls is None or self.engine == "vllm_server", "rollout.server_urls",
                "null unless rollout.engine=vllm_server", self.server_urls)
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)

@@ -178,3 +178,25 @@ def test_engine_installer_publishes_inflight_into_the_jax_engine():
     assert result.events_per_token() == (1,) * 5
     _, expected, _ = replay(model_b, [3, 17, 5], result.token_ids)
     np.testing.assert_allclose(result.logprobs, expected, atol=LOGP_ATOL)
+
+
+@pytest.mark.parametrize("snapshot_weights", [False, True])
+def test_policy_learner_snapshot_weights_survive_the_next_donating_step(snapshot_weights):
+    """Drain "none" starts update t+1 while the engine still copies update t's weights:
+    only the snapshot keeps them alive through the donating step."""
+    from rollout_bridge.methods import LearnerInput
+    from rollout_bridge.policy_learner import PolicyLearner
+
+    model_def, state, batch, config = build_case()
+    policy_learner = PolicyLearner(model_def, state, config, snapshot_weights=snapshot_weights)
+    published = host_copy(state.params)
+    weights = policy_learner.weights()
+    policy_learner(LearnerInput(batch, (), None))  # donates the live parameters
+    jax.block_until_ready(policy_learner.state)
+    leaves = jax.tree.leaves(nnx.state(weights))
+    if not snapshot_weights:
+        assert any(leaf.is_deleted() for leaf in leaves)  # the hazard the snapshot removes
+        return
+    assert not any(leaf.is_deleted() for leaf in leaves)
+    for kept, before in zip(leaves, jax.tree.leaves(published), strict=True):
+        np.testing.assert_array_equal(np.asarray(kept), before)  # update t's weights, not t+1's

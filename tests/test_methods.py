@@ -39,15 +39,21 @@ def test_orchestrator_never_branches_on_a_method_name():
 
 def test_trajectory_codec_round_trips_every_field():
     trajs = [_traj(0, 1.0, 3, request_id=4), _traj(5, 0.0, 1, group_id=2, error="RuntimeError: x"),
-             dataclasses.replace(_traj(1, 0.0, 2), finish_reasons=(), turn_policy_events=())]
+             dataclasses.replace(_traj(1, 0.0, 2), finish_reasons=(), turn_policy_events=()),
+             dataclasses.replace(_traj(2, 1.0, 2), turn_policy_events=(2, 3), turn_last_policy_events=(3, 5))]
     assert state_codec.decode_trajectories(state_codec.encode_trajectories(trajs)) == trajs
+    # a checkpoint written before in-flight publishing has no last events: "same as first"
+    old = state_codec.encode_trajectories(trajs[:1])
+    del old["turn_last_policy_events"]
+    assert state_codec.decode_trajectories(old) == trajs[:1]
+    assert trajs[3].event_span == (2, 5) and trajs[0].event_span == (2, 2)
     assert state_codec.decode_trajectories(state_codec.encode_trajectories([])) == []
     encoded = state_codec.encode_trajectories([])
     assert all(leaf.size > 0 for leaf in jax.tree.leaves(encoded))  # orbax refuses empty arrays
     # a new Trajectory field must be added to the codec (or a checkpoint silently loses it)
     covered = {"stamp", "token_ids", "action_mask", "rollout_logp", "prompt_length", "reward", "finish_time",
-               "turn_latencies", "env_latencies", "turn_policy_events", "finish_reasons", "truncated", "failed",
-               "aborted", "error"}
+               "turn_latencies", "env_latencies", "turn_policy_events", "turn_last_policy_events", "finish_reasons",
+               "truncated", "failed", "aborted", "error"}
     assert {f.name for f in dataclasses.fields(Trajectory)} == covered
 
 

@@ -208,3 +208,25 @@ def test_heavy_tail_timeline_agrees_with_the_orchestrator_stamps(chat, method, d
         assert p >= update_ends[k - 1] + model.publish_s - 1e-9
     if drain == "abort":
         assert orch.aborted > 0 and timeline.aborts
+
+
+def test_drain_none_timeline_publishes_in_flight(chat):
+    """Drain "none": publishes follow their updates in order, no abort_all before close(),
+    slots never oversubscribed (a lag-aborted episode releases its slot and env), and some
+    trained trajectories hold tokens of two policies."""
+    model = LatencyModel(sigma=1.5, mean_tokens=200, max_tokens=3000, tokens_per_turn=100, max_turns=4)
+    spec = bench.RunSpec("spopp", model, seed=1, slots=8, batch=8, group=4, updates=6, tasks=24, drain="none")
+    world, orch, wall, _, _ = bench.run_virtual(bench._simulate(spec, chat))
+    timeline = world.timeline
+    assert [k for _, k in timeline.publishes] == list(range(1, spec.updates + 1))
+    update_ends = [e for _, e, _ in timeline.learner]
+    for p, k in timeline.publishes:
+        assert p >= update_ends[k - 1] + model.publish_s - 1e-9
+    assert len(timeline.aborts) == 1 and timeline.aborts[0] >= wall  # only close() aborts
+    intervals = timeline.episode_intervals(wall)
+    assert _latency.max_concurrency(intervals) <= spec.slots
+    assert _latency.slot_utilisation(intervals, spec.slots, wall) <= 1.0 + 1e-9
+    spans = [t.event_span for r in orch.records for t in r.trajectories]
+    assert any(last > first for first, last in spans)
+    # update 2 started before publish 1 landed: the learner did not wait for the install
+    assert orch.records[1].start_time < timeline.publishes[0][0]

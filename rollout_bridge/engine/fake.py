@@ -9,6 +9,8 @@ runnable) scripted latencies give exact, repeatable completion orders in zero wa
 from __future__ import annotations
 
 import asyncio
+import bisect
+import dataclasses
 import selectors
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence, TypeVar
@@ -55,6 +57,12 @@ class FakeEngine(RolloutEngine):
     ``params.stop_token_ids`` finishes "stop" (tokens after the first stop are dropped).
     ``abort_all`` ends every pending request at once with finish "abort" and no tokens.
     ``keep_records=False`` keeps no per-request log (long simulated runs: bounded memory).
+
+    In-flight publish (SPEC 3, "Publishing without a drain"): ``publish_inflight`` installs
+    the weights after ``publish_latency`` without touching pending requests. A reply's
+    token i counts as sampled at ``start + (i + 1)/n · latency`` (evenly spread), and its
+    event is the one installed at that time, so a request that spans an install returns
+    ``token_policy_events`` of several events (only then; otherwise None as before).
     """
 
     script: Callable[[FakeRequest], ScriptedReply]
@@ -66,6 +74,8 @@ class FakeEngine(RolloutEngine):
     closed: bool = False
     keep_records: bool = True
     num_requests: int = 0
+    supports_inflight_publish: bool = True
+    _installs: list[tuple[float, int]] = field(default_factory=list)  # (loop time, event), in order
     _pending: dict[int, asyncio.Event] = field(default_factory=dict)
 
     @property
@@ -94,6 +104,9 @@ class FakeEngine(RolloutEngine):
         finally:
             self._pending.pop(request.index, None)
         result = _finish(reply, params, request.policy_event, aborted)
+        if not aborted and self._installs and self._installs[-1][0] > record.start_time:
+            result = self._with_token_events(result, record.start_time, max(reply.latency, 0.0),
+                                             len(reply.token_ids))
         record.finish_time = loop.time()
         record.result = result
         return result
@@ -106,6 +119,32 @@ class FakeEngine(RolloutEngine):
         if self.keep_records:
             self.published.append((int(policy_event), weights))
         self.policy_event = int(policy_event)
+
+    async def publish_inflight(self, weights: Any, policy_event: int) -> None:
+        """Install between two (virtual) decode steps; pending requests keep running."""
+        if policy_event < self.policy_event:
+            raise ValueError(f"policy_event must not decrease: {policy_event} < {self.policy_event}")
+        if self.publish_latency > 0:
+            await asyncio.sleep(self.publish_latency)
+        if self.keep_records:
+            self.published.append((int(policy_event), weights))
+        self.policy_event = int(policy_event)
+        self._installs.append((asyncio.get_running_loop().time(), self.policy_event))  # one per publish
+
+    def _event_at(self, time: float, start_event: int) -> int:
+        """The event installed at ``time`` (``start_event`` if no install came before)."""
+        done = bisect.bisect_right(self._installs, (time, float("inf")))
+        return max(start_event, self._installs[done - 1][1]) if done else start_event
+
+    def _with_token_events(self, result: GenerationResult, start: float, latency: float,
+                           scripted_tokens: int) -> GenerationResult:
+        """``result`` with per-token events: token i sampled at start + (i+1)/n · latency."""
+        n = max(scripted_tokens, 1)
+        events = tuple(self._event_at(start + (i + 1) / n * latency, result.policy_event)
+                       for i in range(len(result.token_ids)))
+        if not events:
+            return result
+        return dataclasses.replace(result, policy_event=events[0], token_policy_events=events)
 
     async def abort_all(self) -> None:
         for abort_event in list(self._pending.values()):
