@@ -407,33 +407,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _cli() -> None:
     """`main` for the command line. A failed orbax read of damaged array data leaves
     tensorstore callbacks running that print 'Event loop is closed' tracebacks from
-    other threads, during the restore and after it. Their output goes to a log file
-    (named in the error message); on failure the process ends with os._exit so they
-    cannot print after our message; otherwise the captured text is passed on unchanged."""
+    other threads, during the restore and after it. File descriptor 2 (and sys.stderr)
+    point at a log file for the whole export (named in the error message); on failure our
+    message goes to the saved real stderr, fd 2 is left on the log and the process ends
+    with os._exit, so a late third-party write can never reach the terminal; on success
+    stderr is restored and the captured text passed on unchanged."""
     log = tempfile.NamedTemporaryFile("w+", prefix="spopp-export-", suffix=".log",
                                       delete=False)
+    sys.stderr.flush()
+    real_fd = os.dup(2)
+    os.dup2(log.fileno(), 2)
     real_stderr, sys.stderr = sys.stderr, log
     try:
         status, message = _export_or_message(None)
     except SystemExit as exit_:      # argparse: a usage error or --help
         status, message = (exit_.code if isinstance(exit_.code, int) else EXIT_USAGE), None
-    finally:
-        sys.stderr = real_stderr
-    log.seek(0)
-    captured = log.read()
-    log.close()
+    log.flush()
+    with open(log.name) as f:
+        captured = f.read()
     if status == 0 or message is None:
+        os.dup2(real_fd, 2)
+        sys.stderr = real_stderr
+        log.close()
         os.unlink(log.name)
         sys.stderr.write(captured)
         if message is not None:
             print(message)
         raise SystemExit(status)
-    print(message + (f"\n(third-party output: {log.name})" if captured.strip() else ""),
-          file=sys.stderr)
+    text = message + (f"\n(third-party output: {log.name})" if captured.strip() else "")
+    sys.stdout.flush()
+    os.write(real_fd, (text + "\n").encode())
     if not captured.strip():
         os.unlink(log.name)
-    sys.stdout.flush()
-    sys.stderr.flush()
     os._exit(status)
 
 
