@@ -121,14 +121,10 @@ class FakeEngine(RolloutEngine):
         self.policy_event = int(policy_event)
 
     async def publish_inflight(self, weights: Any, policy_event: int) -> None:
-        """Install between two (virtual) decode steps; pending requests keep running."""
-        if policy_event < self.policy_event:
-            raise ValueError(f"policy_event must not decrease: {policy_event} < {self.policy_event}")
-        if self.publish_latency > 0:
-            await asyncio.sleep(self.publish_latency)
-        if self.keep_records:
-            self.published.append((int(policy_event), weights))
-        self.policy_event = int(policy_event)
+        """Install between two (virtual) decode steps; pending requests keep running (the
+        install itself is the same as ``publish``: nothing here waits for requests; the
+        per-token events come from each request's timeline in ``generate``)."""
+        await self.publish(weights, policy_event)
         self._installs.append((asyncio.get_running_loop().time(), self.policy_event))  # one per publish
 
     def _event_at(self, time: float, start_event: int) -> int:
