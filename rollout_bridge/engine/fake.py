@@ -112,6 +112,11 @@ class FakeEngine(RolloutEngine):
         return result
 
     async def publish(self, weights: Any, policy_event: int) -> None:
+        await self._install(weights, policy_event)
+
+    async def _install(self, weights: Any, policy_event: int) -> None:
+        """The install both publish paths share (subclasses hook ``publish`` /
+        ``publish_inflight`` separately)."""
         if policy_event < self.policy_event:
             raise ValueError(f"policy_event must not decrease: {policy_event} < {self.policy_event}")
         if self.publish_latency > 0:
@@ -124,7 +129,7 @@ class FakeEngine(RolloutEngine):
         """Install between two (virtual) decode steps; pending requests keep running (the
         install itself is the same as ``publish``: nothing here waits for requests; the
         per-token events come from each request's timeline in ``generate``)."""
-        await self.publish(weights, policy_event)
+        await self._install(weights, policy_event)
         self._installs.append((asyncio.get_running_loop().time(), self.policy_event))  # one per publish
 
     def _event_at(self, time: float, start_event: int) -> int:
