@@ -39,8 +39,11 @@ pytestmark = [
 ]
 
 LOGPROB_ATOL = 2e-3  # vLLM CPU float32 vs our JAX float32 (see test_vllm_cpu.py)
-LONG_TOKENS = 300
-OLD_WEIGHTS_S = 3.0  # decode time on the old weights before the publish
+# The request must still be decoding when the publish lands: as long as max_model_len (512)
+# allows, and the publish started soon (an idle vllm-cpu decodes this tiny model at a few
+# hundred tokens/s: 300 tokens with a 3 s wait finished before the publish on an idle box).
+LONG_TOKENS = 500
+OLD_WEIGHTS_S = 0.15  # decode time on the old weights before the publish (idle: ~1000 tok/s)
 READY_TIMEOUT_S = 600.0
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -105,8 +108,11 @@ def _fleet(launcher, root, tokenizer_dir, folder0):
 def test_inflight_publish_on_a_launched_server(launched):
     from rollout_bridge.engine.base import SamplingParams
 
+    from rollout_bridge.engine.vllm_weights import write_policy_folder
+
     launcher, (model0, model1), root, tokenizer_dir, folder0 = launched
     prompt = [5, 17, 42, 8, 99]
+    folder1 = write_policy_folder(model1, root, 1, tokenizer_dir)  # written before the request starts
 
     async def run():
         engine = _fleet(launcher, root, tokenizer_dir, folder0)
@@ -116,7 +122,7 @@ def test_inflight_publish_on_a_launched_server(launched):
             request = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=LONG_TOKENS)))
             await asyncio.sleep(OLD_WEIGHTS_S)  # some tokens on the old weights
             start = time.monotonic()
-            await engine.publish_inflight(model1, 1)
+            await engine.publish_inflight(folder1, 1)
             publish_s = time.monotonic() - start
             return await request, engine.stats, publish_s
         finally:
@@ -161,7 +167,7 @@ async def main(folder0, folder1, prompt_json, tokens, out_path):
     engine = await VllmInProcessEngine.create(config)
     await engine.generate(json.loads(prompt_json), SamplingParams(max_new_tokens=8))  # warm-up
     request = asyncio.ensure_future(engine.generate(json.loads(prompt_json), SamplingParams(max_new_tokens=int(tokens))))
-    await asyncio.sleep(3.0)
+    await asyncio.sleep(0.15)
     await engine.publish_inflight(folder1, 1)
     result = await request
     out = dict(token_ids=list(result.token_ids), logprobs=list(result.logprobs), finish=result.finish_reason,
