@@ -40,3 +40,28 @@ def test_bad_alfworld_fields_named(args, field):
     with pytest.raises(ParsingError) as info:
         load_config(args)
     assert field in format_config_error(info.value)
+
+
+def _alfworld_cfg(*args: str):
+    return load_config(["--config_path", str(CONFIGS / "alfworld_tiny.yaml"), *args])
+
+
+def test_missing_alfworld_packages_are_named(monkeypatch):
+    import importlib.util
+
+    from rollout_bridge.envs.kinds import build_env
+    from spopp_jax.run_errors import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fast_downward" else real(name, *a))
+    with pytest.raises(UserError, match=r"needs fast_downward: pip install 'alfworld==0.4.2'"):
+        build_env(_alfworld_cfg(), False)
+
+
+def test_missing_heldout_dir_is_named(tmp_path):
+    from rollout_bridge.envs.kinds import build_env
+    from spopp_jax.run_errors import UserError
+
+    with pytest.raises(UserError, match=r"env.heldout_dir=.*does not exist"):
+        build_env(_alfworld_cfg("--env.heldout_dir", str(tmp_path / "nope")), False)
