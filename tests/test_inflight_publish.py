@@ -193,3 +193,28 @@ def test_inflight_publish_rejects_weights_of_another_shape(model_a):
             await engine.close()
 
     assert asyncio.run(body()) == 0
+
+
+def test_publishes_install_in_call_order_when_a_conversion_is_slow(model_a, model_b):
+    """The weight conversion runs in a worker thread; a slow first conversion must not let
+    a later publish overtake it (event 3 would be replaced by event 2)."""
+
+    async def body():
+        engine = JaxEngine(model_a, **ENGINE)
+        convert = engine._to_params
+
+        def slow_for_event_2(weights):
+            if weights is slow_weights:
+                time.sleep(0.5)
+            return convert(weights)
+
+        engine._to_params = slow_for_event_2
+        slow_weights = nnx.state(model_a)
+        try:
+            await asyncio.gather(engine.publish(slow_weights, policy_event=2),
+                                 engine.publish_inflight(nnx.state(model_b), policy_event=3))
+            return engine.policy_event
+        finally:
+            await engine.close()
+
+    assert asyncio.run(body()) == 3

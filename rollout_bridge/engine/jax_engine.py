@@ -224,6 +224,7 @@ class JaxEngine(RolloutEngine):
         self._slots: list[_Request | None] = [None] * self._num_slots
         self._pending: collections.deque[_Request] = collections.deque()
         self._publishes: collections.deque[_Publish] = collections.deque()
+        self._last_publish_submitted: asyncio.Future | None = None  # event-loop side
         # Shared with callers, guarded by the condition.
         self._inbox: collections.deque[Any] = collections.deque()
         self._wakeup = threading.Condition()
@@ -297,11 +298,20 @@ class JaxEngine(RolloutEngine):
         await self._publish(weights, policy_event, inflight=True)
 
     async def _publish(self, weights: Any, policy_event: int, *, inflight: bool) -> None:
-        params = await asyncio.to_thread(self._to_params, weights)  # copy off the scheduler
+        # Publishes reach the scheduler in call order although their conversions run in
+        # parallel threads: each waits for the previous call's submission first.
         loop = asyncio.get_running_loop()
-        command = _Publish(params=params, policy_event=int(policy_event), loop=loop,
-                           future=loop.create_future(), inflight=inflight)
-        self._submit(command)
+        previous, submitted = self._last_publish_submitted, loop.create_future()
+        self._last_publish_submitted = submitted
+        try:
+            params = await asyncio.to_thread(self._to_params, weights)  # copy off the scheduler
+            if previous is not None and previous.get_loop() is loop:
+                await asyncio.shield(previous)
+            command = _Publish(params=params, policy_event=int(policy_event), loop=loop,
+                               future=loop.create_future(), inflight=inflight)
+            self._submit(command)
+        finally:
+            submitted.set_result(None)
         await command.future
 
     async def abort_all(self) -> None:
