@@ -75,6 +75,18 @@ def test_our_sharded_save_loads_in_transformers(tmp_path):
                                atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("max_shard_size", ["1GB", "40KB"])
+def test_saved_weights_have_the_umask_mode_of_config_json(tmp_path, max_shard_size):
+    """safetensors alone writes 0600: a vLLM server running as another user could not
+    read the folder."""
+    model = init_model(ModelConfig.from_hf(tiny_hf_config()), seed=4)
+    save_pretrained(model, str(tmp_path), max_shard_size=max_shard_size)
+    config_mode = (tmp_path / "config.json").stat().st_mode & 0o777
+    weights = list(tmp_path.glob("*.safetensors"))
+    assert weights and config_mode & 0o044  # the test umask lets others read
+    assert {w.stat().st_mode & 0o777 for w in weights} == {config_mode}
+
+
 @pytest.mark.parametrize("max_shard_size", [None, "30KB"])
 def test_transformers_save_loads_here(tmp_path, max_shard_size):
     hf_model = random_hf_model(tiny_hf_config(rope_theta=1e6), seed=5)

@@ -292,6 +292,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str,
         del block
     if not writer:
         return
+    _match_config_mode(path, [SINGLE_FILE] if len(shards) == 1 else set(weight_map.values()))
     if len(shards) > 1:
         with open(os.path.join(path, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
@@ -300,6 +301,14 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str,
     stale = INDEX_FILE if len(shards) == 1 else SINGLE_FILE
     if os.path.exists(os.path.join(path, stale)):
         os.remove(os.path.join(path, stale))
+
+
+def _match_config_mode(path: str, files) -> None:
+    """safetensors writes its files owner-only (0600); give them the mode config.json got
+    from the umask, so a vLLM server running as another user can read the folder."""
+    mode = os.stat(os.path.join(path, "config.json")).st_mode & 0o777
+    for file in files:
+        os.chmod(os.path.join(path, file), mode)
 
 
 def _parse_size(size: int | str) -> int:
