@@ -28,6 +28,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from rollout_bridge.metrics import read_metrics, trailing_mean
+
 EVALUATIONS = ("train", "no_tool", "heldout", "heldout_no_tool")
 CURVE_WINDOW = 20
 
@@ -77,11 +79,6 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def read_rows(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def plot_seeds(runs: Mapping[str, Path], figure: Path, window: int = CURVE_WINDOW) -> Path:
     """Per seed: trailing-mean batch success per update (solid) and tool-call rate (dashed)."""
     import matplotlib
@@ -89,11 +86,9 @@ def plot_seeds(runs: Mapping[str, Path], figure: Path, window: int = CURVE_WINDO
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rollout_bridge.metrics import trailing_mean
-
     fig, ax = plt.subplots(figsize=(7, 4))
     for (name, folder), color in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-        rows = [r for r in read_rows(folder / "metrics.jsonl") if "success_rate" in r]
+        rows = [r for r in read_metrics(folder / "metrics.jsonl") if "success_rate" in r]
         steps = np.array([r["step"] for r in rows])
         ax.plot(steps, trailing_mean(np.array([r["success_rate"] for r in rows]), window), "-", color=color,
                 label=f"{name}: batch success")
