@@ -16,6 +16,7 @@ import pytest
 
 from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
 from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
+from rollout_bridge.envs.kinds import math_tir_evaluations
 from rollout_bridge.envs.math_tir import EpisodeRules, MathTIREnv, MathTIRSection, build_math_tir
 from rollout_bridge.envs.math_tir.arithmetic import (
     ArithmeticSpec,
@@ -264,8 +265,6 @@ def _play(env, replies):
 
 
 def test_held_out_problems_are_disjoint_and_evaluated_with_and_without_the_tool(setup):
-    from rollout_bridge.envs.kinds import math_tir_evaluations
-
     held = setup.held_out
     assert held is not None and held.num_tasks == 3
     seen = {t.prompt for t in setup.train.tasks} | {r["messages"][0]["content"] for r in setup.demonstrations.records}
