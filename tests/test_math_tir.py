@@ -16,8 +16,14 @@ import pytest
 
 from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
 from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
+from rollout_bridge.envs.kinds import math_tir_evaluations
 from rollout_bridge.envs.math_tir import EpisodeRules, MathTIREnv, MathTIRSection, build_math_tir
-from rollout_bridge.envs.math_tir.arithmetic import ArithmeticSpec, expression_of, generate_problems
+from rollout_bridge.envs.math_tir.arithmetic import (
+    ArithmeticSpec,
+    expression_of,
+    generate_problems,
+    teacher_trajectories,
+)
 from rollout_bridge.envs.math_tir.tasks import MathTask, MathTaskSet, load_dapo_math
 from rollout_bridge.envs.math_tir.teacher import demonstration_pairs, filter_teacher, structure_error
 from rollout_bridge.envs.math_tir.tool_format import parse_call, render_call, render_response
@@ -112,6 +118,39 @@ def test_arithmetic_problems_are_seeded_and_disjoint():
         assert str(eval(expression_of(task))) == task.ground_truth
 
 
+def _python_stdout(code: str) -> str:
+    """The teacher's tool stand-in for pure-logic tests (``print(a*b)`` only; a slipped
+    digit may make a leading zero, which int() accepts)."""
+    a, b = code[len("print("):-1].split("*")
+    return str(int(a) * int(b))
+
+
+def test_teacher_direct_answers_are_valid_records_and_only_the_slipped_ones_are_dropped():
+    spec = ArithmeticSpec(slip_rate=0.2, direct_rate=0.4)
+    tasks = generate_problems(400, 3, spec)
+    records = teacher_trajectories(tasks, _python_stdout, "plain", 1, seed=0, slip_rate=spec.slip_rate,
+                                   direct_rate=spec.direct_rate)
+    direct = [r for r in records if len(r["messages"]) == 2]
+    assert 0.3 < len(direct) / len(records) < 0.5  # 400 draws at 0.4: 5 standard errors either side
+    assert all(structure_error(r, "plain", 2) is None for r in records)
+    exact = lambda truth, text: float(text == f"\\boxed{{{truth}}}")  # noqa: E731
+    right = [r for r in direct if exact(r["ground_truth"], r["messages"][-1]["content"])]
+    assert 0.7 < len(right) / len(direct) < 0.9  # a slip always changes one digit
+    train, held, report = filter_teacher(records, exact, "plain", max_tool_calls=2, held_out_fraction=0.0, seed=0)
+    kept_direct = [r for r in train if len(r["messages"]) == 2]
+    assert len(kept_direct) == len(right) and report.invalid == 0
+
+
+def test_zero_direct_rate_leaves_the_teacher_stream_unchanged():
+    """direct_rate 0 draws nothing extra: the records of earlier seeds are reproduced."""
+    tasks = generate_problems(50, 1, ArithmeticSpec())
+    old = teacher_trajectories(tasks, _python_stdout, "plain", 1, seed=5, slip_rate=0.3)
+    assert old == teacher_trajectories(tasks, _python_stdout, "plain", 1, seed=5, slip_rate=0.3, direct_rate=0.0)
+    assert all(len(r["messages"]) == 4 for r in old)
+    with pytest.raises(ValueError, match="direct_rate"):
+        ArithmeticSpec(direct_rate=1.5)
+
+
 def _record(key, truth, code_output, final, fmt="plain"):
     return {"key": key, "ground_truth": truth, "messages": [
         {"role": "user", "content": "Compute 2*3."},
@@ -193,7 +232,8 @@ def test_final_message_loss_mask_token_by_token(chat):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     env = types.SimpleNamespace(data_dir=str(tmp_path_factory.mktemp("data")), num_games=4, game_seed=0,
-                                max_turns=2, max_feedback_chars=40, warmstart_games=6, warmstart_seed=100)
+                                max_turns=2, max_feedback_chars=40, warmstart_games=6, warmstart_seed=100,
+                                heldout_games=3, heldout_seed=7)
     section = MathTIRSection(arithmetic=ArithmeticSpec(slip_rate=0.5),
                              sandbox=SandboxConfig(num_workers=2, wall_s=2.0, cpu_s=1))
     try:
@@ -222,6 +262,24 @@ def _play(env, replies):
             results.append(await env.step(reply))
         return observations, results
     return asyncio.run(go())
+
+
+def test_held_out_problems_are_disjoint_and_evaluated_with_and_without_the_tool(setup):
+    held = setup.held_out
+    assert held is not None and held.num_tasks == 3
+    seen = {t.prompt for t in setup.train.tasks} | {r["messages"][0]["content"] for r in setup.demonstrations.records}
+    assert not {t.prompt for t in held.tasks} & seen
+    evals = math_tir_evaluations(setup)
+    assert set(evals) == {"no_tool", "heldout", "heldout_no_tool"}
+    tasks, factory = evals["heldout"]
+    env = factory()
+    assert tasks is held and env.tasks is held and env.rules.tools_enabled
+    assert not evals["heldout_no_tool"][1]().rules.tools_enabled
+    task = held[0]
+    (obs,), (called, answered) = _play(env, [render_call(f"print({expression_of(task)})", "plain"),
+                                             f"\\boxed{{{task.ground_truth}}}"])
+    assert obs == task.prompt and called.observation == render_response(task.ground_truth)
+    assert answered.done and answered.reward == 1.0
 
 
 def test_episode_tool_call_then_answer(setup):

@@ -20,6 +20,8 @@ def test_recipes_load_their_math_tir_sections():
     tiny = load_config(config_path=CONFIGS / "math_tir_tiny.yaml")
     assert tiny.env.kind == "math_tir" and tiny.math_tir.source == "arithmetic"
     assert tiny.math_tir.arithmetic.operators == ("*",)
+    assert 0 < tiny.math_tir.arithmetic.direct_rate < 1  # the teacher sometimes answers without the tool
+    assert tiny.env.heldout_games > 0  # held-out problems evaluated before/after RL
     qwen = load_config(config_path=CONFIGS / "math_tir_qwen35_0p8b.yaml")
     assert (qwen.math_tir.source, qwen.math_tir.tool_format) == ("dapo", "qwen")
     assert qwen.warmstart.loss_on == "final_message"  # SPEC 6
@@ -49,12 +51,15 @@ def test_tiny_job_runs_end_to_end(tmp_path):
     args = ["--config_path", str(CONFIGS / "math_tir_tiny.yaml"), "--output_dir", str(tmp_path / "run"),
             "--env.data_dir", str(tmp_path / "data"), "--model.tiny_dir", str(tmp_path / "tiny"),
             "--steps", "2", "--checkpoint_every", "2", "--env.num_games", "16", "--rollout.max_inflight", "16",
-            "--env.warmstart_games", "64", "--warmstart.epochs", "1", "--prior.rollouts_per_task", "1",
+            "--env.warmstart_games", "64", "--env.heldout_games", "4", "--warmstart.epochs", "1",
+            "--prior.rollouts_per_task", "1",
             "--progress", "false", "--tensorboard", "false"]
     done = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for key in ("success_before_rl", "success_after_rl", "no_tool_before_rl", "no_tool_after_rl"):
+    for key in ("success_before_rl", "success_after_rl", "no_tool_before_rl", "no_tool_after_rl",
+                "heldout_before_rl", "heldout_after_rl", "heldout_no_tool_before_rl", "heldout_no_tool_after_rl"):
         assert key in summary
+    assert len(summary["heldout_after_rl"]["trials"]) == 4
     assert (tmp_path / "data" / "teacher_train.jsonl").exists()

@@ -150,12 +150,23 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
                      corpus=corpus, warm=warm)
 
 
+def math_tir_evaluations(setup) -> dict:
+    """Math-TIR's extra evaluations: the training problems with the tool disabled
+    (``no_tool``) and, when ``env.heldout_games`` > 0 (arithmetic source), the held-out
+    problems with and without the tool (``heldout``, ``heldout_no_tool``)."""
+    evals = {"no_tool": (setup.train, setup.env_factory(tools_enabled=False))}
+    if setup.held_out is not None:
+        evals["heldout"] = (setup.held_out, setup.env_factory(tasks=setup.held_out))
+        evals["heldout_no_tool"] = (setup.held_out, setup.env_factory(tools_enabled=False, tasks=setup.held_out))
+    return evals
+
+
 def math_tir_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
     """Math-TIR (SPEC 6): ``math_tir.source`` arithmetic (seeded problems + scripted teacher)
     or dapo (DAPO-Math-17K parquet files in ``env.data_dir`` + a filtered teacher JSONL);
     the model's Python runs in the tool sandbox; ``env.max_turns`` tool calls, then one
     more turn for the final answer, scored by math-verify. Also evaluated with the tool
-    disabled (``extra_evals["no_tool"]``)."""
+    disabled, and on held-out problems (:func:`math_tir_evaluations`)."""
     from rollout_bridge.envs.math_tir import build_math_tir
     from rollout_bridge.envs.math_tir.tool_format import PYTHON_TOOL_SCHEMA
 
@@ -168,7 +179,7 @@ def math_tir_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
     return EnvBundle(train=setup.train, env_factory=setup.env_factory(), max_turns=env.max_turns + 1,
                      corpus=setup.corpus, warm=setup.demonstrations,
                      chat_tools=[PYTHON_TOOL_SCHEMA] if section.tool_format == "qwen" else None,
-                     extra_evals={"no_tool": (setup.train, setup.env_factory(tools_enabled=False))},
+                     extra_evals=math_tir_evaluations(setup),
                      close=setup.close)
 
 

@@ -15,7 +15,12 @@ The scripted teacher writes the tool-using trajectory a good solver would: one t
 with the expression, then the boxed tool output; with probability ``slip_rate`` it
 miscopies one digit of the code (so its samples include wrong ones, as a real teacher's
 do, and the verifier filter has something to remove). The tool output is whatever the
-given ``run_code`` (the sandbox) printed.
+given ``run_code`` (the sandbox) printed. With probability ``direct_rate`` it instead
+answers in its head, as a strong teacher model often does on arithmetic it finds easy: the
+boxed value with no tool call (right, or with one digit slipped at ``slip_rate``). Those
+samples are verifier-positive, so the filter keeps them, but a student that imitates them
+guesses a 6-digit number: the cold start then calls the tool on only part of the problems,
+and RL has to learn to prefer the tool (the student's skill, not the teacher's).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class ArithmeticSpec:
     max_operand: int = 999
     operators: tuple[str, ...] = ("*",)
     slip_rate: float = 0.1
+    direct_rate: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.min_operand <= self.max_operand:
@@ -50,6 +56,8 @@ class ArithmeticSpec:
             raise ValueError(f"math_tir.arithmetic.operators must be a non-empty subset of {OPERATORS}")
         if not 0.0 <= self.slip_rate <= 1.0:
             raise ValueError(f"math_tir.arithmetic.slip_rate must be in [0, 1], got {self.slip_rate}")
+        if not 0.0 <= self.direct_rate <= 1.0:
+            raise ValueError(f"math_tir.arithmetic.direct_rate must be in [0, 1], got {self.direct_rate}")
 
 
 def expression_of(task: MathTask) -> str:
@@ -99,10 +107,23 @@ def _slip(expression: str, rng: np.random.Generator) -> str:
     return expression[:i] + wrong + expression[i + 1:]
 
 
+def direct_answer_trajectory(task: MathTask, rng: np.random.Generator, slip_rate: float) -> dict:
+    """A teacher sample answered in the head: messages user -> assistant (boxed value, one
+    digit slipped with probability ``slip_rate``)."""
+    value = task.ground_truth
+    if rng.random() < slip_rate:
+        value = _slip(value, rng)
+    messages = [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": f"\\boxed{{{value}}}"}]
+    return {"key": task.key, "ground_truth": task.ground_truth, "messages": messages}
+
+
 def teacher_trajectory(task: MathTask, run_code: Callable[[str], str], tool_format: ToolFormat,
-                       rng: np.random.Generator, slip_rate: float) -> dict:
+                       rng: np.random.Generator, slip_rate: float, direct_rate: float = 0.0) -> dict:
     """One teacher sample as a JSONL record: ``{"key", "ground_truth", "messages"}`` with
-    messages user -> assistant (tool call) -> tool -> assistant (boxed answer)."""
+    messages user -> assistant (tool call) -> tool -> assistant (boxed answer), or, with
+    probability ``direct_rate``, the direct answer of :func:`direct_answer_trajectory`."""
+    if direct_rate > 0.0 and rng.random() < direct_rate:  # no draw at 0: old seeds unchanged
+        return direct_answer_trajectory(task, rng, slip_rate)
     expression = expression_of(task)
     if rng.random() < slip_rate:
         expression = _slip(expression, rng)
@@ -118,9 +139,10 @@ def teacher_trajectory(task: MathTask, run_code: Callable[[str], str], tool_form
 
 
 def teacher_trajectories(tasks: MathTaskSet, run_code: Callable[[str], str], tool_format: ToolFormat,
-                         samples_per_task: int, seed: int, slip_rate: float) -> list[dict]:
-    """``samples_per_task`` teacher samples of every task (seeded slips)."""
+                         samples_per_task: int, seed: int, slip_rate: float,
+                         direct_rate: float = 0.0) -> list[dict]:
+    """``samples_per_task`` teacher samples of every task (seeded slips and direct answers)."""
     rng = np.random.default_rng(seed)
-    return [teacher_trajectory(task, run_code, tool_format, rng, slip_rate)
+    return [teacher_trajectory(task, run_code, tool_format, rng, slip_rate, direct_rate)
             for task in tasks.tasks for _ in range(samples_per_task)]
 

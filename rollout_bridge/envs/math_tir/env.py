@@ -11,10 +11,12 @@ An episode: ``reset(task_id)`` returns the problem text. Each reply of the polic
 The agent loop therefore needs ``max_turns = max_tool_calls + 1`` model turns.
 
 ``build_math_tir`` is the kind's entry point: from the ``env`` section (data_dir,
-num_games, game_seed, max_turns, max_feedback_chars, warmstart_games, warmstart_seed) and
-this module's ``MathTIRSection`` it returns a :class:`MathTIRSetup` holding the training
-task set, the cold-start demonstrations, the env factory and the shared sandbox/verifier
-(``close()`` them at the end of the job).
+num_games, game_seed, max_turns, max_feedback_chars, warmstart_games, warmstart_seed,
+heldout_games, heldout_seed) and this module's ``MathTIRSection`` it returns a
+:class:`MathTIRSetup` holding the training task set, the held-out problems (arithmetic
+source: ``heldout_games`` problems, never trained on nor demonstrated), the cold-start
+demonstrations, the env factory and the shared sandbox/verifier (``close()`` them at the
+end of the job).
 """
 
 from __future__ import annotations
@@ -143,15 +145,18 @@ class MathTIRSetup:
     sandbox: ToolSandbox
     verifier: MathVerifier
     rules: EpisodeRules
+    held_out: MathTaskSet | None = None
 
     @property
     def num_tasks(self) -> int:
         return self.train.num_tasks
 
-    def env_factory(self, tools_enabled: bool | None = None):
-        """A zero-argument env builder (``tools_enabled`` overrides the section's)."""
+    def env_factory(self, tools_enabled: bool | None = None, tasks: MathTaskSet | None = None):
+        """A zero-argument env builder over ``tasks`` (default: the training set;
+        ``tools_enabled`` overrides the section's)."""
         rules = self.rules if tools_enabled is None else dataclasses.replace(self.rules, tools_enabled=tools_enabled)
-        return lambda: MathTIREnv(self.train, self.sandbox, self.verifier, rules)
+        tasks = self.train if tasks is None else tasks
+        return lambda: MathTIREnv(tasks, self.sandbox, self.verifier, rules)
 
     def corpus(self) -> list[str]:
         """Texts a tiny tokenizer is trained on: prompts and teacher turns WITHOUT their
@@ -172,12 +177,27 @@ def _sandbox_stdout(sandbox: ToolSandbox, max_chars: int):
     return lambda code: sandbox.run_sync(code).feedback(max_chars)
 
 
-def arithmetic_teacher(env, section: MathTIRSection, train: MathTaskSet, sandbox, verifier, seed: int):
-    """Scripted teacher on warm-start problems disjoint from ``train``, filtered and split
-    (records are also written to ``env.data_dir`` for inspection)."""
-    warm = generate_problems(env.warmstart_games, env.warmstart_seed, section.arithmetic, train.tasks)
+def arithmetic_problem_sets(env, spec: ArithmeticSpec):
+    """(train, warm-start, held-out) problems, pairwise disjoint: train from
+    ``env.game_seed``, warm-start (``env.warmstart_games``, None if 0) from
+    ``env.warmstart_seed``, held-out (``env.heldout_games``, None if 0) from
+    ``env.heldout_seed``."""
+    train = generate_problems(env.num_games, env.game_seed, spec)
+    warm = (generate_problems(env.warmstart_games, env.warmstart_seed, spec, train.tasks)
+            if env.warmstart_games > 0 else None)
+    seen = train.tasks + (warm.tasks if warm is not None else ())
+    held = generate_problems(env.heldout_games, env.heldout_seed, spec, seen) if env.heldout_games > 0 else None
+    return train, warm, held
+
+
+def arithmetic_teacher(env, section: MathTIRSection, warm: MathTaskSet, sandbox, verifier, seed: int):
+    """Scripted teacher on the warm-start problems, filtered and split (records are also
+    written to ``env.data_dir`` for inspection)."""
+    if warm is None:
+        raise ValueError("env.warmstart_games must be >= 1 for the arithmetic teacher's cold start")
+    spec = section.arithmetic
     records = teacher_trajectories(warm, _sandbox_stdout(sandbox, env.max_feedback_chars), section.tool_format,
-                                   section.teacher_samples_per_task, seed, section.arithmetic.slip_rate)
+                                   section.teacher_samples_per_task, seed, spec.slip_rate, spec.direct_rate)
     kept, held, report = filter_teacher(records, verifier.score, section.tool_format, env.max_turns,
                                         section.held_out_fraction, seed)
     folder = Path(env.data_dir)
@@ -208,17 +228,18 @@ def build_math_tir(env, section: MathTIRSection, seed: int, with_teacher: bool =
     """The ``math_tir`` kind's builder (see the module docstring)."""
     if env.max_turns < 1:
         raise ValueError(f"env.max_turns (max tool calls) must be >= 1, got {env.max_turns}")
+    warm = held_out = None
     if section.source == "dapo":
         train = load_dapo_math(env.data_dir, env.num_games, env.game_seed)
     else:
-        train = generate_problems(env.num_games, env.game_seed, section.arithmetic)
+        train, warm, held_out = arithmetic_problem_sets(env, section.arithmetic)
     rules = EpisodeRules(section.tool_format, env.max_turns, env.max_feedback_chars, section.tools_enabled)
     sandbox = ToolSandbox(section.sandbox)
     verifier = MathVerifier(section.verifier)
     demos = held = None
     try:
         if with_teacher and section.source == "arithmetic":
-            kept, held_records, _ = arithmetic_teacher(env, section, train, sandbox, verifier, seed)
+            kept, held_records, _ = arithmetic_teacher(env, section, warm, sandbox, verifier, seed)
             demos = TeacherDemonstrations(kept, section.tool_format)
             held = TeacherDemonstrations(held_records, section.tool_format) if held_records else None
         elif with_teacher:
@@ -227,4 +248,4 @@ def build_math_tir(env, section: MathTIRSection, seed: int, with_teacher: bool =
         sandbox.close()
         verifier.close()
         raise
-    return MathTIRSetup(train, demos, held, sandbox, verifier, rules)
+    return MathTIRSetup(train, demos, held, sandbox, verifier, rules, held_out)
