@@ -8,7 +8,8 @@ out = o_proj(attended * sigmoid(gate)); RoPE rotates only the first `config.rota
 dims of each head; q/k norms are zero-centred (`OffsetRMSNorm`).
 The same module serves the full forward (`__call__`) and cached decode (`decode`): decode
 first writes this call's k/v at their positions, then attends over the whole cache.
-Calls longer than `chunk_size` queries attend chunk by chunk (`chunked_attention`).
+Calls longer than `chunk_size` queries attend chunk by chunk (`chunked_attention`); a
+one-token decode step attends with `single_query_attention` (no copy of the cache).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flax import nnx
 
 from spopp_jax.models.cache import AttentionCache, write_at_positions
 from spopp_jax.models.config import ModelConfig
-from spopp_jax.models.layers import (Linear, OffsetRMSNorm, RMSNorm, apply_rope,
+from spopp_jax.models.layers import (MASKED_SCORE, Linear, OffsetRMSNorm, RMSNorm, apply_rope,
                                      grouped_query_attention, rope_inverse_frequencies)
 from spopp_jax.models.masks import TokenLayout, mask_block
 
@@ -63,6 +64,38 @@ def chunked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           (to_chunks(query), to_chunks(query_index), to_chunks(query_segment)))
     out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk_size, *out.shape[3:])
     return out[:, :time]
+
+
+def single_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                           mask: jax.Array) -> jax.Array:
+    """`grouped_query_attention` for one query per row (a decode step), as multiply-reduces.
+
+      scores[b, s, k, g] = sum_d q[b, k, g, d] key[b, s, k, d] / sqrt(D)   (float32)
+      p = softmax over s of scores (MASKED_SCORE where ~mask[b, 0, s])
+      out[b, 0, k, g, d] = sum_s p[b, s, k, g] value[b, s, k, d]
+    query [B, 1, K, G, D], key/value [B, S, K, D] (the cache layout), mask [B, 1, S] ->
+    [B, 1, K, G, D] in value.dtype.
+
+    Why not the two einsums of `grouped_query_attention`: XLA:CPU lowers a dot_general
+    with batch axes (b, k) by first transposing each operand to [B, K, ...]. For a decode
+    step that copies the whole key and value cache (and the value cache with S innermost)
+    every layer, every step: at S = 4096 that cost ~10x a read of the cache. Written as
+    broadcast-multiply-reduce, XLA fuses each product into its reduction and reads the
+    cache once, in place.
+    """
+    batch, time, kv_heads, groups, head_dim = query.shape
+    if time != 1 or key.shape != value.shape or key.shape[0] != batch:
+        raise ValueError(f"query [B,1,K,G,D], key/value [B,S,K,D]; got {query.shape}, "
+                         f"{key.shape}, {value.shape}")
+    if key.shape[2:] != (kv_heads, head_dim) or mask.shape != (batch, 1, key.shape[1]):
+        raise ValueError(f"key {key.shape} / mask {mask.shape} do not match query "
+                         f"{query.shape}")
+    q = query[:, 0].astype(jnp.float32) * (head_dim ** -0.5)  # [B, K, G, D]
+    scores = jnp.sum(q[:, None] * key.astype(jnp.float32)[:, :, :, None, :], axis=-1)
+    scores = jnp.where(mask[:, 0, :, None, None], scores, MASKED_SCORE)  # [B, S, K, G]
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * value.astype(jnp.float32)[:, :, :, None, :], axis=1)
+    return out[:, None].astype(value.dtype)
 
 
 class Attention(nnx.Module):
@@ -132,6 +165,11 @@ class Attention(nnx.Module):
         q, k, v, gate = self._project(x, layout.positions)
         cache = AttentionCache(key=write_at_positions(cache.key, k, layout.positions),
                                value=write_at_positions(cache.value, v, layout.positions))
-        attended = chunked_attention(q.astype(cache.key.dtype), cache.key, cache.value, layout,
-                                     self.chunk_size)
+        q = q.astype(cache.key.dtype)
+        if x.shape[1] == 1:
+            mask = mask_block(layout.query_index, layout.query_segment, layout.key_valid,
+                              layout.key_segment)
+            attended = single_query_attention(q, cache.key, cache.value, mask)
+        else:
+            attended = chunked_attention(q, cache.key, cache.value, layout, self.chunk_size)
         return self._output(attended.astype(x.dtype), gate), cache
