@@ -128,15 +128,16 @@ def decode_models() -> dict:
             "qwen3": init_model(ModelConfig.from_hf(tiny_hf_config(**shape)))}
 
 
-def engine_decode_fn(model, steps: int):
+def engine_decode_fn(model, steps: int, max_len: int):
     """The engine's jitted decode chunk (`slot_decode.decode_steps`, state donated) with
-    every slot active at position `context`: `run(context)` -> seconds for `steps` steps."""
+    every slot active at position `context` of a `max_len` cache (one cache length for all
+    contexts, as in an engine): `run(slots, context)` -> seconds for `steps` steps."""
     graphdef, params = nnx.split(model)
     decode = jax.jit(functools.partial(slot_decode.decode_steps, graphdef),
                      static_argnums=2, donate_argnums=1)
 
     def start_state(slots: int, context: int) -> slot_decode.SlotState:
-        state = slot_decode.init_slot_state(model, slots, context + steps + 1, 1, jnp.float32)
+        state = slot_decode.init_slot_state(model, slots, max_len, 1, jnp.float32)
         full = lambda value: jnp.full((slots,), value, jnp.int32)
         state = state.replace(position=full(context), active=jnp.ones((slots,), bool),
                               max_new_tokens=full(steps + 1), last_token=full(1))
@@ -152,10 +153,14 @@ def engine_decode_fn(model, steps: int):
 
 
 def decode_rows(args) -> None:
-    """Engine decode tokens/s with every slot at context 256 vs 4096, hybrid and pure Qwen3
-    interleaved per round (same load), the 1-minute load average per round."""
+    """Engine decode tokens/s with every slot at context 256 vs 4096 (one cache of
+    4096 + steps + 1 positions), hybrid and pure Qwen3 interleaved per round (same load),
+    the 1-minute load average per round. Cache contents are zeros: a step's cost does not
+    depend on them."""
     slots, steps = args.decode_slots, args.decode_steps
-    runs = {name: engine_decode_fn(model, steps) for name, model in decode_models().items()}
+    max_len = max(QWEN35_DECODE_CONTEXTS) + steps + 1
+    runs = {name: engine_decode_fn(model, steps, max_len)
+            for name, model in decode_models().items()}
     cases = [(name, context) for name in runs for context in QWEN35_DECODE_CONTEXTS]
     for name, context in cases:
         runs[name](slots, context)  # compile
@@ -170,7 +175,7 @@ def decode_rows(args) -> None:
         rates = {c: slots * steps / statistics.median(times[(name, c)])
                  for c in QWEN35_DECODE_CONTEXTS}
         short, long = QWEN35_DECODE_CONTEXTS
-        print(f"{name} engine decode ({slots} slots, {steps} steps per call): "
+        print(f"{name} engine decode ({slots} slots, cache {max_len}, {steps} steps per call): "
               + ", ".join(f"context {c}: {r:7.0f} tok/s ({1e3 * slots / r:6.2f} ms/step)"
                           for c, r in rates.items())
               + f"; {short}/{long} slowdown {rates[short] / rates[long]:.2f}x "

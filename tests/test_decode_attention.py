@@ -23,42 +23,75 @@ SLOTS = 3
 
 def _inputs(seed: int, batch: int, length: int, kv_heads: int, groups: int, head_dim: int,
             dtype):
+    """query, key, value, mask [B, 1, S] of decode positions in [-1, S) (-1: a padding
+    row, no allowed key), and the positions."""
     rng = np.random.default_rng(seed)
     query = rng.normal(size=(batch, 1, kv_heads, groups, head_dim))
     key = rng.normal(size=(batch, length, kv_heads, head_dim))
     value = rng.normal(size=(batch, length, kv_heads, head_dim))
-    position = rng.integers(-1, length, size=(batch,))  # -1: a padding row, no key
+    position = rng.integers(-1, length, size=(batch,))
     mask = (np.arange(length)[None, :] <= position[:, None])[:, None, :]
     return (jnp.asarray(query, dtype), jnp.asarray(key, dtype), jnp.asarray(value, dtype),
-            jnp.asarray(mask))
+            jnp.asarray(mask)), position
+
+
+def _check_against_reference(got, args, position, atol):
+    """Rows with an allowed key equal grouped_query_attention (float32 inputs); rows
+    without one are 0."""
+    want = np.asarray(grouped_query_attention(*[a.astype(jnp.float32) for a in args[:3]],
+                                              args[3]))
+    got = np.asarray(got, np.float32)
+    assert got.shape == want.shape
+    live = position >= 0
+    np.testing.assert_allclose(got[live], want[live], atol=atol, rtol=1e-5)
+    assert np.all(got[~live] == 0)
 
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), length=st.integers(1, 40),
-       kv_heads=st.integers(1, 3), groups=st.integers(1, 3), head_dim=st.sampled_from([4, 16]))
+       kv_heads=st.integers(1, 3), groups=st.integers(1, 3), head_dim=st.sampled_from([4, 16]),
+       block_size=st.integers(1, 16))
 def test_single_query_attention_equals_grouped_query_attention(seed, batch, length, kv_heads,
-                                                               groups, head_dim):
-    args = _inputs(seed, batch, length, kv_heads, groups, head_dim, jnp.float32)
-    got = single_query_attention(*args)
-    want = grouped_query_attention(*args)
-    assert got.shape == want.shape and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
+                                                               groups, head_dim, block_size):
+    """One block (key_limit None) and by blocks up to key_limit = max position + 1 (cache
+    lengths that are and are not multiples of the block, blocks longer than the cache)."""
+    args, position = _inputs(seed, batch, length, kv_heads, groups, head_dim, jnp.float32)
+    one_block = single_query_attention(*args)
+    assert one_block.dtype == jnp.float32
+    _check_against_reference(one_block, args, position, atol=1e-6)
+    blocks = jax.jit(single_query_attention, static_argnums=5)(
+        *args, jnp.int32(position.max() + 1), block_size)
+    _check_against_reference(blocks, args, position, atol=1e-6)
+
+
+def test_blocks_past_the_key_limit_are_not_read():
+    """Blocks that start at or past key_limit are never read: NaN there changes nothing."""
+    args, position = _inputs(3, 4, 37, 2, 2, 8, jnp.float32)
+    limit, block_size = int(position.max()) + 1, 5
+    first_unread = -(-limit // block_size) * block_size
+    assert first_unread < 37
+    query, key, value, mask = args
+    poisoned = [x.at[:, first_unread:].set(jnp.nan) for x in (key, value)]
+    got = single_query_attention(query, *poisoned, mask, jnp.int32(limit), block_size)
+    _check_against_reference(got, args, position, atol=1e-6)
 
 
 def test_single_query_attention_bfloat16_cache():
     """bf16 cache: float32 scores and sums, bf16 output within bf16 rounding."""
-    args = _inputs(0, 4, 33, 2, 2, 16, jnp.bfloat16)
-    got = single_query_attention(*args)
-    want = grouped_query_attention(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
-                                     for a in args])
+    args, position = _inputs(0, 4, 33, 2, 2, 16, jnp.bfloat16)
+    got = single_query_attention(*args, jnp.int32(position.max() + 1), 8)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2)
+    _check_against_reference(got, args, position, atol=2e-2)
 
 
-def test_single_query_attention_rejects_several_queries():
-    query, key, value, mask = _inputs(0, 2, 8, 2, 2, 4, jnp.float32)
+def test_single_query_attention_rejects_bad_shapes():
+    (query, key, value, mask), _ = _inputs(0, 2, 8, 2, 2, 4, jnp.float32)
     with pytest.raises(ValueError, match=r"query \[B,1,K,G,D\]"):
         single_query_attention(jnp.concatenate([query, query], axis=1), key, value, mask)
+    with pytest.raises(ValueError, match="mask"):
+        single_query_attention(query, key, value, mask[:, :, :4])
+    with pytest.raises(ValueError, match="block_size"):
+        single_query_attention(query, key, value, mask, jnp.int32(3), 0)
 
 
 def _cache_sized_copies(model) -> list[str]:
