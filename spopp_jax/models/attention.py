@@ -101,8 +101,9 @@ def key_block_stats(query: jax.Array, key: jax.Array, value: jax.Array,
     q = query.astype(jnp.float32) * (head_dim ** -0.5)
     scores = jnp.sum(q[:, None] * key.astype(jnp.float32)[:, :, :, None, :], axis=-1)
     allowed = allowed[:, :, None, None]  # [B, S, 1, 1] against scores [B, S, K, G]
-    top = jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=1)
-    probs = jnp.where(allowed, jnp.exp(scores - top[:, None]), 0.0)
+    scores = jnp.where(allowed, scores, MASKED_SCORE)
+    top = jnp.max(scores, axis=1)
+    probs = jnp.where(allowed, jnp.exp(scores - top[:, None]), 0.0)  # exp of <= 0 only
     weighted = jnp.sum(probs[..., None] * value.astype(jnp.float32)[:, :, :, None, :], axis=1)
     return SoftmaxStats(top, jnp.sum(probs, axis=1), weighted)
 
