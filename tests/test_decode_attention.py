@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from spopp_jax.models import init_model
-from spopp_jax.models.attention import single_query_attention
+from spopp_jax.models import ModelConfig, init_model
+from spopp_jax.models.attention import DECODE_KEY_BLOCK, single_query_attention
 from spopp_jax.models.layers import grouped_query_attention
 from spopp_jax.models.testing import tiny_config, tiny_qwen35_hf_config
-from spopp_jax.models.config import ModelConfig
 
-# An odd cache length no other dimension of the tiny models has, to find its arrays in HLO.
-DISTINCT_CACHE_LEN = 997
+# Odd cache lengths no other dimension of the tiny models has (to find their arrays in
+# HLO): one read in blocks of DECODE_KEY_BLOCK keys, one read as a single block.
+BLOCKWISE_CACHE_LEN, ONE_BLOCK_CACHE_LEN = 997, 509
 SLOTS = 3
 
 
@@ -94,10 +94,10 @@ def test_single_query_attention_rejects_bad_shapes():
         single_query_attention(query, key, value, mask, jnp.int32(3), 0)
 
 
-def _cache_sized_copies(model) -> list[str]:
+def _cache_sized_copies(model, cache_len: int) -> list[str]:
     """HLO lines of the compiled one-token `forward_cached` that copy or transpose an
     array with at least as many elements as one key cache."""
-    cache = model.init_cache(SLOTS, DISTINCT_CACHE_LEN)
+    cache = model.init_cache(SLOTS, cache_len)
     cache_elements = min(leaf.size for leaf in jax.tree.leaves(cache) if leaf.ndim == 4)
 
     token = jnp.ones((SLOTS, 1), jnp.int32)
@@ -107,18 +107,21 @@ def _cache_sized_copies(model) -> list[str]:
     found = []
     for line in text.splitlines():
         match = re.search(r"= [a-z0-9]+\[([0-9,]*)\]\S* (copy|transpose)\(", line)
-        if match and str(DISTINCT_CACHE_LEN) in match.group(1).split(","):
+        if match and str(cache_len) in match.group(1).split(","):
             if np.prod([int(d) for d in match.group(1).split(",")]) >= cache_elements:
                 found.append(line.strip()[:200])
     return found
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
-def test_decode_step_reads_the_cache_in_place(name):
+@pytest.mark.parametrize("name, cache_len", [("qwen3", BLOCKWISE_CACHE_LEN),
+                                             ("qwen3_5", BLOCKWISE_CACHE_LEN),
+                                             ("qwen3", ONE_BLOCK_CACHE_LEN)])
+def test_decode_step_reads_the_cache_in_place(name, cache_len):
     """No transpose/copy of the KV cache per step (with the two einsums of
     `grouped_query_attention`, XLA:CPU transposed both caches to [B, K, ...] every step)."""
+    assert ONE_BLOCK_CACHE_LEN <= DECODE_KEY_BLOCK < BLOCKWISE_CACHE_LEN
     if name == "qwen3":
         config = tiny_config("qwen3")
     else:
         config = ModelConfig.from_hf(tiny_qwen35_hf_config())
-    assert _cache_sized_copies(init_model(config)) == []
+    assert _cache_sized_copies(init_model(config), cache_len) == []
