@@ -11,7 +11,9 @@ attention layer): forward+backward tokens/s at T = 512 and 4096 for JAX and tran
 torch fallback (`torch_chunk_gated_delta_rule`), interleaved per round with the 1-minute
 load average printed per round; the compiled forward+backward's memory (XLA's
 `memory_analysis`: temporaries + arguments + outputs) at T = 4096 and 16384; and cached
-decode ms/step with every slot at context 256 vs 4096.
+engine decode (`slot_decode.decode_steps`, the engine's jitted chunk) tokens/s with every
+slot at context 256 vs 4096, for the hybrid and a pure Qwen3 of the same shape, interleaved
+per round (`--decode-only`: just these rows).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spopp_jax.models import from_pretrained
+from rollout_bridge.engine import slot_decode
+from spopp_jax.models import ModelConfig, from_pretrained, init_model
 from spopp_jax.models.hf_io import param_count
 from spopp_jax.models.testing import random_hf_model, tiny_hf_config, tiny_qwen35_hf_config
 from _hardware import cpu_model
@@ -112,27 +115,71 @@ def hybrid_rows(args) -> None:
                  + stats.output_size_in_bytes)
         print(f"qwen3_5 fwd+bwd memory T={length}: {total / 2**20:8.1f} MiB "
               f"(temporaries {stats.temp_size_in_bytes / 2**20:.1f} MiB)")
-    hybrid_decode_rows(model, graphdef, state, args)
 
 
-def hybrid_decode_rows(model, graphdef, state, args) -> None:
-    # The cache is donated, as in the engine: no per-step copy of the attention KV cache.
-    @functools.partial(jax.jit, donate_argnums=3)
-    def decode_step(state, token, position, cache):
-        return nnx.merge(graphdef, state).forward_cached(token, position, cache)
+def decode_models() -> dict:
+    """The hybrid and a pure Qwen3 of the same shape (every layer full attention), random
+    weights (decode speed does not depend on their values)."""
+    shape = {k: QWEN35_SHAPE[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                          "num_hidden_layers", "num_attention_heads",
+                                          "num_key_value_heads", "head_dim",
+                                          "max_position_embeddings")}
+    return {"qwen3_5": init_model(ModelConfig.from_hf(tiny_qwen35_hf_config(**QWEN35_SHAPE))),
+            "qwen3": init_model(ModelConfig.from_hf(tiny_hf_config(**shape)))}
 
-    slots = args.decode_slots
-    tokens = jnp.ones((slots, 1), jnp.int32)
-    for context in QWEN35_DECODE_CONTEXTS:
-        start = jnp.full((slots, 1), context, jnp.int32)
-        new_cache = lambda: model.init_cache(slots, context + args.decode_steps)
-        jax.block_until_ready(decode_step(state, tokens, start, new_cache()))  # compile
 
-        t = timed(lambda: decode_loop(decode_step, state, tokens, start, new_cache(),
-                                      args.decode_steps), max(1, args.repeats // 2))
-        print(f"qwen3_5 cached decode at context {context}: {t / args.decode_steps * 1e3:7.2f} "
-              f"ms/step, {slots * args.decode_steps / t:8.0f} tok/s ({slots} slots); "
-              f"{load_average()}")
+def engine_decode_fn(model, steps: int, max_len: int):
+    """The engine's jitted decode chunk (`slot_decode.decode_steps`, state donated) with
+    every slot active at position `context` of a `max_len` cache (one cache length for all
+    contexts, as in an engine): `run(slots, context)` -> seconds for `steps` steps."""
+    graphdef, params = nnx.split(model)
+    decode = jax.jit(functools.partial(slot_decode.decode_steps, graphdef),
+                     static_argnums=2, donate_argnums=1)
+
+    def start_state(slots: int, context: int) -> slot_decode.SlotState:
+        state = slot_decode.init_slot_state(model, slots, max_len, 1, jnp.float32)
+        full = lambda value: jnp.full((slots,), value, jnp.int32)
+        state = state.replace(position=full(context), active=jnp.ones((slots,), bool),
+                              max_new_tokens=full(steps + 1), last_token=full(1))
+        return jax.tree.map(jnp.copy, state)  # distinct buffers: the state is donated
+
+    def run(slots: int, context: int) -> float:
+        state = jax.block_until_ready(start_state(slots, context))
+        start = time.perf_counter()
+        jax.block_until_ready(decode(params, state, steps))
+        return time.perf_counter() - start
+
+    return run
+
+
+def decode_rows(args) -> None:
+    """Engine decode tokens/s with every slot at context 256 vs 4096 (one cache of
+    4096 + steps + 1 positions), hybrid and pure Qwen3 interleaved per round (same load),
+    the 1-minute load average per round. Cache contents are zeros: a step's cost does not
+    depend on them."""
+    slots, steps = args.decode_slots, args.decode_steps
+    max_len = max(QWEN35_DECODE_CONTEXTS) + steps + 1
+    runs = {name: engine_decode_fn(model, steps, max_len)
+            for name, model in decode_models().items()}
+    cases = [(name, context) for name in runs for context in QWEN35_DECODE_CONTEXTS]
+    for name, context in cases:
+        runs[name](slots, context)  # compile
+    times = {case: [] for case in cases}
+    for round_index in range(args.rounds):
+        row = []
+        for name, context in cases:
+            times[(name, context)].append(runs[name](slots, context))
+            row.append(f"{name}@{context} {slots * steps / times[(name, context)][-1]:6.0f}")
+        print(f"  decode round {round_index} (tok/s): {', '.join(row)}; {load_average()}")
+    for name in runs:
+        rates = {c: slots * steps / statistics.median(times[(name, c)])
+                 for c in QWEN35_DECODE_CONTEXTS}
+        short, long = QWEN35_DECODE_CONTEXTS
+        print(f"{name} engine decode ({slots} slots, cache {max_len}, {steps} steps per call): "
+              + ", ".join(f"context {c}: {r:7.0f} tok/s ({1e3 * slots / r:6.2f} ms/step)"
+                          for c, r in rates.items())
+              + f"; {short}/{long} slowdown {rates[short] / rates[long]:.2f}x "
+                f"(median of {args.rounds})")
 
 
 def decode_loop(decode_step, state, tokens, positions, cache, steps: int) -> None:
@@ -164,9 +211,16 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="--arch qwen3_5: only the engine decode rows")
     args = parser.parse_args()
     if args.arch == "qwen3_5":
-        hybrid_rows(args)
+        if not args.decode_only:
+            hybrid_rows(args)
+        else:
+            print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, jax {jax.__version__} on "
+                  f"{jax.devices()[0].platform}; {load_average()}")
+        decode_rows(args)
         return
 
     import torch

@@ -8,10 +8,14 @@ out = o_proj(attended * sigmoid(gate)); RoPE rotates only the first `config.rota
 dims of each head; q/k norms are zero-centred (`OffsetRMSNorm`).
 The same module serves the full forward (`__call__`) and cached decode (`decode`): decode
 first writes this call's k/v at their positions, then attends over the whole cache.
-Calls longer than `chunk_size` queries attend chunk by chunk (`chunked_attention`).
+Calls longer than `chunk_size` queries attend chunk by chunk (`chunked_attention`); a
+one-token decode step attends with `single_query_attention`: the cache is read in place
+(no transposed copy) and only up to the longest live context, by blocks.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +23,16 @@ from flax import nnx
 
 from spopp_jax.models.cache import AttentionCache, write_at_positions
 from spopp_jax.models.config import ModelConfig
-from spopp_jax.models.layers import (Linear, OffsetRMSNorm, RMSNorm, apply_rope,
+from spopp_jax.models.layers import (MASKED_SCORE, Linear, OffsetRMSNorm, RMSNorm, apply_rope,
                                      grouped_query_attention, rope_inverse_frequencies)
 from spopp_jax.models.masks import TokenLayout, mask_block
 
 # Queries per attention block: longer calls scan over query chunks of this size, so the
 # float32 scores are [B, H, chunk, S] rather than [B, H, T, S].
 DEFAULT_ATTENTION_CHUNK = 1024
+# Keys per block of a decode step's attention: the cache is read block by block only up
+# to the longest live context (`single_query_attention`).
+DECODE_KEY_BLOCK = 512
 
 
 def chunked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -63,6 +70,112 @@ def chunked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           (to_chunks(query), to_chunks(query_index), to_chunks(query_segment)))
     out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk_size, *out.shape[3:])
     return out[:, :time]
+
+
+class SoftmaxStats(NamedTuple):
+    """Unnormalised softmax-weighted sum over a set of keys (one query per row):
+    top [B, K, G] = max score (MASKED_SCORE if no key is allowed), total [B, K, G] =
+    sum_s p_s, weighted [B, K, G, D] = sum_s p_s v_s, with p_s = exp(score_s - top) for
+    allowed keys and 0 otherwise. softmax(scores) v = weighted / total."""
+
+    top: jax.Array
+    total: jax.Array
+    weighted: jax.Array
+
+
+def key_block_stats(query: jax.Array, key: jax.Array, value: jax.Array,
+                    allowed: jax.Array) -> SoftmaxStats:
+    """`SoftmaxStats` of one block of keys, as multiply-reduces in float32:
+
+      score[b, s, k, g] = sum_d q[b, k, g, d] key[b, s, k, d] / sqrt(D)
+    query [B, K, G, D]; key, value [B, S, K, D] (the cache layout); allowed [B, S].
+
+    Why not the einsums of `grouped_query_attention`: XLA:CPU lowers a dot_general with
+    batch axes (b, k) by first transposing each operand to [B, K, ...]. For a decode step
+    that copies the whole key and value cache (the value cache with S innermost) every
+    layer, every step: at S = 4096 that cost ~10x a read of the cache. Written as
+    broadcast-multiply-reduce, XLA fuses each product into its reduction and reads the
+    cache once, in place.
+    """
+    head_dim = query.shape[-1]
+    q = query.astype(jnp.float32) * (head_dim ** -0.5)
+    scores = jnp.sum(q[:, None] * key.astype(jnp.float32)[:, :, :, None, :], axis=-1)
+    allowed = allowed[:, :, None, None]  # [B, S, 1, 1] against scores [B, S, K, G]
+    scores = jnp.where(allowed, scores, MASKED_SCORE)
+    top = jnp.max(scores, axis=1)
+    probs = jnp.where(allowed, jnp.exp(scores - top[:, None]), 0.0)  # exp of <= 0 only
+    weighted = jnp.sum(probs[..., None] * value.astype(jnp.float32)[:, :, :, None, :], axis=1)
+    return SoftmaxStats(top, jnp.sum(probs, axis=1), weighted)
+
+
+def merge_stats(a: SoftmaxStats, b: SoftmaxStats) -> SoftmaxStats:
+    """Stats of the union of two disjoint key sets: with top = max(a.top, b.top),
+    each side's total and weighted sum are rescaled by exp(side.top - top) and added."""
+    top = jnp.maximum(a.top, b.top)
+    scale_a, scale_b = jnp.exp(a.top - top), jnp.exp(b.top - top)
+    return SoftmaxStats(top, a.total * scale_a + b.total * scale_b,
+                        a.weighted * scale_a[..., None] + b.weighted * scale_b[..., None])
+
+
+def single_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                           mask: jax.Array, key_limit: jax.Array | None = None,
+                           block_size: int = DECODE_KEY_BLOCK) -> jax.Array:
+    """`grouped_query_attention` for one query per row (a decode step):
+
+      out[b, 0, k, g] = sum_s softmax_s(score[b, s, k, g] | mask[b, 0, s]) value[b, s, k]
+    query [B, 1, K, G, D], key/value [B, S, K, D], mask [B, 1, S] -> [B, 1, K, G, D] in
+    value.dtype (float32 scores and sums, `key_block_stats`). A row with no allowed key
+    gets 0.
+
+    key_limit (int scalar, may be traced): no row attends to a cache index >= key_limit
+    (in decode: the largest position + 1). The cache is then read only up to key_limit,
+    in blocks of `block_size` keys (a `fori_loop` with a data-dependent trip count,
+    merged with `merge_stats`), so a step costs O(longest live context), not O(cache
+    length). None: all S keys in one block.
+    """
+    batch, time, kv_heads, groups, head_dim = query.shape
+    cache_len = key.shape[1]
+    if time != 1 or key.shape != value.shape or key.shape[0] != batch:
+        raise ValueError(f"query [B,1,K,G,D], key/value [B,S,K,D]; got {query.shape}, "
+                         f"{key.shape}, {value.shape}")
+    if key.shape[2:] != (kv_heads, head_dim) or mask.shape != (batch, 1, cache_len):
+        raise ValueError(f"key {key.shape} / mask {mask.shape} do not match query "
+                         f"{query.shape}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    query, mask = query[:, 0], mask[:, 0]
+    if key_limit is None or cache_len <= block_size:
+        stats = key_block_stats(query, key, value, mask)
+    else:
+        stats = _blockwise_stats(query, key, value, mask, key_limit, block_size)
+    out = stats.weighted / jnp.maximum(stats.total, jnp.finfo(jnp.float32).tiny)[..., None]
+    return out[:, None].astype(value.dtype)
+
+
+def _blockwise_stats(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array,
+                     key_limit: jax.Array, block_size: int) -> SoftmaxStats:
+    """Stats over keys [0, key_limit) by blocks [i * block_size, (i + 1) * block_size).
+    The last block's slice is moved back to end at the cache end (a slice cannot run
+    past it); keys it re-reads from the previous block are masked out."""
+    batch, cache_len = mask.shape
+    num_blocks = (jnp.clip(key_limit, 0, cache_len) + block_size - 1) // block_size
+    offsets = jnp.arange(block_size)
+
+    def add_block(index, stats):
+        nominal = index * block_size
+        start = jnp.minimum(nominal, cache_len - block_size)
+
+        def block(x):
+            return jax.lax.dynamic_slice_in_dim(x, start, block_size, axis=1)
+
+        allowed = block(mask) & (start + offsets >= nominal)[None, :]
+        return merge_stats(stats, key_block_stats(query, block(key), block(value), allowed))
+
+    kv_heads, groups, head_dim = query.shape[1:]
+    empty = SoftmaxStats(jnp.full((batch, kv_heads, groups), MASKED_SCORE, jnp.float32),
+                         jnp.zeros((batch, kv_heads, groups), jnp.float32),
+                         jnp.zeros((batch, kv_heads, groups, head_dim), jnp.float32))
+    return jax.lax.fori_loop(0, num_blocks, add_block, empty)
 
 
 class Attention(nnx.Module):
@@ -132,6 +245,12 @@ class Attention(nnx.Module):
         q, k, v, gate = self._project(x, layout.positions)
         cache = AttentionCache(key=write_at_positions(cache.key, k, layout.positions),
                                value=write_at_positions(cache.value, v, layout.positions))
-        attended = chunked_attention(q.astype(cache.key.dtype), cache.key, cache.value, layout,
-                                     self.chunk_size)
+        q = q.astype(cache.key.dtype)
+        if x.shape[1] == 1:
+            mask = mask_block(layout.query_index, layout.query_segment, layout.key_valid,
+                              layout.key_segment)
+            key_limit = jnp.max(layout.query_index) + 1  # the longest live context
+            attended = single_query_attention(q, cache.key, cache.value, mask, key_limit)
+        else:
+            attended = chunked_attention(q, cache.key, cache.value, layout, self.chunk_size)
         return self._output(attended.astype(x.dtype), gate), cache
