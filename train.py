@@ -84,9 +84,16 @@ class Job:
     agent: object
     orchestrator: object
     learner: object
+    servers: object = None  # rollout.engine=vllm_server: the job's vLLM servers (started)
+    policy_folder: Path | None = None  # the initial policy's HF folder (tokenizer of vLLM weight folders)
 
     def engine(self, model, seed: int, policy_event: int = 0):
-        return build.build_engine(self.cfg, model, self.agent, self.orchestrator, policy_event, seed)
+        return build.build_engine(self.cfg, model, self.agent, self.orchestrator, policy_event, seed,
+                                  servers=self.servers, policy_folder=self.policy_folder, run_dir=self.paths.root)
+
+    def engine_metrics(self) -> dict:
+        """Per-update counters of the rollout servers (restarts, lost servers, publish times)."""
+        return {} if self.servers is None else self.servers.metrics()
 
 
 async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
@@ -114,7 +121,8 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
         log(f"resume: step {restored.step}, policy event {orchestrator.policy_event}, method state sha1 "
             f"{state_digest(orchestrator.state_dict()['method'])}, {len(orchestrator.ready)} buffered trajectories")
     writer = MetricsWriter(paths.root, cfg.tensorboard, resume_step=resume_step, sinks=build.wandb_sinks(cfg, paths.root, log))
-    sinks = [UpdateLogger(writer, cfg.steps, orchestrator.updates, cfg.progress)] + build.metric_sinks(cfg, paths.root)
+    sinks = [UpdateLogger(writer, cfg.steps, orchestrator.updates, cfg.progress, extra=job.engine_metrics)]
+    sinks += build.metric_sinks(cfg, paths.root)
     orchestrator.on_update = sinks
     try:
         while orchestrator.updates < cfg.steps:
@@ -201,7 +209,23 @@ def run_stages(cfg: TrainConfig, paths: RunPaths, env, start: float) -> dict:
     policy = run_warmstart(cfg, paths, base, chat, env.warm, learner_cfg)
     if cfg.stage == "warmstart":
         return {"policy": str(policy)}
-    alpha0, beta0, prior = run_prior(cfg, paths, policy, chat, env, agent, job.engine, job.orchestrator.rho,
+    job.policy_folder = policy
+    job.servers = build.build_rollout_servers(cfg, paths.root, agent)
+    try:
+        if job.servers is not None:  # one set of servers for the prior, the evaluations and RL
+            log(f"rollout servers: {cfg.rollout.server_urls or f'launching {cfg.rollout.servers.launch.count}'} "
+                f"(logs in {paths.root}/rollout_servers)")
+            job.servers.start(policy)
+        return finish_stages(job, policy, chat, start)
+    finally:
+        if job.servers is not None:
+            job.servers.close()
+
+
+def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
+    """The prior and RL (with its evaluations) on the job's engines."""
+    cfg, paths, env = job.cfg, job.paths, job.env
+    alpha0, beta0, prior = run_prior(cfg, paths, policy, chat, env, job.agent, job.engine, job.orchestrator.rho,
                                      job.orchestrator.max_in_flight)
     if cfg.stage == "prior":
         return {"prior": prior}

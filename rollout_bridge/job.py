@@ -84,12 +84,15 @@ def state_digest(tree: Any) -> str:
 
 class UpdateLogger:
     """The metrics sink of ``train.py``: one row per update to ``metrics.jsonl`` /
-    TensorBoard (``MetricsWriter``) and the progress bar."""
+    TensorBoard (``MetricsWriter``) and the progress bar. ``extra()`` (optional): more
+    counters for each row, as ``rollout/<name>`` (e.g. the vLLM servers' restarts)."""
 
-    def __init__(self, writer: MetricsWriter, steps: int, start_step: int, progress: bool):
+    def __init__(self, writer: MetricsWriter, steps: int, start_step: int, progress: bool,
+                 extra: Callable[[], dict] | None = None):
         from tqdm import tqdm
 
         self.writer = writer
+        self.extra = extra
         self.rewards: list[float] = []
         self.last_time = self.start = time.time()
         self.bar = tqdm(total=steps, initial=start_step, desc="RL", disable=not progress, dynamic_ncols=True)
@@ -120,6 +123,7 @@ class UpdateLogger:
             "wall_s": now - self.start,
             **{f"diag/{k}": v for k, v in record.diagnostics.items()},
             **{f"learner/{k}": v for k, v in record.learner_metrics.items()},
+            **{f"rollout/{k}": v for k, v in (self.extra() if self.extra is not None else {}).items()},
         }
         self.writer.write(record.update, row)
         self.last_time = now
