@@ -39,9 +39,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import jax.numpy as jnp
+import jax
 
 from rollout_bridge import components as build
+from rollout_bridge import distributed_learner as distributed
+from rollout_bridge.distributed_learner import LeaderLearner
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, extra_evaluations, latest_checkpoint_step,
                                 log, refuse_overwrite, run_prior, run_warmstart, state_digest, success_rollouts)
@@ -57,6 +59,7 @@ from spopp_jax.learner import init_train_state
 
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
+DISTRIBUTED_FLAG = "--distributed"  # the learner as several processes (start_distributed)
 
 
 def parse_config(argv: Sequence[str]) -> TrainConfig:
@@ -98,12 +101,41 @@ class Job:
 
 async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
     cfg, paths = job.cfg, job.paths
+    # several learner processes: the others start following; then, in the same order on
+    # every process, the checkpointer (orbax syncs the processes) and the learner
+    distributed.share_from_process_0(str(policy))
     checkpointer = Checkpointer(paths.checkpoints, max_to_keep=cfg.keep_checkpoints)
     latest = checkpointer.latest_step()
     refuse_overwrite(cfg.resume, latest, paths)
-    model = build.load_policy(policy, cfg.model, build.build_mesh(cfg.mesh))
-    learner = PolicyLearner(*init_train_state(model, job.learner), job.learner, job.orchestrator.pad_to_multiple,
-                            snapshot_weights=job.orchestrator.drain == "none")  # next step runs during the install
+    learner = LeaderLearner(build_learner(cfg, job.learner, job.orchestrator, policy))
+    try:
+        return await rl_stage(job, policy, chat, alpha0, beta0, learner, checkpointer, latest)
+    finally:
+        learner.stop()
+        checkpointer.close()
+
+
+def build_learner(cfg: TrainConfig, learner_cfg, orchestrator_cfg, policy: Path) -> PolicyLearner:
+    """The RL learner on the ``mesh`` section's mesh. Several learner processes: every one
+    loads the same weights locally and keeps its shards (PolicyLearner(mesh=...))."""
+    mesh = build.build_mesh(cfg.mesh)
+    several = jax.process_count() > 1  # each process loads a full copy on its first own device
+    model = build.load_policy(policy, cfg.model, local_mesh() if several else mesh)
+    return PolicyLearner(*init_train_state(model, learner_cfg), learner_cfg, orchestrator_cfg.pad_to_multiple,
+                         snapshot_weights=orchestrator_cfg.drain == "none",  # next step runs during the install
+                         mesh=mesh)
+
+
+def local_mesh():
+    """A one-device mesh on this process's first device (jax's default device may be
+    another process's)."""
+    from spopp_jax.sharding import make_mesh
+
+    return make_mesh(data=1, fsdp=1, tensor=1, devices=jax.local_devices()[:1])
+
+
+async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderLearner, checkpointer, latest):
+    cfg, paths = job.cfg, job.paths
     engine = job.engine(learner.weights(), seed=cfg.seed * ENGINE_SEED_STRIDE + (latest or 0))
     orchestrator = Orchestrator(engine, job.env.env_factory, chat, learner, job.env.num_tasks, job.orchestrator,
                                 job.agent, prior_alpha=alpha0, prior_beta=beta0)
@@ -129,9 +161,8 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
             chunk = min(cfg.checkpoint_every - orchestrator.updates % cfg.checkpoint_every,
                         cfg.steps - orchestrator.updates)
             await orchestrator.run(chunk)
-            saved = dataclasses.replace(learner.state, policy_event=jnp.asarray(orchestrator.policy_event, jnp.int32))
-            checkpointer.save(orchestrator.updates, saved, {"orchestrator": orchestrator.state_dict()},
-                              config=checkpoint_key(cfg))
+            learner.save(checkpointer, orchestrator.updates, {"orchestrator": orchestrator.state_dict()},
+                         checkpoint_key(cfg))
             if cfg.export_every and orchestrator.updates % cfg.export_every == 0:
                 build.export_policy(cfg, learner, policy, paths.export(orchestrator.updates), log)
         build.export_policy(cfg, learner, policy, paths.hf_model, log)
@@ -146,7 +177,7 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
                                         "after", cfg.progress)
     finally:
         await engine.close()
-        checkpointer.close()
+    learner.stop()
     for hook in build.END_OF_RUN_HOOKS:
         hook(cfg, paths.root, learner)
     return successes, trials, extra
@@ -186,10 +217,56 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     return summary
 
 
+def start_distributed(cfg: TrainConfig) -> None:
+    """``--distributed``: join the learner processes (``jax.distributed.initialize`` from
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a cluster jax
+    detects). Data path: rollout_bridge/distributed_learner.py and docs/FLEET.md."""
+    try:
+        settings = distributed.settings_from_env()
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    if cfg.resume:
+        raise UserError("--resume with --distributed: restoring a checkpoint onto several learner processes is not "
+                        "wired yet; resume with one learner process")
+    settings = distributed.initialize(settings)
+    log(f"learner process {settings.process_id} of {settings.num_processes}")
+
+
+def follow_process_0(cfg: TrainConfig) -> dict:
+    """A learner process other than 0: no env, engine or orchestrator; load the policy
+    process 0 names, then run its learner commands until it stops."""
+    policy = distributed.share_from_process_0()
+    if policy is None:  # process 0 ran no RL stage
+        log(f"learner process {jax.process_index()}: process 0 ran no RL stage")
+        return {}
+    log(f"learner process {jax.process_index()}: following process 0's updates of {policy}")
+    agent = build.build_agent_config(cfg, max_turns=1)  # only its padding length matters here
+    orchestrator_cfg = build.build_orchestrator_config(cfg, agent, cfg.seed)
+    with Checkpointer(RunPaths(Path(cfg.output_dir)).checkpoints, max_to_keep=cfg.keep_checkpoints) as checkpointer:
+        learner = build_learner(cfg, build.build_learner_config(cfg), orchestrator_cfg, Path(policy))
+        calls = distributed.follow(learner, checkpointer)
+    log(f"learner process {jax.process_index()}: {calls} updates with process 0")
+    return {"learner_updates": calls}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    several = DISTRIBUTED_FLAG in args
+    cfg = parse_config([a for a in args if a != DISTRIBUTED_FLAG])
     paths = RunPaths(check_output_dir(cfg.output_dir))
     start = time.time()
+    if several:
+        start_distributed(cfg)
+        if jax.process_index() != 0:
+            return follow_process_0(cfg)
+    try:
+        return run_job(cfg, paths, start)
+    finally:
+        if several:
+            distributed.release_followers()  # followers still waiting for an RL stage: none comes
+
+
+def run_job(cfg: TrainConfig, paths: RunPaths, start: float) -> dict:
     build.check_inputs(cfg)  # local inputs and the engine choice: fail before any work
     if cfg.stage in ("all", "rl"):  # never silently restart a run
         refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)

@@ -6,10 +6,12 @@ Data path (SPMD: every process must run the same jitted computations in the same
     agents and tracker, checkpoints' bookkeeping, exports. The other processes run only
     `follow`: a loop that waits for process 0's next learner command.
   * every collective learner action on process 0 goes through `LeaderLearner`, which
-    first BROADCASTS the command (``broadcast_from_process_0``, two rounds: a fixed
-    header [command, payload bytes], then the payload, a pickled Python object as a
-    uint8 array) and then runs it; each follower receives it and runs the same action on
-    its own `PolicyLearner`:
+    first SENDS the command and then runs it: the header ("command,payload bytes") goes
+    through jax's coordination service key-value store (key ``spopp_learner/<n>``; a
+    follower blocks on it for as long as process 0 collects rollouts: a collective would
+    time out, gloo after 30 s), then the payload (a pickled Python object as a uint8
+    array) through ``broadcast_from_process_0``, once both sides are there. Each follower
+    runs the same action on its own `PolicyLearner`:
       - ``CALL``: payload = the orchestrator's ``LearnerInput`` (the packed [B, T] batch
         and, for SPO, the previous responses); every process places the batch on the
         global mesh (``shard_global_batch``: each keeps its devices' rows), runs the same
@@ -40,7 +42,8 @@ import numpy as np
 
 CALL, WEIGHTS, SAVE, STOP, SHARE = 1, 2, 3, 4, 5
 COMMAND_NAMES = {CALL: "call", WEIGHTS: "weights", SAVE: "save", STOP: "stop", SHARE: "share"}
-HEADER_SIZE = 2  # [command, payload bytes]
+HEADER_KEY = "spopp_learner/{index}"  # coordination-service key of the index-th command
+FOLLOWER_WAIT_MS = 7 * 24 * 3600 * 1000  # a follower waits this long for process 0's next command
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
 
@@ -96,31 +99,50 @@ def initialize(settings: DistributedSettings) -> DistributedSettings:
     return DistributedSettings(settings.coordinator_address, jax.process_count(), jax.process_index())
 
 
-# ------------------------------------------------------------------ the broadcast channel
+# ------------------------------------------------------------------ the command channel
+_channel = {"sent": 0, "received": 0}  # commands sent (process 0) / received (a follower)
+
+
 def _broadcast(tree: Any) -> Any:
     from spopp_jax.sharding import broadcast_from_process_0
 
     return broadcast_from_process_0(tree)
 
 
+def _coordination_client():
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError("the learner command channel needs jax.distributed.initialize first")
+    return client
+
+
 def send(command: int, payload: Any = None) -> None:
-    """Process 0: broadcast ``command`` and its pickled ``payload``."""
+    """Process 0: the next command (header through the key-value store, the pickled
+    ``payload`` by broadcast)."""
     data = np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    _broadcast(np.asarray([command, data.size], np.int64))
+    index, _channel["sent"] = _channel["sent"], _channel["sent"] + 1
+    _coordination_client().key_value_set(HEADER_KEY.format(index=index), f"{command},{data.size}")
     if data.size:
         _broadcast(data)
 
 
 def receive() -> tuple[int, Any]:
-    """Other processes: the next (command, payload) process 0 sent."""
-    header = np.asarray(_broadcast(np.zeros(HEADER_SIZE, np.int64)))
-    command, size = int(header[0]), int(header[1])
+    """Other processes: the next (command, payload) process 0 sent (waits up to
+    ``FOLLOWER_WAIT_MS``)."""
+    index, _channel["received"] = _channel["received"], _channel["received"] + 1
+    header = _coordination_client().blocking_key_value_get(HEADER_KEY.format(index=index), FOLLOWER_WAIT_MS)
+    command, size = (int(part) for part in header.split(","))
     if command not in COMMAND_NAMES:
         raise RuntimeError(f"learner follower: unknown command {command} from process 0")
     payload = None
     if size:
         payload = pickle.loads(np.asarray(_broadcast(np.zeros(size, np.uint8))).tobytes())
     return command, payload
+
+
+_shared = {"done": False}  # process 0 has sent the SHARE its followers wait for first
 
 
 def share_from_process_0(value: Any = None) -> Any:
@@ -131,11 +153,21 @@ def share_from_process_0(value: Any = None) -> Any:
         return value
     if jax.process_index() == 0:
         send(SHARE, value)
+        _shared["done"] = True
         return value
     command, payload = receive()
     if command != SHARE:
         raise RuntimeError(f"learner follower: expected the shared value, got {COMMAND_NAMES[command]}")
     return payload
+
+
+def release_followers() -> None:
+    """Process 0 at exit: followers still waiting for the first SHARE get None (no RL
+    stage ran, or it failed before starting) and return."""
+    import jax
+
+    if jax.process_count() > 1 and jax.process_index() == 0 and not _shared["done"]:
+        share_from_process_0(None)
 
 
 # ------------------------------------------------------------------ both sides
@@ -148,6 +180,10 @@ class LeaderLearner:
 
         self.learner = learner
         self.distributed = jax.process_count() > 1
+        self.stopped = False
+
+    def __getattr__(self, name: str):  # model_def, config, ... of the wrapped learner
+        return getattr(self.learner, name)
 
     @property
     def state(self):
@@ -157,32 +193,42 @@ class LeaderLearner:
     def state(self, value):
         self.learner.state = value
 
+    def _send(self, command: int, payload: Any = None) -> None:
+        if not self.distributed:
+            return
+        if self.stopped:
+            raise RuntimeError(f"the learner processes were stopped: no {COMMAND_NAMES[command]} after stop()")
+        send(command, payload)
+
     def __call__(self, learner_input):
-        if self.distributed:
-            send(CALL, learner_input)
+        self._send(CALL, learner_input)
         return self.learner(learner_input)
 
     def weights(self):
-        if self.distributed:
-            send(WEIGHTS)
+        self._send(WEIGHTS)
         return self.learner.weights()
 
     def save(self, checkpointer, step: int, extras: dict, config: Any) -> None:
         """A checkpoint of the learner's state (every process writes its shards)."""
-        if self.distributed:
-            send(SAVE, (step, extras, config))
+        self._send(SAVE, (step, extras, config))
         checkpointer.save(step, saved_state(self.learner.state, extras), extras, config=config)
 
     def stop(self) -> None:
-        if self.distributed:
+        """Followers return from `follow` (idempotent)."""
+        if self.distributed and not self.stopped:
             send(STOP)
+        self.stopped = True
 
 
 def saved_state(state, extras: dict):
     """The TrainState as checkpointed: its policy event = the orchestrator's (numpy: the
     same value on every process)."""
+    import jax
+    import jax.numpy as jnp
+
     event = int(extras["orchestrator"]["counters"]["policy_event"])
-    return dataclasses.replace(state, policy_event=np.asarray(event, np.int32))
+    as_array = jnp.asarray if jax.process_count() == 1 else np.asarray
+    return dataclasses.replace(state, policy_event=as_array(event, np.int32))
 
 
 def follow(learner: Any, checkpointer: Any = None) -> int:
@@ -207,5 +253,5 @@ def follow(learner: Any, checkpointer: Any = None) -> int:
             raise RuntimeError(f"learner follower: unexpected {COMMAND_NAMES[command]} command")
 
 
-__all__ = ["DistributedSettings", "LeaderLearner", "follow", "initialize", "receive", "send", "settings_from_env",
-           "share_from_process_0"]
+__all__ = ["DistributedSettings", "LeaderLearner", "follow", "initialize", "receive", "release_followers", "send",
+           "settings_from_env", "share_from_process_0"]

@@ -83,8 +83,10 @@ class PolicyLearner:
     def weights(self):
         """The current policy as an NNX module (what the engine publishes); over a copy of
         the parameters with ``snapshot_weights`` (safe to install while the next step runs)."""
-        if self.mesh is not None:  # gathered to this host: a copy the next step cannot donate
-            return self.model_def.merge(to_host(self.state.params))
+        if self.mesh is not None:  # gathered, on this process's first device: a copy no step donates
+            import jax
+
+            return self.model_def.merge(jax.device_put(to_host(self.state.params), jax.local_devices()[0]))
         params = snapshot_params(self.state.params) if self.snapshot_weights else self.state.params
         return self.model_def.merge(params)
 
