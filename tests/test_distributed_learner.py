@@ -8,7 +8,8 @@ the same `PolicyLearner` calls:
   * the weights process 0 publishes after 3 updates equal the one-device learner's (a
     follower training on anything but process 0's batch would change them), the losses too;
   * the checkpoint both processes wrote (SAVE: each its shards) restores, in one process,
-    to those same parameters with the orchestrator's policy event.
+    to those same parameters with the orchestrator's policy event;
+  * (slow) ``python train.py --distributed`` as two processes completes a tiny job.
 
 Worker: ``python tests/test_distributed_learner.py OUT PROCESS_ID PORT``.
 """
@@ -158,6 +159,54 @@ def test_checkpoint_written_by_both_processes_restores(two_processes, one_device
     assert int(restored.train_state.policy_event) == NUM_UPDATES
     params = flat_weights(model_def.merge(restored.train_state.params))
     assert_same_params({f"params/{k}": v for k, v in params.items()}, one_device)
+
+
+def test_settings_from_env_name_the_variable():
+    from rollout_bridge.distributed_learner import settings_from_env
+
+    assert settings_from_env({}).coordinator_address is None  # a cluster jax detects
+    full = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    settings = settings_from_env(full)
+    assert (settings.num_processes, settings.process_id, settings.is_leader) == (4, 3, False)
+    for broken, fragment in [({**full, "JAX_PROCESS_ID": ""}, "not JAX_PROCESS_ID"),
+                             ({**full, "JAX_NUM_PROCESSES": "two"}, "must be integers"),
+                             ({**full, "JAX_PROCESS_ID": "4"}, "0 <= JAX_PROCESS_ID")]:
+        with pytest.raises(ValueError, match=fragment):
+            settings_from_env(broken)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_train_py_distributed_runs_as_two_learner_processes(tmp_path):
+    """``python train.py --distributed`` as 2 processes x 2 CPU devices: both exit 0,
+    process 1 trained every update with process 0, the run wrote its checkpoints,
+    metrics and the exported policy."""
+    from tiny_run import tiny_train_args
+
+    steps = 4
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [*tiny_train_args(tmp_path, steps=steps), "--progress", "false", "--tensorboard", "false", "--distributed"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(NUM_PROCESSES),
+               PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *args], cwd=root,
+                              env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for i in range(NUM_PROCESSES)]
+    try:
+        logs = [proc.communicate(timeout=1100)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-4000:]
+    assert f"learner process 1: {steps} updates with process 0" in logs[1], logs[1][-2000:]
+    run = tmp_path / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == steps
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert (run / "hf_model" / "config.json").exists()
 
 
 if __name__ == "__main__":
