@@ -7,6 +7,8 @@
     python train.py --resume                          # continue from the newest checkpoint
     python train.py --stage warmstart                 # only the cold-start SFT
     python train.py --stage prior                     # only the n-rollouts-per-task prior
+    python train.py --rollout.engine vllm_server --rollout.servers.launch.count 2   # on vLLM servers
+    JAX_COORDINATOR_ADDRESS=h:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=<i> python train.py --distributed
 
 Every field of `spopp_jax.config.TrainConfig` is a flag (draccus). This script only
 composes: each component is built from its own config section by
@@ -24,6 +26,10 @@ in `output_dir` when it was made with the same settings):
     the same rollouts with the final policy (success AFTER RL) and `learning_curve.png`;
     the final policy as a HF folder in `hf_model` (with `export_every` also
     `exports/step_<k>`), and with `--wandb true` the metrics also in Weights & Biases.
+Rollout engines (`rollout.engine`): the embedded JAX engine, vLLM in this process, or vLLM
+servers given by URL or launched by this script (docs/FLEET.md); every stage uses the same
+one. `--distributed`: the learner as several processes; process 0 runs the job and feeds the
+others each learner call (rollout_bridge/distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
 A user mistake (missing config file, unwritable output_dir, full disk, a setting this
 version lacks) ends in one line and exit status 2 (spopp_jax.run_errors).
@@ -56,6 +62,7 @@ from spopp_jax.config import TrainConfig, format_config_error, load_config
 from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
                                   run_cleanly, unknown_fields_line)
 from spopp_jax.learner import init_train_state
+from spopp_jax.sharding import make_mesh
 
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
@@ -129,8 +136,6 @@ def build_learner(cfg: TrainConfig, learner_cfg, orchestrator_cfg, policy: Path)
 def local_mesh():
     """A one-device mesh on this process's first device (jax's default device may be
     another process's)."""
-    from spopp_jax.sharding import make_mesh
-
     return make_mesh(data=1, fsdp=1, tensor=1, devices=jax.local_devices()[:1])
 
 

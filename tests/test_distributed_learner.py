@@ -34,6 +34,7 @@ SHARED = {"policy": "/run/warmstart_model"}
 EXTRAS = {"orchestrator": {"counters": {"policy_event": np.asarray(NUM_UPDATES, np.int64)}}}
 CHECKPOINT_CONFIG = {"method": "spopp"}
 WORKER_TIMEOUT_S = 600
+TRAIN_TIMEOUT_S = 1100
 
 
 def flat_weights(module) -> dict:
@@ -87,6 +88,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_all(procs: list, timeout_s: float) -> list[str]:
+    """The output of every process; each must exit 0 (all are killed on a time-out)."""
+    try:
+        logs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-4000:]
+    return logs
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
@@ -97,14 +111,7 @@ def two_processes(tmp_path_factory):
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(out), str(i), str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]
-    try:
-        logs = [proc.communicate(timeout=WORKER_TIMEOUT_S)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
+    wait_all(procs, WORKER_TIMEOUT_S)
     results = []
     for i in range(NUM_PROCESSES):
         with np.load(out / f"process-{i}.npz") as data:
@@ -194,14 +201,7 @@ def test_train_py_distributed_runs_as_two_learner_processes(tmp_path):
                               env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]
-    try:
-        logs = [proc.communicate(timeout=1100)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
+    logs = wait_all(procs, TRAIN_TIMEOUT_S)
     assert f"learner process 1: {steps} updates with process 0" in logs[1], logs[1][-2000:]
     run = tmp_path / "run"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == steps
