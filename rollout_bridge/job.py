@@ -44,9 +44,20 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+# Where the rollouts run, not what they are: a prior or a checkpoint stays reusable when a
+# run continues on other launched servers (one more, other GPUs). (rollout.server_urls stays
+# in the key: checkpoints written before rollout.servers existed hold it.)
+DEPLOYMENT_FIELDS = {"rollout": ("servers",)}
+
+
 def stage_key(cfg, *sections: str) -> dict:
-    """The settings an output depends on (reuse it only if they are unchanged)."""
-    return {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
+    """The settings an output depends on (reuse it only if they are unchanged; the
+    ``DEPLOYMENT_FIELDS`` are left out)."""
+    key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
+    for name, fields in DEPLOYMENT_FIELDS.items():
+        for field in fields:
+            key.get(name, {}).pop(field, None)
+    return key
 
 
 def checkpoint_key(cfg) -> dict:

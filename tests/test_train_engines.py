@@ -106,6 +106,20 @@ def test_server_settings_reach_the_launcher():
     assert c.build_rollout_servers(load_config([]), Path("/tmp/run"), agent) is None
 
 
+def test_other_servers_keep_the_checkpoint_and_prior_reusable():
+    from rollout_bridge.job import checkpoint_key, stage_key
+
+    launched = load_config(VLLM_SERVER + ["--rollout.servers.launch.count", "2"])
+    more = load_config(VLLM_SERVER + ["--rollout.servers.launch.count", "3", "--rollout.servers.capacity", "16",
+                                      "--rollout.servers.launch.first_gpu", "1"])
+    assert checkpoint_key(launched) == checkpoint_key(more)
+    assert stage_key(launched, "rollout") == stage_key(more, "rollout")
+    assert "servers" not in checkpoint_key(launched)["rollout"]  # as in checkpoints from before the section
+    other_batch = load_config(VLLM_SERVER + ["--rollout.servers.launch.count", "2", "--rollout.batch_size", "8",
+                                             "--rollout.max_inflight", "8"])
+    assert checkpoint_key(other_batch) != checkpoint_key(launched)  # what the rollouts are still counts
+
+
 # ------------------------------------------------------------------ engines
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
