@@ -7,6 +7,8 @@
     python train.py --resume                          # continue from the newest checkpoint
     python train.py --stage warmstart                 # only the cold-start SFT
     python train.py --stage prior                     # only the n-rollouts-per-task prior
+    python train.py --rollout.engine vllm_server --rollout.servers.launch.count 2   # on vLLM servers
+    JAX_COORDINATOR_ADDRESS=h:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=<i> python train.py --distributed
 
 Every field of `spopp_jax.config.TrainConfig` is a flag (draccus). This script only
 composes: each component is built from its own config section by
@@ -24,6 +26,10 @@ in `output_dir` when it was made with the same settings):
     the same rollouts with the final policy (success AFTER RL) and `learning_curve.png`;
     the final policy as a HF folder in `hf_model` (with `export_every` also
     `exports/step_<k>`), and with `--wandb true` the metrics also in Weights & Biases.
+Rollout engines (`rollout.engine`): the embedded JAX engine, vLLM in this process, or vLLM
+servers given by URL or launched by this script (docs/FLEET.md); every stage uses the same
+one. `--distributed`: the learner as several processes; process 0 runs the job and feeds the
+others each learner call (rollout_bridge/distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
 A user mistake (missing config file, unwritable output_dir, full disk, a setting this
 version lacks) ends in one line and exit status 2 (spopp_jax.run_errors).
@@ -39,9 +45,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import jax.numpy as jnp
+import jax
 
 from rollout_bridge import components as build
+from rollout_bridge import distributed_learner as distributed
+from rollout_bridge.distributed_learner import LeaderLearner
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, extra_evaluations, latest_checkpoint_step,
                                 log, refuse_overwrite, run_prior, run_warmstart, state_digest, success_rollouts)
@@ -54,9 +62,11 @@ from spopp_jax.config import TrainConfig, format_config_error, load_config
 from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
                                   run_cleanly, unknown_fields_line)
 from spopp_jax.learner import init_train_state
+from spopp_jax.sharding import make_mesh
 
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
+DISTRIBUTED_FLAG = "--distributed"  # the learner as several processes (start_distributed)
 
 
 def parse_config(argv: Sequence[str]) -> TrainConfig:
@@ -84,19 +94,53 @@ class Job:
     agent: object
     orchestrator: object
     learner: object
+    servers: object = None  # rollout.engine=vllm_server: the job's vLLM servers (started)
+    policy_folder: Path | None = None  # the initial policy's HF folder (tokenizer of vLLM weight folders)
 
     def engine(self, model, seed: int, policy_event: int = 0):
-        return build.build_engine(self.cfg, model, self.agent, self.orchestrator, policy_event, seed)
+        return build.build_engine(self.cfg, model, self.agent, self.orchestrator, policy_event, seed,
+                                  servers=self.servers, policy_folder=self.policy_folder, run_dir=self.paths.root)
+
+    def engine_metrics(self) -> dict:
+        """Per-update counters of the rollout servers (restarts, lost servers, publish times)."""
+        return {} if self.servers is None else self.servers.metrics()
 
 
 async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
     cfg, paths = job.cfg, job.paths
+    # several learner processes: the others start following; then, in the same order on
+    # every process, the checkpointer (orbax syncs the processes) and the learner
+    distributed.share_from_process_0(str(policy))
     checkpointer = Checkpointer(paths.checkpoints, max_to_keep=cfg.keep_checkpoints)
     latest = checkpointer.latest_step()
     refuse_overwrite(cfg.resume, latest, paths)
-    model = build.load_policy(policy, cfg.model, build.build_mesh(cfg.mesh))
-    learner = PolicyLearner(*init_train_state(model, job.learner), job.learner, job.orchestrator.pad_to_multiple,
-                            snapshot_weights=job.orchestrator.drain == "none")  # next step runs during the install
+    learner = LeaderLearner(build_learner(cfg, job.learner, job.orchestrator, policy))
+    try:
+        return await rl_stage(job, policy, chat, alpha0, beta0, learner, checkpointer, latest)
+    finally:
+        learner.stop()
+        checkpointer.close()
+
+
+def build_learner(cfg: TrainConfig, learner_cfg, orchestrator_cfg, policy: Path) -> PolicyLearner:
+    """The RL learner on the ``mesh`` section's mesh. Several learner processes: every one
+    loads the same weights locally and keeps its shards (PolicyLearner(mesh=...))."""
+    mesh = build.build_mesh(cfg.mesh)
+    several = jax.process_count() > 1  # each process loads a full copy on its first own device
+    model = build.load_policy(policy, cfg.model, local_mesh() if several else mesh)
+    return PolicyLearner(*init_train_state(model, learner_cfg), learner_cfg, orchestrator_cfg.pad_to_multiple,
+                         snapshot_weights=orchestrator_cfg.drain == "none",  # next step runs during the install
+                         mesh=mesh)
+
+
+def local_mesh():
+    """A one-device mesh on this process's first device (jax's default device may be
+    another process's)."""
+    return make_mesh(data=1, fsdp=1, tensor=1, devices=jax.local_devices()[:1])
+
+
+async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderLearner, checkpointer, latest):
+    cfg, paths = job.cfg, job.paths
     engine = job.engine(learner.weights(), seed=cfg.seed * ENGINE_SEED_STRIDE + (latest or 0))
     orchestrator = Orchestrator(engine, job.env.env_factory, chat, learner, job.env.num_tasks, job.orchestrator,
                                 job.agent, prior_alpha=alpha0, prior_beta=beta0)
@@ -114,16 +158,16 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
         log(f"resume: step {restored.step}, policy event {orchestrator.policy_event}, method state sha1 "
             f"{state_digest(orchestrator.state_dict()['method'])}, {len(orchestrator.ready)} buffered trajectories")
     writer = MetricsWriter(paths.root, cfg.tensorboard, resume_step=resume_step, sinks=build.wandb_sinks(cfg, paths.root, log))
-    sinks = [UpdateLogger(writer, cfg.steps, orchestrator.updates, cfg.progress)] + build.metric_sinks(cfg, paths.root)
+    sinks = [UpdateLogger(writer, cfg.steps, orchestrator.updates, cfg.progress, extra=job.engine_metrics)]
+    sinks += build.metric_sinks(cfg, paths.root)
     orchestrator.on_update = sinks
     try:
         while orchestrator.updates < cfg.steps:
             chunk = min(cfg.checkpoint_every - orchestrator.updates % cfg.checkpoint_every,
                         cfg.steps - orchestrator.updates)
             await orchestrator.run(chunk)
-            saved = dataclasses.replace(learner.state, policy_event=jnp.asarray(orchestrator.policy_event, jnp.int32))
-            checkpointer.save(orchestrator.updates, saved, {"orchestrator": orchestrator.state_dict()},
-                              config=checkpoint_key(cfg))
+            learner.save(checkpointer, orchestrator.updates, {"orchestrator": orchestrator.state_dict()},
+                         checkpoint_key(cfg))
             if cfg.export_every and orchestrator.updates % cfg.export_every == 0:
                 build.export_policy(cfg, learner, policy, paths.export(orchestrator.updates), log)
         build.export_policy(cfg, learner, policy, paths.hf_model, log)
@@ -138,7 +182,7 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
                                         "after", cfg.progress)
     finally:
         await engine.close()
-        checkpointer.close()
+    learner.stop()
     for hook in build.END_OF_RUN_HOOKS:
         hook(cfg, paths.root, learner)
     return successes, trials, extra
@@ -178,10 +222,56 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     return summary
 
 
+def start_distributed(cfg: TrainConfig) -> None:
+    """``--distributed``: join the learner processes (``jax.distributed.initialize`` from
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a cluster jax
+    detects). Data path: rollout_bridge/distributed_learner.py and docs/FLEET.md."""
+    try:
+        settings = distributed.settings_from_env()
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    if cfg.resume:
+        raise UserError("--resume with --distributed: restoring a checkpoint onto several learner processes is not "
+                        "wired yet; resume with one learner process")
+    settings = distributed.initialize(settings)
+    log(f"learner process {settings.process_id} of {settings.num_processes}")
+
+
+def follow_process_0(cfg: TrainConfig) -> dict:
+    """A learner process other than 0: no env, engine or orchestrator; load the policy
+    process 0 names, then run its learner commands until it stops."""
+    policy = distributed.share_from_process_0()
+    if policy is None:  # process 0 ran no RL stage
+        log(f"learner process {jax.process_index()}: process 0 ran no RL stage")
+        return {}
+    log(f"learner process {jax.process_index()}: following process 0's updates of {policy}")
+    agent = build.build_agent_config(cfg, max_turns=1)  # only its padding length matters here
+    orchestrator_cfg = build.build_orchestrator_config(cfg, agent, cfg.seed)
+    with Checkpointer(RunPaths(Path(cfg.output_dir)).checkpoints, max_to_keep=cfg.keep_checkpoints) as checkpointer:
+        learner = build_learner(cfg, build.build_learner_config(cfg), orchestrator_cfg, Path(policy))
+        calls = distributed.follow(learner, checkpointer)
+    log(f"learner process {jax.process_index()}: {calls} updates with process 0")
+    return {"learner_updates": calls}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    several = DISTRIBUTED_FLAG in args
+    cfg = parse_config([a for a in args if a != DISTRIBUTED_FLAG])
     paths = RunPaths(check_output_dir(cfg.output_dir))
     start = time.time()
+    if several:
+        start_distributed(cfg)
+        if jax.process_index() != 0:
+            return follow_process_0(cfg)
+    try:
+        return run_job(cfg, paths, start)
+    finally:
+        if several:
+            distributed.release_followers()  # followers still waiting for an RL stage: none comes
+
+
+def run_job(cfg: TrainConfig, paths: RunPaths, start: float) -> dict:
     build.check_inputs(cfg)  # local inputs and the engine choice: fail before any work
     if cfg.stage in ("all", "rl"):  # never silently restart a run
         refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)
@@ -201,7 +291,23 @@ def run_stages(cfg: TrainConfig, paths: RunPaths, env, start: float) -> dict:
     policy = run_warmstart(cfg, paths, base, chat, env.warm, learner_cfg)
     if cfg.stage == "warmstart":
         return {"policy": str(policy)}
-    alpha0, beta0, prior = run_prior(cfg, paths, policy, chat, env, agent, job.engine, job.orchestrator.rho,
+    job.policy_folder = policy
+    job.servers = build.build_rollout_servers(cfg, paths.root, agent)
+    try:
+        if job.servers is not None:  # one set of servers for the prior, the evaluations and RL
+            log(f"rollout servers: {cfg.rollout.server_urls or f'launching {cfg.rollout.servers.launch.count}'} "
+                f"(logs in {paths.root}/rollout_servers)")
+            job.servers.start(policy)
+        return finish_stages(job, policy, chat, start)
+    finally:
+        if job.servers is not None:
+            job.servers.close()
+
+
+def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
+    """The prior and RL (with its evaluations) on the job's engines."""
+    cfg, paths, env = job.cfg, job.paths, job.env
+    alpha0, beta0, prior = run_prior(cfg, paths, policy, chat, env, job.agent, job.engine, job.orchestrator.rho,
                                      job.orchestrator.max_in_flight)
     if cfg.stage == "prior":
         return {"prior": prior}

@@ -72,7 +72,34 @@ ENGINE_DERIVED = {
     "max_stop_tokens": "JaxEngine default", "min_prefill_len": "JaxEngine default",
     "cache_dtype": "JaxEngine default",
 }
-ENGINE_SELECT = ("rollout.engine", "rollout.server_urls")  # which engine (train.py: jax only)
+ENGINE_SELECT = ("rollout.engine", "rollout.server_urls")  # which engine; the servers' URLs
+
+# rollout.engine=vllm_server: the job's servers (rollout_bridge.engine.vllm_servers)
+SERVERS_KNOBS = {"capacity": "rollout.servers.capacity", "health_interval_s": "rollout.servers.health_interval_s"}
+SERVERS_DERIVED = {"run_dir": "the run folder (output_dir)", "urls": "rollout.server_urls (ENGINE_SELECT)",
+                   "launch": "SERVER_LAUNCH_KNOBS (None unless rollout.servers.launch.count >= 1)"}
+SERVER_LAUNCH_KNOBS = {
+    "count": "rollout.servers.launch.count", "gpus_per_server": "rollout.servers.launch.gpus_per_server",
+    "first_gpu": "rollout.servers.launch.first_gpu", "extra_args": "rollout.servers.launch.extra_args",
+    "max_restarts": "rollout.servers.launch.max_restarts", "ready_timeout_s": "rollout.servers.launch.ready_timeout_s",
+    "max_num_seqs": "rollout.servers.launch.max_num_seqs", "cpu_threads": "rollout.servers.launch.cpu_threads",
+    "kv_cache_gib": "rollout.servers.launch.kv_cache_gib", "python": "rollout.servers.python",
+}
+SERVER_LAUNCH_DERIVED = {
+    "host": "127.0.0.1: the servers are local", "capacity": "rollout.servers.capacity (SERVERS_KNOBS)",
+    "max_model_len": "agent.max_total_tokens", "stop_grace_s": "ServerLaunchConfig default",
+}
+# rollout.engine=vllm: vLLM's AsyncLLM in this process (VllmInProcessConfig)
+INPROCESS_DERIVED = {
+    "model": "a policy folder written from the stage's model", "weights_root": "<run>/rollout_vllm/engine-<n>",
+    "tokenizer_dir": "the job's policy folder", "initial_policy_event": "the orchestrator's policy event",
+    "max_model_len": "agent.max_total_tokens", "max_num_seqs": "orchestrator.max_in_flight",
+    "drain": "rollout.drain (ORCHESTRATOR_KNOBS; none -> finish for the drained fallback)",
+    "dtype": "VllmInProcessConfig default", "gpu_memory_utilization": "VllmInProcessConfig default",
+    "logprobs_mode": "VllmInProcessConfig default (raw_logprobs)", "keep_policies": "VllmInProcessConfig default",
+    "direct_transfer": "None: the filesystem publish", "engine_kwargs": "VllmInProcessConfig default",
+}
+VLLM_TEMPERATURE = 1.0  # the vLLM engines report raw log-probs: exact sampling log-probs only at T = 1
 
 # sections read whole by one component (the owner named for the config test)
 SECTION_OWNERS = {
@@ -132,10 +159,43 @@ def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> Orchestrato
 
 
 def check_engine_choice(cfg) -> None:
-    """``rollout.engine`` / ``rollout.server_urls``: this build drives the JAX engine only."""
-    if cfg.rollout.engine != "jax" or cfg.rollout.server_urls is not None:
-        raise UserError(f"rollout.engine={cfg.rollout.engine!r}: train.py drives the embedded "
-                         "JAX engine only in this build")
+    """``rollout.engine`` and its servers, before any work: vLLM importable where it must
+    run, an existing ``rollout.servers.python``, well-formed ``rollout.server_urls``, the
+    sampling temperature vLLM's raw log-probs are exact at (UserError naming the field).
+    (``server_urls`` with ``servers.launch.count`` is refused by the config itself.)"""
+    import importlib.util
+    import os
+    import sys
+
+    r = cfg.rollout
+    if r.engine == "jax":
+        return
+    if r.temperature != VLLM_TEMPERATURE:
+        raise UserError(f"rollout.temperature={r.temperature}: rollout.engine={r.engine} reports vLLM's raw "
+                        f"log-probs (log_softmax of the logits), the sampling log-probs only at temperature "
+                        f"{VLLM_TEMPERATURE}")
+    if r.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise UserError("rollout.engine=vllm runs vLLM inside this process, but vllm is not importable here "
+                            f"({sys.executable}); on a CPU host use rollout.engine=vllm_server with "
+                            "rollout.servers.python <repo>/.venv-vllm/bin/python (scripts/setup_vllm_cpu.sh)")
+        return
+    if r.server_urls is not None:
+        from rollout_bridge.engine.vllm_servers import parse_server_urls
+
+        try:
+            parse_server_urls(r.server_urls)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        return
+    python = r.servers.python
+    if python is not None and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise UserError(f"rollout.servers.python={python}: no such executable (the interpreter that runs "
+                        "`vllm serve`, e.g. <repo>/.venv-vllm/bin/python from scripts/setup_vllm_cpu.sh)")
+    if python is None and importlib.util.find_spec("vllm") is None:
+        raise UserError(f"rollout.servers.launch.count={r.servers.launch.count} starts `vllm serve` with "
+                        f"{sys.executable}, which has no vllm: set rollout.servers.python to an interpreter "
+                        "that has it (on CPU: <repo>/.venv-vllm/bin/python, scripts/setup_vllm_cpu.sh)")
 
 
 def check_inputs(cfg) -> None:
@@ -150,14 +210,70 @@ def check_inputs(cfg) -> None:
     check_engine_choice(cfg)
 
 
-def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int, seed: int):
-    """The rollout engine of ``rollout.engine`` (this build: the embedded JAX engine)."""
+def build_rollout_servers(cfg, run_dir: Path, agent: AgentConfig, launcher_factory=None):
+    """The job's vLLM servers for ``rollout.engine=vllm_server`` (None for the other
+    engines); ``start(policy_folder)`` launches them (a no-op for ``server_urls``)."""
+    import shlex
+
+    from rollout_bridge.engine.vllm_launcher import ServerLaunchConfig
+    from rollout_bridge.engine.vllm_servers import RolloutServers, RolloutServersConfig, parse_server_urls
+
+    if cfg.rollout.engine != "vllm_server":
+        return None
+    servers = knobs(cfg, SERVERS_KNOBS)
+    urls = () if cfg.rollout.server_urls is None else parse_server_urls(cfg.rollout.server_urls)
+    launch = None
+    if not urls:
+        launch_knobs = knobs(cfg, SERVER_LAUNCH_KNOBS)
+        launch_knobs["extra_args"] = tuple(shlex.split(launch_knobs["extra_args"]))
+        launch = ServerLaunchConfig(host="127.0.0.1", capacity=servers["capacity"],
+                                    max_model_len=agent.max_total_tokens, **launch_knobs)
+    return RolloutServers(RolloutServersConfig(run_dir=str(run_dir), urls=urls, launch=launch, **servers),
+                          launcher_factory=launcher_factory)
+
+
+def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int, seed: int,
+                 servers=None, policy_folder: Path | None = None, run_dir: Path | None = None):
+    """The rollout engine of ``rollout.engine`` serving ``model`` as ``policy_event``:
+    the embedded JAX engine; vLLM in this process (``vllm``: needs ``run_dir`` for its
+    weight folders); a fleet over the job's servers (``vllm_server``: ``servers`` from
+    `build_rollout_servers`, started). ``policy_folder``: tokenizer files for the vLLM
+    weight folders. Every stage (prior, evaluations, RL) builds its engine here."""
+    engine = cfg.rollout.engine
+    if engine == "vllm_server":
+        if servers is None:
+            raise ValueError("rollout.engine=vllm_server: build_engine needs the job's servers")
+        return servers.engine(model, policy_event, policy_folder, drain=orchestrator.drain)
+    if engine == "vllm":
+        return _inprocess_engine(model, agent, orchestrator, policy_event, policy_folder, run_dir)
     from rollout_bridge.engine.jax_engine import JaxEngine
 
-    check_engine_choice(cfg)
     steps = min(knobs(cfg, ENGINE_KNOBS)["steps_per_call"], agent.sampling.max_new_tokens)
     return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
                      steps_per_call=steps, policy_event=policy_event, seed=seed)
+
+
+def _inprocess_engine(model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int,
+                      policy_folder: Path | None, run_dir: Path | None):
+    """``rollout.engine=vllm``: the stage's model written as a policy folder, vLLM's
+    AsyncLLM created on first use (``DeferredInProcessEngine``)."""
+    import tempfile
+
+    from rollout_bridge.engine.vllm_inprocess import DeferredInProcessEngine, VllmInProcessConfig
+    from rollout_bridge.engine.vllm_weights import write_policy_folder
+
+    if run_dir is None:
+        raise ValueError("rollout.engine=vllm: build_engine needs run_dir (the weight folders go there)")
+    parent = Path(run_dir) / "rollout_vllm"
+    parent.mkdir(parents=True, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="engine-", dir=parent)
+    tokenizer = None if policy_folder is None else str(policy_folder)
+    folder = write_policy_folder(model, root, int(policy_event), tokenizer)
+    config = VllmInProcessConfig(model=folder, weights_root=root, tokenizer_dir=tokenizer,
+                                 initial_policy_event=int(policy_event), max_model_len=agent.max_total_tokens,
+                                 max_num_seqs=orchestrator.max_in_flight,
+                                 drain="abort" if orchestrator.drain == "abort" else "finish")
+    return DeferredInProcessEngine(config)
 
 
 def build_mesh(mesh_section):

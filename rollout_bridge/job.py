@@ -44,9 +44,20 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+# Where the rollouts run, not what they are: a prior or a checkpoint stays reusable when a
+# run continues on other launched servers (one more, other GPUs). (rollout.server_urls stays
+# in the key: checkpoints written before rollout.servers existed hold it.)
+DEPLOYMENT_FIELDS = {"rollout": ("servers",)}
+
+
 def stage_key(cfg, *sections: str) -> dict:
-    """The settings an output depends on (reuse it only if they are unchanged)."""
-    return {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
+    """The settings an output depends on (reuse it only if they are unchanged; the
+    ``DEPLOYMENT_FIELDS`` are left out)."""
+    key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
+    for name, fields in DEPLOYMENT_FIELDS.items():
+        for field in fields:
+            key.get(name, {}).pop(field, None)
+    return key
 
 
 def checkpoint_key(cfg) -> dict:
@@ -84,12 +95,15 @@ def state_digest(tree: Any) -> str:
 
 class UpdateLogger:
     """The metrics sink of ``train.py``: one row per update to ``metrics.jsonl`` /
-    TensorBoard (``MetricsWriter``) and the progress bar."""
+    TensorBoard (``MetricsWriter``) and the progress bar. ``extra()`` (optional): more
+    counters for each row, as ``rollout/<name>`` (e.g. the vLLM servers' restarts)."""
 
-    def __init__(self, writer: MetricsWriter, steps: int, start_step: int, progress: bool):
+    def __init__(self, writer: MetricsWriter, steps: int, start_step: int, progress: bool,
+                 extra: Callable[[], dict] | None = None):
         from tqdm import tqdm
 
         self.writer = writer
+        self.extra = extra
         self.rewards: list[float] = []
         self.last_time = self.start = time.time()
         self.bar = tqdm(total=steps, initial=start_step, desc="RL", disable=not progress, dynamic_ncols=True)
@@ -120,6 +134,7 @@ class UpdateLogger:
             "wall_s": now - self.start,
             **{f"diag/{k}": v for k, v in record.diagnostics.items()},
             **{f"learner/{k}": v for k, v in record.learner_metrics.items()},
+            **{f"rollout/{k}": v for k, v in (self.extra() if self.extra is not None else {}).items()},
         }
         self.writer.write(record.update, row)
         self.last_time = now

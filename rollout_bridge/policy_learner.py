@@ -18,6 +18,13 @@ the engine still copies the published weights, and the jitted step DONATES its T
 so ``snapshot_weights=True`` hands out an un-donated copy of the parameters
 (``background_publish.snapshot_params``: one async device copy per update, the learner does
 not wait for it) instead of the live buffers.
+
+Several learner processes (``mesh`` given and ``jax.process_count() > 1``, ``train.py
+--distributed``; the data path is in ``rollout_bridge.distributed_learner``): the state is
+placed on the global mesh (each process fills its own devices' shards from its identical
+full copy), every batch with ``shard_global_batch`` (rows over data x fsdp), and what
+leaves the learner (log-probs, the weights to publish) is gathered to the host with
+``process_allgather``. Every process must make the same calls in the same order (SPMD).
 """
 
 from __future__ import annotations
@@ -31,16 +38,40 @@ from rollout_bridge import baselines
 from rollout_bridge.background_publish import snapshot_params
 from rollout_bridge.methods import LearnerInput, LearnerOutput
 from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, make_compute_logprobs,
-                               make_train_step)
+                               make_optimizer, make_train_step)
+from spopp_jax.sharding import shard_global_batch, shard_train_state, train_state_sharding
+
+
+def multiprocess_mesh(mesh):
+    """``mesh`` when the learner spans several processes, else None (one process: the
+    state and batches stay as the caller placed them)."""
+    import jax
+
+    return mesh if mesh is not None and jax.process_count() > 1 else None
+
+
+def to_host(tree):
+    """A pytree of (possibly multi-process sharded) arrays as host numpy arrays; a
+    collective when several processes hold shards (every process must call it)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 class PolicyLearner:
     """``learner(LearnerInput) -> LearnerOutput`` holding the ``TrainState`` (``.state``)."""
 
     def __init__(self, model_def: ModelDef, state: Any, config: LearnerConfig, pad_to_multiple: int = 64,
-                 snapshot_weights: bool = False):
+                 snapshot_weights: bool = False, mesh: Any = None):
         self.model_def = model_def
         self.snapshot_weights = snapshot_weights
+        self.mesh = multiprocess_mesh(mesh)
+        if self.mesh is not None:  # the same full state on every process -> its shards on each
+            state = shard_train_state(state, train_state_sharding(state, self.mesh, make_optimizer(config)))
         self.state = state
         self.config = config
         self.pad_to_multiple = pad_to_multiple
@@ -52,25 +83,32 @@ class PolicyLearner:
     def weights(self):
         """The current policy as an NNX module (what the engine publishes); over a copy of
         the parameters with ``snapshot_weights`` (safe to install while the next step runs)."""
+        if self.mesh is not None:  # gathered, on this process's first device: a copy no step donates
+            import jax
+
+            return self.model_def.merge(jax.device_put(to_host(self.state.params), jax.local_devices()[0]))
         params = snapshot_params(self.state.params) if self.snapshot_weights else self.state.params
         return self.model_def.merge(params)
 
+    def _place(self, batch: TrainBatch) -> TrainBatch:
+        return batch if self.mesh is None else shard_global_batch(batch, self.mesh)
+
     def __call__(self, learner_input: LearnerInput) -> LearnerOutput:
-        batch = learner_input.batch
+        batch = self._place(learner_input.batch)
         logp_then = None
         if learner_input.previous is not None:
             logp_then = self.compute_logprobs(self.state.params, batch)
             if self.config.old_logp_source == "current":
                 batch = dataclasses.replace(batch, old_logp=logp_then)
         self.state, metrics = self.train_step(self.state, batch)
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = {k: float(v) for k, v in to_host(metrics).items()}
         if metrics.get("skipped_updates"):
             print(f"learner: non-finite loss/gradient, update skipped (loss {metrics['loss']}, grad_norm "
                   f"{metrics['grad_norm']}); parameters unchanged", flush=True)
         self.skip_guard.observe(metrics)
         if learner_input.previous is None:
             return LearnerOutput(self.weights(), metrics)
-        logp_then = np.asarray(logp_then)
+        logp_then = np.asarray(to_host(logp_then))
         divergence = self.previous_divergences(learner_input.previous, logp_then)
         return LearnerOutput(self.weights(), metrics, divergence, trained_logp=logp_then)
 
@@ -83,5 +121,5 @@ class PolicyLearner:
         scored = TrainBatch(input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"],
                             action_mask=arrays["action_mask"], rollout_logp=np.zeros_like(arrays["logp_then"]),
                             advantages=np.zeros_like(arrays["logp_then"]))
-        logp_now = np.asarray(self.compute_logprobs(self.state.params, scored))
+        logp_now = np.asarray(to_host(self.compute_logprobs(self.state.params, self._place(scored))))
         return baselines.divergences_from_logprobs(rows, arrays, logp_now)

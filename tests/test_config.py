@@ -162,6 +162,10 @@ def _component_maps():
          "rollout_bridge.orchestrator.OrchestratorConfig"),
         ("sampling", c.SAMPLING_KNOBS, c.SAMPLING_DERIVED, "rollout_bridge.engine.base.SamplingParams"),
         ("agent", c.AGENT_KNOBS, c.AGENT_DERIVED, "rollout_bridge.agent.AgentConfig"),
+        ("servers", c.SERVERS_KNOBS, c.SERVERS_DERIVED, "rollout_bridge.engine.vllm_servers.RolloutServersConfig"),
+        ("server launch", c.SERVER_LAUNCH_KNOBS, c.SERVER_LAUNCH_DERIVED,
+         "rollout_bridge.engine.vllm_launcher.ServerLaunchConfig"),
+        ("vllm in-process", {}, c.INPROCESS_DERIVED, "rollout_bridge.engine.vllm_inprocess.VllmInProcessConfig"),
     ]
 
 

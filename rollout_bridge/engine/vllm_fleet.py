@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -319,6 +320,8 @@ class FleetStats:
     servers_rejoined: int = 0
     inflight_updates: int = 0  # server reloads under pause "keep"
     drained_fallbacks: int = 0  # in-flight publishes a server took as a drained update
+    last_export_s: float = 0.0  # the latest publish: writing the policy folder (a worker thread)
+    last_publish_s: float = 0.0  # the latest publish: folder written and installed on every server
 
 
 class VllmFleetEngine(RolloutEngine):
@@ -489,13 +492,16 @@ class VllmFleetEngine(RolloutEngine):
             raise ValueError(f"policy_event must be an int >= 0, got {policy_event!r}")
         await self.start()
         async with self._lock:
+            start = time.perf_counter()
             folder = await self._folder_for(weights, policy_event)
+            self.stats.last_export_s = time.perf_counter() - start
             self._policy = _Policy(policy_event, folder)
             live = [s for s in self._servers if s.state != DEAD]
             for server in live:
                 server.state = UPDATING
             await self._notify()
             await asyncio.gather(*(self._update(s) for s in live))
+            self.stats.last_publish_s = time.perf_counter() - start
             self.policy_event = policy_event
             if self.config.weights_root is not None:
                 protect = [s.policy_event for s in self._servers] + [policy_event]
@@ -507,10 +513,13 @@ class VllmFleetEngine(RolloutEngine):
             raise ValueError(f"policy_event must be an int >= 0, got {policy_event!r}")
         await self.start()
         async with self._lock:
+            start = time.perf_counter()
             folder = await self._folder_for(weights, policy_event)  # written before any pause
+            self.stats.last_export_s = time.perf_counter() - start
             self._policy = _Policy(policy_event, folder)
             live = [s for s in self._servers if s.state != DEAD]
             await asyncio.gather(*(self._update_inflight(s) for s in live))
+            self.stats.last_publish_s = time.perf_counter() - start
             self.policy_event = policy_event
             if self.config.weights_root is not None:
                 protect = [s.policy_event for s in self._servers] + [policy_event]

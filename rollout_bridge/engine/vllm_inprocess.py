@@ -434,7 +434,58 @@ class VllmInProcessEngine(RolloutEngine):
         self._llm.shutdown()
 
 
+class DeferredInProcessEngine(RolloutEngine):
+    """A `VllmInProcessEngine` created on first use, inside the event loop that uses it.
+
+    ``train.py`` builds its engines synchronously while ``AsyncLLM`` must be created (and
+    awaited) in its loop: this wrapper knows its policy event from the start
+    (``config.initial_policy_event``) and awaits ``VllmInProcessEngine.create`` on the
+    first call. ``supports_inflight_publish``: a vLLM without pause "keep" takes the
+    in-flight publish as a drained one, with a logged warning (``publish_inflight``).
+    """
+
+    supports_inflight_publish = True
+
+    def __init__(self, config: VllmInProcessConfig, create=None):
+        if config.initial_policy_event is None:
+            raise ValueError("DeferredInProcessEngine needs config.initial_policy_event")
+        self.config = config
+        self.policy_event = config.initial_policy_event
+        self._create = create or VllmInProcessEngine.create
+        self._engine: VllmInProcessEngine | None = None
+        self._creating: asyncio.Future | None = None
+
+    async def engine(self) -> VllmInProcessEngine:
+        """The created engine (concurrent first callers wait for one creation)."""
+        if self._creating is None:
+            self._creating = asyncio.ensure_future(self._create(self.config))
+        self._engine = await asyncio.shield(self._creating)
+        return self._engine
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        return await (await self.engine()).generate(prompt_ids, params)
+
+    async def publish(self, weights: Any, policy_event: int) -> None:
+        engine = await self.engine()
+        await engine.publish(weights, policy_event)
+        self.policy_event = engine.policy_event
+
+    async def publish_inflight(self, weights: Any, policy_event: int) -> None:
+        engine = await self.engine()
+        await engine.publish_inflight(weights, policy_event)
+        self.policy_event = engine.policy_event
+
+    async def abort_all(self) -> None:
+        if self._engine is not None:
+            await self._engine.abort_all()
+
+    async def close(self) -> None:
+        if self._creating is not None:
+            await (await self.engine()).close()
+
+
 __all__ = [
+    "DeferredInProcessEngine",
     "InProcessSyncClient",
     "VllmInProcessConfig",
     "VllmInProcessEngine",

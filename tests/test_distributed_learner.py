@@ -1,0 +1,213 @@
+"""``train.py --distributed``'s learner data path (rollout_bridge/distributed_learner.py):
+2 processes x 2 virtual CPU devices (gloo collectives). Only process 0 holds the batches
+(the orchestrator's role) and drives a `LeaderLearner`; process 1 runs `follow` with no
+data of its own. Checked against one process on one device (this pytest process) running
+the same `PolicyLearner` calls:
+
+  * process 1 followed every call (3 CALLs, then STOP) and got process 0's shared value;
+  * the weights process 0 publishes after 3 updates equal the one-device learner's (a
+    follower training on anything but process 0's batch would change them), the losses too;
+  * the checkpoint both processes wrote (SAVE: each its shards) restores, in one process,
+    to those same parameters with the orchestrator's policy event;
+  * (slow) ``python train.py --distributed`` as two processes completes a tiny job.
+
+Worker: ``python tests/test_distributed_learner.py OUT PROCESS_ID PORT``.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+import pytest
+
+NUM_UPDATES = 3
+NUM_PROCESSES = 2
+SHARED = {"policy": "/run/warmstart_model"}
+EXTRAS = {"orchestrator": {"counters": {"policy_event": np.asarray(NUM_UPDATES, np.int64)}}}
+CHECKPOINT_CONFIG = {"method": "spopp"}
+WORKER_TIMEOUT_S = 600
+TRAIN_TIMEOUT_S = 1100
+
+
+def flat_weights(module) -> dict:
+    from flax import nnx
+
+    from test_sharding import flat_numpy
+
+    return flat_numpy(nnx.split(module)[1])
+
+
+def learner_calls(learner, batch):
+    from rollout_bridge.methods import LearnerInput
+
+    return [learner(LearnerInput(batch, (), None)).metrics["loss"] for _ in range(NUM_UPDATES)]
+
+
+def worker(out_dir: str, process_id: int, port: int) -> None:
+    from rollout_bridge import distributed_learner as dl
+    from rollout_bridge.policy_learner import PolicyLearner
+    from spopp_jax import sharding
+    from spopp_jax.checkpoint import Checkpointer
+    from test_sharding import build_case
+
+    dl.initialize(dl.DistributedSettings(f"127.0.0.1:{port}", NUM_PROCESSES, process_id))
+    assert jax.device_count() == 4 and jax.process_count() == NUM_PROCESSES
+    model_def, state, batch, config = build_case()
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=1)
+    learner = PolicyLearner(model_def, state, config, pad_to_multiple=20, mesh=mesh)
+    checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
+    if process_id == 0:
+        dl.share_from_process_0(SHARED)
+        leader = dl.LeaderLearner(learner)
+        losses = learner_calls(leader, jax.device_get(batch))
+        weights = flat_weights(leader.weights())
+        leader.save(checkpointer, NUM_UPDATES, EXTRAS, CHECKPOINT_CONFIG)
+        leader.stop()
+        out = {f"params/{k}": v for k, v in weights.items()}
+        out["losses"] = np.asarray(losses)
+    else:
+        shared = dl.share_from_process_0()
+        calls = dl.follow(learner, checkpointer)
+        out = {"calls": np.asarray(calls), "shared_ok": np.asarray(shared == SHARED)}
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    np.savez(os.path.join(out_dir, f"process-{process_id}.npz"), **out)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_all(procs: list, timeout_s: float) -> list[str]:
+    """The output of every process; each must exit 0 (all are killed on a time-out)."""
+    try:
+        logs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-4000:]
+    return logs
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(tests_dir), tests_dir, env.get("PYTHONPATH")]))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(out), str(i), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(NUM_PROCESSES)]
+    wait_all(procs, WORKER_TIMEOUT_S)
+    results = []
+    for i in range(NUM_PROCESSES):
+        with np.load(out / f"process-{i}.npz") as data:
+            results.append(dict(data))
+    return out, results
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    from rollout_bridge.policy_learner import PolicyLearner
+    from test_sharding import build_case
+
+    assert jax.device_count() == 1
+    model_def, state, batch, config = build_case()
+    learner = PolicyLearner(model_def, state, config, pad_to_multiple=20)
+    losses = learner_calls(learner, jax.device_get(batch))
+    return {"losses": np.asarray(losses), **{f"params/{k}": v for k, v in flat_weights(learner.weights()).items()}}
+
+
+def assert_same_params(result: dict, reference: dict) -> None:
+    keys = [k for k in reference if k.startswith("params/")]
+    assert keys and set(keys) == {k for k in result if k.startswith("params/")}
+    for key in keys:  # atol = 1% of one AdamW step (lr 1e-3), as in tests/test_sharding.py
+        np.testing.assert_allclose(result[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_follower_runs_every_call_of_process_0(two_processes):
+    _, (_, follower) = two_processes
+    assert int(follower["calls"]) == NUM_UPDATES and bool(follower["shared_ok"])
+
+
+def test_two_learner_processes_train_like_one_device(two_processes, one_device):
+    _, (leader, _) = two_processes
+    np.testing.assert_allclose(leader["losses"], one_device["losses"], rtol=1e-5)
+    assert_same_params(leader, one_device)
+    from test_sharding import build_case
+
+    model_def, initial_state = build_case()[:2]
+    initial = flat_weights(model_def.merge(initial_state.params))
+    assert max(np.abs(one_device[f"params/{k}"] - v).max() for k, v in initial.items()) > 1e-4  # really trained
+
+
+def test_checkpoint_written_by_both_processes_restores(two_processes, one_device):
+    from spopp_jax.checkpoint import Checkpointer
+    from test_sharding import build_case
+
+    out, _ = two_processes
+    model_def, template = build_case()[:2]
+    with Checkpointer(out / "checkpoints") as checkpointer:
+        assert checkpointer.latest_step() == NUM_UPDATES
+        restored = checkpointer.restore(template, expected_config=CHECKPOINT_CONFIG)
+    assert int(restored.train_state.policy_event) == NUM_UPDATES
+    params = flat_weights(model_def.merge(restored.train_state.params))
+    assert_same_params({f"params/{k}": v for k, v in params.items()}, one_device)
+
+
+def test_settings_from_env_name_the_variable():
+    from rollout_bridge.distributed_learner import settings_from_env
+
+    assert settings_from_env({}).coordinator_address is None  # a cluster jax detects
+    full = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    settings = settings_from_env(full)
+    assert (settings.num_processes, settings.process_id, settings.is_leader) == (4, 3, False)
+    for broken, fragment in [({**full, "JAX_PROCESS_ID": ""}, "not JAX_PROCESS_ID"),
+                             ({**full, "JAX_NUM_PROCESSES": "two"}, "must be integers"),
+                             ({**full, "JAX_PROCESS_ID": "4"}, "0 <= JAX_PROCESS_ID")]:
+        with pytest.raises(ValueError, match=fragment):
+            settings_from_env(broken)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_train_py_distributed_runs_as_two_learner_processes(tmp_path):
+    """``python train.py --distributed`` as 2 processes x 2 CPU devices: both exit 0,
+    process 1 trained every update with process 0, the run wrote its checkpoints,
+    metrics and the exported policy."""
+    from tiny_run import tiny_train_args
+
+    steps = 4
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [*tiny_train_args(tmp_path, steps=steps), "--progress", "false", "--tensorboard", "false", "--distributed"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(NUM_PROCESSES),
+               PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *args], cwd=root,
+                              env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for i in range(NUM_PROCESSES)]
+    logs = wait_all(procs, TRAIN_TIMEOUT_S)
+    assert f"learner process 1: {steps} updates with process 0" in logs[1], logs[1][-2000:]
+    run = tmp_path / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == steps
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert (run / "hf_model" / "config.json").exists()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
