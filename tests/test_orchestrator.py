@@ -475,7 +475,7 @@ def test_spo_tracker_updates_in_arrival_order_after_the_actor_update(chat):
                 seen = last_seen.get(t.task_id)
                 assert (prev is None) == (seen is None)
                 if prev is not None:  # y′ = the task's previous consumed response
-                    assert prev.task_id == t.task_id and tuple(prev.token_ids) == seen.token_ids
+                    assert prev.task_id == t.task_id and np.array_equal(prev.token_ids, seen.token_ids)
                     if prev.batch_row >= 0:  # earlier in this batch: π_then from this update
                         assert item.trajectories[prev.batch_row] is seen and prev.logp_then is None
                     else:  # π_then = the learner's log-probs when y′ was trained (-0.5 here)
