@@ -2,7 +2,7 @@
 
     python benchmarks/wallclock_async_vs_group.py [--tails 0.5 1.0 1.5] [--seeds 0 1 2]
         [--updates 12] [--slots 64] [--batch 64] [--group 8] [--tasks 256]
-        [--drain finish|abort|none] [--buffered-batches 2] [--figure docs/figures/wallclock_async_vs_group.png]
+        [--drain finish|abort|none] [--buffered-batches 2] [--max-policy-lag 8] [--figure docs/figures/wallclock_async_vs_group.png]
 
 The real ``rollout_bridge.orchestrator.Orchestrator`` (and the real agent loop) runs under
 ``run_virtual``: a simulated clock driven by the latency model of ``benchmarks/_latency.py``
@@ -201,6 +201,7 @@ class RunSpec:
     drain: str = "finish"
     publish_every: int = 1
     buffered_batches: int = 2  # OrchestratorConfig.max_buffered_batches
+    max_policy_lag: int = 8  # OrchestratorConfig.max_policy_lag
 
 
 def agent_config(model: LatencyModel) -> AgentConfig:
@@ -214,7 +215,7 @@ async def _simulate(spec: RunSpec, chat: ChatFormat):
     config = OrchestratorConfig(
         method=spec.method, batch_size=spec.batch, max_in_flight=spec.slots, group_size=spec.group,
         drain=spec.drain, publish_every=spec.publish_every, seed=spec.seed, pad_to_multiple=64,
-        max_buffered_batches=spec.buffered_batches,
+        max_buffered_batches=spec.buffered_batches, max_policy_lag=spec.max_policy_lag,
     )
     orch = Orchestrator(TimedEngine(world), world.new_env, chat, TimedLearner(world), spec.tasks, config,
                         agent_config(spec.model))
@@ -381,6 +382,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tasks", type=int, default=256)
     parser.add_argument("--drain", default="finish", choices=["finish", "abort", "none"])
     parser.add_argument("--publish-every", type=int, default=1)
+    parser.add_argument("--max-policy-lag", type=int, default=8,
+                        help="abort requests in flight more than this many policy events after their dispatch; "
+                             "below (longest episode time / time per update) it censors the longest episodes")
     parser.add_argument("--buffered-batches", type=int, default=2,
                         help="max_buffered_batches for both methods (finished-but-untrained work, GRPO's held "
                              "group members included, plus in flight <= this x batch)")
@@ -398,7 +402,7 @@ def main(argv=None) -> list[dict]:
           f"numpy {np.__version__}, transformers {transformers.__version__}")
     print(f"slots S={args.slots}, batch N={args.batch}, GRPO G={args.group}, updates K={args.updates}, "
           f"tasks={args.tasks}, drain={args.drain}, publish_every={args.publish_every}, "
-          f"max_buffered_batches={args.buffered_batches}, "
+          f"max_buffered_batches={args.buffered_batches}, max_policy_lag={args.max_policy_lag}, "
           f"tails sigma={args.tails}, seeds={args.seeds}")
     print(f"latency model: {LatencyModel(task_share=args.task_share)} (sigma varied)")
     with tempfile.TemporaryDirectory() as directory:
@@ -406,13 +410,14 @@ def main(argv=None) -> list[dict]:
         for method in METHODS:  # warm-up: compile the orchestrator's jitted helpers
             run_once(RunSpec(method, LatencyModel(sigma=0.5), seed=99, slots=args.slots, batch=args.batch,
                              group=args.group, updates=1, tasks=args.tasks, drain=args.drain,
-                             buffered_batches=args.buffered_batches), chat)
+                             buffered_batches=args.buffered_batches, max_policy_lag=args.max_policy_lag), chat)
         results = []
         for sigma in args.tails:
             for seed in args.seeds:
                 for method in METHODS:
                     spec = RunSpec(method, LatencyModel(sigma=sigma, task_share=args.task_share), seed, args.slots, args.batch, args.group,
-                                   args.updates, args.tasks, args.drain, args.publish_every, args.buffered_batches)
+                                   args.updates, args.tasks, args.drain, args.publish_every, args.buffered_batches,
+                                   args.max_policy_lag)
                     result = run_once(spec, chat)
                     results.append(result)
                     print(f"  sigma={sigma} seed={seed} {method:5s}: sim {result['wall']:7.1f} s, "
@@ -423,7 +428,8 @@ def main(argv=None) -> list[dict]:
     if args.figure:
         plot(results, args.tails, args.figure,
              f"S={args.slots} slots, N={args.batch}, K={args.updates} updates, drain={args.drain}, "
-             f"publish_every={args.publish_every}, task_share={args.task_share}; mean ± std over seeds {args.seeds}; "
+             f"publish_every={args.publish_every}, task_share={args.task_share}, buffer={args.buffered_batches}, "
+             f"max_policy_lag={args.max_policy_lag}; mean ± std over seeds {args.seeds}; "
              f"dotted: time to K updates")
         print(f"\nfigure: {args.figure}")
     print(f"real wall time of the benchmark: {time.perf_counter() - start:.0f} s")

@@ -259,6 +259,7 @@ class Orchestrator:
         self._last_update_end: float | None = None
         self._target = 0
         self._z_cache: dict[int, float] = {}
+        self._z_step: np.float32 | None = None
         self._failure_streak = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
 
@@ -381,9 +382,13 @@ class Orchestrator:
             self._launch(launch.task_id, launch.frozen_baseline, launch.group_id)
 
     def _coordinate(self, policy_event: int) -> float:
-        """z_k = z_0 + k·(−ln ρ), cached per event."""
+        """z_k = z_0 + k·(−ln ρ) (``tracker.policy_coordinate``), cached per event: the
+        float32 step −ln ρ comes from ``policy_coordinate`` once; then the same two
+        float32 operations on the host (bit-identical, no JAX dispatch per publish)."""
         if policy_event not in self._z_cache:
-            z = tracker.policy_coordinate(policy_event, self.config.rho, self.config.z0)
+            if self._z_step is None:
+                self._z_step = np.float32(tracker.policy_coordinate(1, self.config.rho, 0.0))
+            z = np.float32(self.config.z0) + np.float32(policy_event) * self._z_step
             self._z_cache[policy_event] = float(z)
         return self._z_cache[policy_event]
 
