@@ -2,10 +2,17 @@
 
     python benchmarks/orchestrator_scale.py [--scales 64:128 1000:10000 10000:100000]
         [--tracker-tasks 1000000] [--trajectories 20000] [--rss-updates 20000] [--no-old]
+        [--drain finish|none] [--pack 1024:600]
 
 The real ``rollout_bridge.orchestrator.Orchestrator`` and agent loop, an engine whose
 requests complete at once (``InstantEngine``), a one-turn environment and a stub learner
-(no training; it hands back weights so every update publishes with the "finish" drain).
+(no training; it hands back weights so every update publishes). ``--drain finish`` (the
+default; the old path knows no other): every update stops dispatch until the requests in
+flight finished, so between updates only about one batch is in flight, whatever the slot
+count. ``--drain none`` (new path only, ``--no-old``; the configs' default): in-flight
+publishes, dispatch never stops, so ``slots`` requests really are in flight; its
+``max_policy_lag`` is set beyond reach (``NO_LAG_LIMIT``: lag aborts are not the path
+measured).
 Per (slots, tasks): host CPU seconds (``time.process_time``: every thread of the process)
 per dispatched-and-received trajectory, for
 
@@ -78,6 +85,11 @@ class InstantEngine(RolloutEngine):
             self.replies = {self.policy_event: GenerationResult(self.tokens, (-1.0,) * REPLY_TOKENS, "stop",
                                                                 self.policy_event)}
         return self.replies[self.policy_event]
+
+    supports_inflight_publish = True  # drain "none": the install is instant either way
+
+    async def publish_inflight(self, weights, policy_event: int) -> None:
+        await self.publish(weights, policy_event)
 
     async def publish(self, weights, policy_event: int) -> None:
         self.policy_event = int(policy_event)
@@ -161,7 +173,14 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def make_orchestrator(module, chat, slots: int, tasks: int, batch: int, keep_history: bool, seed: int = 0):
+# drain "none": max_policy_lag beyond any lag the instant engine produces (its exponential
+# latency spans ~10 updates at 10k slots; the update record holds one histogram bucket per
+# lag value, so the bound is not made astronomically large)
+NO_LAG_LIMIT = 256
+
+
+def make_orchestrator(module, chat, slots: int, tasks: int, batch: int, keep_history: bool, seed: int = 0,
+                      drain: str = "finish"):
     rng = np.random.default_rng(seed)
     success = rng.random(tasks)
     engine = InstantEngine(chat.stop_token_ids[0])
@@ -169,6 +188,8 @@ def make_orchestrator(module, chat, slots: int, tasks: int, batch: int, keep_his
                   pad_to_multiple=16, seed=seed)
     if module is not None and hasattr(module.OrchestratorConfig, "keep_history"):
         kwargs["keep_history"] = keep_history
+    if drain != "finish":
+        kwargs.update(drain=drain, max_policy_lag=NO_LAG_LIMIT)
     config = module.OrchestratorConfig(**kwargs)
     agent = AgentConfig(max_turns=1, max_total_tokens=64, sampling=SamplingParams(max_new_tokens=REPLY_TOKENS),
                         env_timeout_s=None)
@@ -176,25 +197,21 @@ def make_orchestrator(module, chat, slots: int, tasks: int, batch: int, keep_his
     return module.Orchestrator(engine, lambda: CoinEnv(success, rng), chat, stub_learner, tasks, config, agent)
 
 
-def cpu_per_trajectory(module, chat, slots: int, tasks: int, trajectories: int) -> tuple[float, int, float]:
+def cpu_per_trajectory(module, chat, slots: int, tasks: int, trajectories: int,
+                       drain: str = "finish") -> tuple[float, int, float]:
     """(host CPU seconds per received trajectory, trajectories received, mean requests in
-    flight per update) over ~``trajectories`` trajectories, after a warm-up that pays the
-    compiles and reaches the steady state.
-
-    Warm-up: ``run`` returns with a full buffer (every request in flight at the K-th update
-    finishes into the ready buffer before the next call), so for the next
-    ``max_buffered_batches`` updates only ~1 batch is in flight, not ``slots``; the warm-up
-    runs those updates too, so the measured window has ``slots`` requests in flight (the
-    printed mean says how many were)."""
+    flight when an update ends) over ~``trajectories`` trajectories, after a warm-up of 3
+    updates that pays the compiles. The in-flight mean says how many of the ``slots`` were
+    in use (module docstring: about one batch under the "finish" drain)."""
     batch = max(8, min(slots, 1024))
-    orch = make_orchestrator(module, chat, slots, tasks, batch, keep_history=False)
+    orch = make_orchestrator(module, chat, slots, tasks, batch, keep_history=False, drain=drain)
     in_flight: list[int] = []
     orch.on_update = lambda record: in_flight.append(len(orch._in_flight))
 
     async def main():
         try:
             await orch.run(1)  # jit compiles, first dispatch wave
-            await orch.run(orch.config.max_buffered_batches + 1)  # drain the post-run() backlog
+            await orch.run(2)
             in_flight.clear()
             start_received, start = orch.consumed + len(getattr(orch, "_ready", [])), time.process_time()
             await orch.run(max(1, trajectories // batch))
@@ -234,7 +251,7 @@ def chat_format(template_per_episode: bool) -> ChatFormat:
     return chat
 
 
-def measure_one(path: str, scale: str, trajectories: int, template_per_episode: bool) -> None:
+def measure_one(path: str, scale: str, trajectories: int, template_per_episode: bool, drain: str) -> None:
     """``--one``: one (path, scale) measurement in this fresh process; prints a JSON line."""
     import rollout_bridge.orchestrator as new
 
@@ -242,12 +259,13 @@ def measure_one(path: str, scale: str, trajectories: int, template_per_episode: 
     slots, tasks = (int(v) for v in scale.split(":"))
     load = load_average()
     seconds, received, in_flight = cpu_per_trajectory(module, chat_format(template_per_episode), slots, tasks,
-                                                      trajectories)
+                                                      trajectories, drain)
     print(json.dumps(dict(us=seconds * 1e6, received=received, in_flight=in_flight, load=load)))
 
 
 def measure_in_subprocess(path: str, slots: int, tasks: int, args) -> dict:
-    command = [sys.executable, __file__, "--one", path, f"{slots}:{tasks}", "--trajectories", str(args.trajectories)]
+    command = [sys.executable, __file__, "--one", path, f"{slots}:{tasks}", "--trajectories", str(args.trajectories),
+               "--drain", args.drain]
     if args.template_per_episode:
         command.append("--template-per-episode")
     done = subprocess.run(command, capture_output=True, text=True)
@@ -268,16 +286,20 @@ def main() -> None:
                              "the agent's cost, not the orchestrator's); default: cached per observation")
     parser.add_argument("--pack", default="1024:600", help="BATCH:MEAN_TOKENS of the batch-packing "
                         "comparison (old tuples vs arrays); empty: skip")
+    parser.add_argument("--drain", default="finish", choices=["finish", "none"],
+                        help="the publish drain (module docstring); none needs --no-old")
     parser.add_argument("--one", nargs=2, metavar=("PATH", "SLOTS:TASKS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        measure_one(args.one[0], args.one[1], args.trajectories, args.template_per_episode)
+        measure_one(args.one[0], args.one[1], args.trajectories, args.template_per_episode, args.drain)
         return
+    if args.drain != "finish" and not args.no_old:
+        parser.error("--drain none needs --no-old (the old orchestrator has no in-flight publish)")
     chat = chat_format(args.template_per_episode)
     scales = [tuple(int(v) for v in s.split(":")) for s in args.scales]
     if args.tracker_tasks:
         scales.append((scales[-1][0], args.tracker_tasks))
-    print(f"cpu: {cpu_model()}, {os.cpu_count()} logical cores; python {sys.version.split()[0]}")
+    print(f"cpu: {cpu_model()}, {os.cpu_count()} logical cores; python {sys.version.split()[0]}; drain {args.drain}")
     print("shared machine: each figure is its own fresh process (old, new alternating per row); "
           "compare figures within a row, with the load next to them")
     print(f"{'slots':>6} {'tasks':>8} | {'old us/traj':>11} {'new us/traj':>11} {'old/new':>7} | load1 (old, new)")
