@@ -25,9 +25,9 @@ each measured in a fresh process (so one path's ``gc.freeze`` or garbage cannot 
 other's figure), old and new alternating per row, with the 1-minute load average printed
 next to each figure (this machine is shared: say so next to any figure). The old path
 runs today's agent loop and ``Trajectory`` (token arrays): the ratio is the orchestrator's
-share of the gain only. Each figure is measured after a warm-up that pays the compiles and
-reaches the steady state (``cpu_per_trajectory``); the mean number of requests in flight
-per update is printed (it is ``slots`` only when the ready buffer is not full). The
+share of the gain only. Each figure is measured after a 3-update warm-up that pays the
+compiles (``cpu_per_trajectory``); the mean number of requests in flight when an update
+ends is printed (about one batch under "finish", ``slots`` under "none"). The
 orchestrator's own share (without the agent loop / engine / env) is not separated: the
 figure is the whole host path of one trajectory. ``--tracker-tasks`` adds one scale with
 that many tasks at the largest slot count. The agent's HF chat-template rendering of the
