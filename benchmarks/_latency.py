@@ -181,6 +181,20 @@ def slot_utilisation(episodes: Sequence[tuple[float, float]], num_slots: int, wa
     return clipped_busy_time(episodes, 0.0, wall) / (num_slots * wall)
 
 
+def aborted_slot_time(episodes: Sequence[tuple[float, float]], done: Sequence[bool],
+                      wall: float) -> tuple[float, float]:
+    """(slot-seconds of episodes that ended before ``wall`` without being played to the
+    end, all busy slot-seconds in [0, wall]). Episodes still running at ``wall`` are cut
+    by the horizon, not aborted: they count as busy, not as aborted work."""
+    array = _check_intervals(episodes, "episodes")
+    done = np.asarray(done, dtype=bool)
+    if done.shape != (array.shape[0],):
+        raise ValueError(f"done must have one flag per episode ({array.shape[0]}), got {done.shape}")
+    busy = np.clip(np.minimum(array[:, 1], wall) - array[:, 0], 0.0, None)
+    aborted = (~done) & (array[:, 1] < wall)
+    return float(busy[aborted].sum()), float(busy.sum())
+
+
 def max_concurrency(intervals: Sequence[tuple[float, float]]) -> int:
     """Largest number of intervals open at once (an end at t frees before a start at t)."""
     array = _check_intervals(intervals, "intervals")

@@ -2,7 +2,7 @@
 
     python benchmarks/wallclock_async_vs_group.py [--tails 0.5 1.0 1.5] [--seeds 0 1 2]
         [--updates 12] [--slots 64] [--batch 64] [--group 8] [--tasks 256]
-        [--drain finish|abort|none] [--figure docs/figures/wallclock_async_vs_group.png]
+        [--drain finish|abort|none] [--buffered-batches 2] [--max-policy-lag 8] [--figure docs/figures/wallclock_async_vs_group.png]
 
 The real ``rollout_bridge.orchestrator.Orchestrator`` (and the real agent loop) runs under
 ``run_virtual``: a simulated clock driven by the latency model of ``benchmarks/_latency.py``
@@ -201,6 +201,7 @@ class RunSpec:
     drain: str = "finish"
     publish_every: int = 1
     buffered_batches: int = 2  # OrchestratorConfig.max_buffered_batches
+    max_policy_lag: int = 8  # OrchestratorConfig.max_policy_lag
 
 
 def agent_config(model: LatencyModel) -> AgentConfig:
@@ -214,7 +215,7 @@ async def _simulate(spec: RunSpec, chat: ChatFormat):
     config = OrchestratorConfig(
         method=spec.method, batch_size=spec.batch, max_in_flight=spec.slots, group_size=spec.group,
         drain=spec.drain, publish_every=spec.publish_every, seed=spec.seed, pad_to_multiple=64,
-        max_buffered_batches=spec.buffered_batches,
+        max_buffered_batches=spec.buffered_batches, max_policy_lag=spec.max_policy_lag,
     )
     orch = Orchestrator(TimedEngine(world), world.new_env, chat, TimedLearner(world), spec.tasks, config,
                         agent_config(spec.model))
@@ -243,6 +244,8 @@ def run_once(spec: RunSpec, chat: ChatFormat) -> dict:
         group_done[t.stamp.group_id] = max(group_done.get(t.stamp.group_id, 0.0), t.finish_time)
     served_updates = [k for _, k in timeline.publishes]
     half = max(spec.updates // 2, 1)
+    aborted_s, busy_s = _latency.aborted_slot_time(episodes, [done for _, _, done in timeline.episodes.values()],
+                                                   wall)
     return dict(
         spec=spec, wall=wall, cpu=cpu, real=real,
         dispatched=orch.dispatched, completed=len(usable), consumed=orch.consumed, aborted=orch.aborted,
@@ -257,6 +260,9 @@ def run_once(spec: RunSpec, chat: ChatFormat) -> dict:
         slot_s_per_update=_latency.clipped_busy_time(episodes, 0.0, wall) / spec.updates,
         learner_idle=_latency.learner_idle_fraction([(s, e) for s, e, _ in timeline.learner], wall),
         t_half=update_ends[half - 1], t_full=update_ends[spec.updates - 1],
+        # steady state: the second half of the run, past the start-up (first batches, empty buffers)
+        s_per_update_late=(update_ends[spec.updates - 1] - update_ends[half - 1]) / max(spec.updates - half, 1),
+        aborted_share=aborted_s / busy_s if busy_s > 0 else 0.0,
         lag_mean=float(lags.mean()), lag_max=int(lags.max()),
         drain_share=_latency.drain_wait(update_ends, [t for t, _ in timeline.publishes]) / wall,
         barrier_wait=float(np.mean([group_done[t.stamp.group_id] - t.finish_time if t.stamp.group_id >= 0 else 0.0
@@ -303,10 +309,12 @@ def summarize(results: list[dict], tails: list[float]) -> str:
         metrics = [
             ("simulated time to K/2 updates (s)", lambda r: r["t_half"]),
             ("simulated time to K updates (s)", lambda r: r["t_full"]),
+            ("steady state: simulated s per update, updates K/2+1..K", lambda r: r["s_per_update_late"]),
             ("completed trajectories / s", lambda r: r["traj_per_s"]),
             ("consumed (trained) trajectories / s", lambda r: r["consumed_per_s"]),
             ("rollout-slot utilisation (busy slot-time / (S x wall))", lambda r: r["slot_utilisation"]),
             ("  of which episodes played to the end (not aborted)", lambda r: r["useful_utilisation"]),
+            ("aborted work: busy slot time of episodes aborted before the end / all busy", lambda r: r["aborted_share"]),
             ("rollout slot-seconds per update (compute)", lambda r: r["slot_s_per_update"]),
             ("learner idle fraction", lambda r: r["learner_idle"]),
             ("expected success of served policy at T", lambda r: success_at(r, t_ref)),
@@ -374,6 +382,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tasks", type=int, default=256)
     parser.add_argument("--drain", default="finish", choices=["finish", "abort", "none"])
     parser.add_argument("--publish-every", type=int, default=1)
+    parser.add_argument("--max-policy-lag", type=int, default=8,
+                        help="abort requests in flight more than this many policy events after their dispatch; "
+                             "below (longest episode time / time per update) it censors the longest episodes")
+    parser.add_argument("--buffered-batches", type=int, default=2,
+                        help="max_buffered_batches for both methods (finished-but-untrained work, GRPO's held "
+                             "group members included, plus in flight <= this x batch)")
     parser.add_argument("--task-share", type=float, default=LatencyModel().task_share,
                         help="share of ln-length variance that is per task (GRPO siblings share it)")
     parser.add_argument("--figure", default="docs/figures/wallclock_async_vs_group.png")
@@ -388,19 +402,22 @@ def main(argv=None) -> list[dict]:
           f"numpy {np.__version__}, transformers {transformers.__version__}")
     print(f"slots S={args.slots}, batch N={args.batch}, GRPO G={args.group}, updates K={args.updates}, "
           f"tasks={args.tasks}, drain={args.drain}, publish_every={args.publish_every}, "
+          f"max_buffered_batches={args.buffered_batches}, max_policy_lag={args.max_policy_lag}, "
           f"tails sigma={args.tails}, seeds={args.seeds}")
     print(f"latency model: {LatencyModel(task_share=args.task_share)} (sigma varied)")
     with tempfile.TemporaryDirectory() as directory:
         chat = build_chat(directory)
         for method in METHODS:  # warm-up: compile the orchestrator's jitted helpers
             run_once(RunSpec(method, LatencyModel(sigma=0.5), seed=99, slots=args.slots, batch=args.batch,
-                             group=args.group, updates=1, tasks=args.tasks, drain=args.drain), chat)
+                             group=args.group, updates=1, tasks=args.tasks, drain=args.drain,
+                             buffered_batches=args.buffered_batches, max_policy_lag=args.max_policy_lag), chat)
         results = []
         for sigma in args.tails:
             for seed in args.seeds:
                 for method in METHODS:
                     spec = RunSpec(method, LatencyModel(sigma=sigma, task_share=args.task_share), seed, args.slots, args.batch, args.group,
-                                   args.updates, args.tasks, args.drain, args.publish_every)
+                                   args.updates, args.tasks, args.drain, args.publish_every, args.buffered_batches,
+                                   args.max_policy_lag)
                     result = run_once(spec, chat)
                     results.append(result)
                     print(f"  sigma={sigma} seed={seed} {method:5s}: sim {result['wall']:7.1f} s, "
@@ -411,7 +428,8 @@ def main(argv=None) -> list[dict]:
     if args.figure:
         plot(results, args.tails, args.figure,
              f"S={args.slots} slots, N={args.batch}, K={args.updates} updates, drain={args.drain}, "
-             f"publish_every={args.publish_every}, task_share={args.task_share}; mean ± std over seeds {args.seeds}; "
+             f"publish_every={args.publish_every}, task_share={args.task_share}, buffer={args.buffered_batches}, "
+             f"max_policy_lag={args.max_policy_lag}; mean ± std over seeds {args.seeds}; "
              f"dotted: time to K updates")
         print(f"\nfigure: {args.figure}")
     print(f"real wall time of the benchmark: {time.perf_counter() - start:.0f} s")

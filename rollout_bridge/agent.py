@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from typing import Any, Sequence
+
+import numpy as np
 
 from rollout_bridge.engine.base import RolloutEngine, SamplingParams
 from rollout_bridge.envs.base import AnyEnvironment, as_async
@@ -138,28 +141,66 @@ class AgentConfig:
 
 
 class _History:
-    """The growing token list with its mask and log-probs (append-only)."""
+    """The growing token stream (append-only): one list of ids (the engine's next prompt)
+    and the sampled segments; the action mask and log-probs become arrays once, at the end
+    (``arrays``), with no per-token Python work."""
 
     def __init__(self, prompt_ids: Sequence[int]):
-        self.token_ids = list(prompt_ids)
-        self.action_mask = [False] * len(self.token_ids)
-        self.rollout_logp = [0.0] * len(self.token_ids)
+        self.token_ids: list[int] = list(prompt_ids)
+        self._actions: list[tuple[int, Sequence[float]]] = []  # (start, log-probs) per reply
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.token_ids += ids
-        self.action_mask += [False] * len(ids)
-        self.rollout_logp += [0.0] * len(ids)
 
     def add_actions(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        if len(ids):
+            self._actions.append((len(self.token_ids), logprobs))
         self.token_ids += ids
-        self.action_mask += [True] * len(ids)
-        self.rollout_logp += [float(x) for x in logprobs]
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens before the first sampled one (all of them when nothing was sampled)."""
+        return self._actions[0][0] if self._actions else len(self.token_ids)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token_ids int32, action_mask bool, rollout_logp float32, 0 off actions)."""
+        n = len(self.token_ids)
+        mask = np.zeros(n, np.bool_)
+        logp = np.zeros(n, np.float32)
+        for start, logprobs in self._actions:
+            end = start + len(logprobs)
+            mask[start:end] = True
+            logp[start:end] = logprobs
+        arrays = (np.array(self.token_ids, np.int32), mask, logp)
+        for array in arrays:
+            array.flags.writeable = False  # final: Trajectory keeps them without a copy
+        return arrays
+
+
+@functools.lru_cache(maxsize=1024)
+def _turn_params(sampling: SamplingParams, stop_token_ids: tuple[int, ...], max_new_tokens: int) -> SamplingParams:
+    """The sampling params of one turn: the episode's remaining token budget and the chat's
+    stop tokens added (cached: the same few budgets recur for every episode)."""
+    return dataclasses.replace(
+        sampling,
+        max_new_tokens=min(sampling.max_new_tokens, max_new_tokens),
+        stop_token_ids=tuple(dict.fromkeys(sampling.stop_token_ids + stop_token_ids)),
+    )
 
 
 async def _env_call(awaitable, timeout_s: float | None):
     if timeout_s is None:
         return await awaitable
     return await asyncio.wait_for(awaitable, timeout_s)
+
+
+async def _timed_env_call(awaitable, timeout_s: float | None, loop, latencies: list[float]):
+    """``_env_call`` with its loop-time latency appended to ``latencies`` (even on error)."""
+    start = loop.time()
+    try:
+        return await _env_call(awaitable, timeout_s)
+    finally:
+        latencies.append(loop.time() - start)
 
 
 async def run_episode(
@@ -178,36 +219,24 @@ async def run_episode(
     """
     loop = asyncio.get_running_loop()
     env = as_async(env)
-    turn_latencies, env_latencies, events, last_events, reasons = [], [], [], [], []
+    turns: list[tuple[float, int, int, str]] = []  # (latency, first event, last event, finish reason)
+    env_latencies: list[float] = []
     history: _History | None = None
     outcome = dict(reward=0.0, truncated=False, failed=False, aborted=False, error=None)
-
-    async def timed_env(awaitable):
-        start = loop.time()
-        try:
-            return await _env_call(awaitable, config.env_timeout_s)
-        finally:
-            env_latencies.append(loop.time() - start)
-
+    timeout_s = config.env_timeout_s
     try:
-        observation = _observation_text(await timed_env(env.reset(stamp.task_id)))
+        reset = env.reset(stamp.task_id)
+        observation = _observation_text(await _timed_env_call(reset, timeout_s, loop, env_latencies))
         history = _History(_fitting_prompt(chat.prompt_ids(observation), config.max_total_tokens))
         for turn in range(config.max_turns):
             budget = config.max_total_tokens - len(history.token_ids)
             if budget < 1:
                 outcome["truncated"] = True
                 break
-            params = dataclasses.replace(
-                config.sampling,
-                max_new_tokens=min(config.sampling.max_new_tokens, budget),
-                stop_token_ids=tuple(dict.fromkeys(config.sampling.stop_token_ids + chat.stop_token_ids)),
-            )
+            params = _turn_params(config.sampling, chat.stop_token_ids, budget)
             start = loop.time()
             result = await engine.generate(list(history.token_ids), params)
-            turn_latencies.append(loop.time() - start)
-            events.append(result.policy_event)
-            last_events.append(result.event_span[1])
-            reasons.append(result.finish_reason)
+            turns.append((loop.time() - start, result.policy_event, result.event_span[1], result.finish_reason))
             if result.finish_reason == "abort":
                 outcome["aborted"] = True
                 break
@@ -215,7 +244,8 @@ async def run_episode(
             if result.finish_reason == "length" and len(history.token_ids) >= config.max_total_tokens:
                 outcome["truncated"] = True  # the reply was cut by the episode's token budget
                 break
-            step = await timed_env(env.step(chat.action_text(result.token_ids)))
+            action = chat.action_text(result.token_ids)
+            step = await _timed_env_call(env.step(action), timeout_s, loop, env_latencies)
             if step.done:
                 outcome["reward"] = float(step.reward)
                 break
@@ -231,30 +261,32 @@ async def run_episode(
     except asyncio.CancelledError:
         # the orchestrator aborted this episode (close(), drain abort, max_policy_lag):
         # release the environment before the cancellation propagates
-        await _close_quietly(env, config.env_timeout_s)
+        await _close_quietly(env, timeout_s)
         raise
     except asyncio.TimeoutError:
-        outcome.update(failed=True, reward=0.0, error=f"environment timed out after {config.env_timeout_s}s")
+        outcome.update(failed=True, reward=0.0, error=f"environment timed out after {timeout_s}s")
     except Exception as exc:  # noqa: BLE001 - any env/engine failure is recorded, never fatal
         outcome.update(failed=True, reward=0.0, error=f"{type(exc).__name__}: {exc}")
     if not (outcome["failed"] and "timed out" in (outcome["error"] or "")):
-        await _close_quietly(env, config.env_timeout_s)  # a timed-out env may still be busy
+        await _close_quietly(env, timeout_s)  # a timed-out env may still be busy
     if history is None:
         history = _History(())
     if outcome["reward"] not in (0.0, 1.0):
         outcome.update(failed=True, error=f"non-binary reward {outcome['reward']}", reward=0.0)
+    token_ids, action_mask, rollout_logp = history.arrays()
+    latencies, events, last_events, reasons = (tuple(column) for column in zip(*turns)) if turns else ((),) * 4
     return Trajectory(
         stamp=stamp,
-        token_ids=tuple(history.token_ids),
-        action_mask=tuple(history.action_mask),
-        rollout_logp=tuple(history.rollout_logp),
-        prompt_length=_prompt_length(history.action_mask),
+        token_ids=token_ids,
+        action_mask=action_mask,
+        rollout_logp=rollout_logp,
+        prompt_length=history.prompt_length,
         finish_time=loop.time(),
-        turn_latencies=tuple(turn_latencies),
+        turn_latencies=latencies,
         env_latencies=tuple(env_latencies),
-        turn_policy_events=tuple(events),
-        turn_last_policy_events=tuple(last_events),
-        finish_reasons=tuple(reasons),
+        turn_policy_events=events,
+        turn_last_policy_events=last_events,
+        finish_reasons=reasons,
         **outcome,
     )
 
@@ -285,10 +317,3 @@ async def _close_quietly(env, timeout_s: float | None) -> None:
         raise
     except Exception:  # noqa: BLE001
         pass
-
-
-def _prompt_length(action_mask: Sequence[bool]) -> int:
-    for i, is_action in enumerate(action_mask):
-        if is_action:
-            return i
-    return len(action_mask)

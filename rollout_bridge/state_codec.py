@@ -91,13 +91,13 @@ def decode_trajectories(encoded: Mapping[str, Any]) -> list[Trajectory]:
             **{k: int(encoded["stamp_int"][k][i]) for k in _STAMP_INT},
             **{k: float(encoded["stamp_float"][k][i]) for k in _STAMP_FLOAT})
         out.append(Trajectory(
-            stamp=stamp, token_ids=tuple(int(x) for x in token_ids[i]),
-            action_mask=tuple(bool(x) for x in masks[i]), rollout_logp=tuple(float(x) for x in logps[i]),
+            stamp=stamp, token_ids=token_ids[i], action_mask=masks[i], rollout_logp=logps[i],  # -> arrays
             prompt_length=int(encoded["prompt_length"][i]), reward=float(encoded["reward"][i]),
             finish_time=float(encoded["finish_time"][i]),
-            turn_latencies=tuple(float(x) for x in turns[i]), env_latencies=tuple(float(x) for x in envs[i]),
-            turn_policy_events=tuple(int(x) for x in events[i]),
-            turn_last_policy_events=tuple(int(x) for x in last_events[i]),
+            turn_latencies=tuple(np.asarray(turns[i], np.float64).tolist()),
+            env_latencies=tuple(np.asarray(envs[i], np.float64).tolist()),
+            turn_policy_events=tuple(np.asarray(events[i], np.int64).tolist()),
+            turn_last_policy_events=tuple(np.asarray(last_events[i], np.int64).tolist()),
             finish_reasons=tuple(reasons[i].split(_TEXT_SEPARATOR)) if reasons[i] else (),
             error=errors[i] if bool(encoded["has_error"][i]) else None,
             **{k: bool(encoded["flags"][k][i]) for k in _FLAGS}))

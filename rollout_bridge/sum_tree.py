@@ -6,9 +6,16 @@ from the children on every update, so repeated updates never accumulate rounding
 index i with probability w_i / total. Successive draws with the drawn leaf's weight set to
 0 in between are sampling without replacement with each draw ∝ w (SPEC 3's law, the same
 as Gumbel top-k).
+
+The nodes are built with NumPy (vectorised per level) and then held as a Python list of
+floats in a contiguous ``array.array("d")``: the per-request walks touch ~2·log2(n)
+scalars, and its index is several times cheaper than a NumPy scalar index and more
+cache-friendly than a list of float objects (the same float64 sums either way).
 """
 
 from __future__ import annotations
+
+import array
 
 import numpy as np
 
@@ -22,18 +29,19 @@ class SumTree:
             raise ValueError("weights must be finite and >= 0")
         self.size = weights.size
         self.capacity = 1 << max(0, (self.size - 1).bit_length())
-        self.nodes = np.zeros(2 * self.capacity, np.float64)
-        self.nodes[self.capacity:self.capacity + self.size] = weights
+        nodes = np.zeros(2 * self.capacity, np.float64)
+        nodes[self.capacity:self.capacity + self.size] = weights
         for level_start in _levels(self.capacity):  # bottom-up, vectorised per level
             end = 2 * level_start
-            self.nodes[level_start:end] = self.nodes[2 * level_start:2 * end:2] + self.nodes[2 * level_start + 1:2 * end:2]
+            nodes[level_start:end] = nodes[2 * level_start:2 * end:2] + nodes[2 * level_start + 1:2 * end:2]
+        self.nodes = array.array("d", nodes.tobytes())
 
     @property
     def total(self) -> float:
-        return float(self.nodes[1])  # the root (the only leaf when capacity is 1)
+        return self.nodes[1]  # the root (the only leaf when capacity is 1)
 
     def weight(self, index: int) -> float:
-        return float(self.nodes[self.capacity + index])
+        return self.nodes[self.capacity + index]
 
     def update(self, index: int, weight: float) -> None:
         """Set leaf ``index`` to ``weight``; recompute its ancestors (O(log n))."""
@@ -41,7 +49,7 @@ class SumTree:
             raise IndexError(f"index {index} outside [0, {self.size})")
         nodes = self.nodes
         node = self.capacity + index
-        nodes[node] = weight
+        nodes[node] = float(weight)
         node >>= 1
         while node >= 1:
             nodes[node] = nodes[2 * node] + nodes[2 * node + 1]
@@ -63,7 +71,7 @@ class SumTree:
         return index
 
     def _last_positive_before(self, index: int) -> int:
-        leaves = self.nodes[self.capacity:self.capacity + self.size]
+        leaves = np.asarray(self.nodes[self.capacity:self.capacity + self.size])
         positive = np.flatnonzero(leaves[:index + 1] > 0)
         if positive.size:
             return int(positive[-1])

@@ -32,23 +32,36 @@ class DispatchStamp:
     group_id: int = -1
 
 
-@dataclasses.dataclass(frozen=True)
+def _frozen_array(values, dtype) -> np.ndarray:
+    """A read-only 1-D NumPy copy of ``values`` (a trajectory never changes after it ends)."""
+    array = np.array(values, dtype=dtype)
+    if array.ndim != 1:
+        array = array.reshape(-1)
+    array.flags.writeable = False
+    return array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Trajectory:
     """One finished (or failed / aborted) episode.
 
-    token_ids, action_mask, rollout_logp have equal length; rollout_logp is 0 where
-    action_mask is False. ``reward`` is the binary terminal reward R (0 for failures,
-    truncations and aborts). Times are event-loop seconds; ``turn_latencies`` are the
-    engine latencies of each turn and ``env_latencies`` those of reset + each step.
-    ``turn_policy_events`` / ``turn_last_policy_events``: per turn, the policy event of its
-    first / last sampled token (they differ only when an in-flight publish landed during
-    the turn, SPEC 3 "Publishing without a drain"; empty last events mean "same as first").
+    token_ids (int32), action_mask (bool), rollout_logp (float32) are read-only 1-D NumPy
+    arrays of equal length (any sequence given is converted once; no per-token Python
+    objects are kept: cheaper to hold, pack and checkpoint at 10k concurrent episodes);
+    rollout_logp is 0 where action_mask is False. ``reward`` is the binary terminal reward
+    R (0 for failures, truncations and aborts). Times are event-loop seconds;
+    ``turn_latencies`` are the engine latencies of each turn and ``env_latencies`` those
+    of reset + each step. ``turn_policy_events`` / ``turn_last_policy_events``: per turn,
+    the policy event of its first / last sampled token (they differ only when an in-flight
+    publish landed during the turn, SPEC 3 "Publishing without a drain"; empty last events
+    mean "same as first"). Two trajectories are equal when every field is (the arrays
+    element-wise); a trajectory is unhashable.
     """
 
     stamp: DispatchStamp
-    token_ids: tuple[int, ...]
-    action_mask: tuple[bool, ...]
-    rollout_logp: tuple[float, ...]
+    token_ids: np.ndarray
+    action_mask: np.ndarray
+    rollout_logp: np.ndarray
     prompt_length: int
     reward: float
     finish_time: float
@@ -63,6 +76,10 @@ class Trajectory:
     error: str | None = None
 
     def __post_init__(self):
+        for name, dtype in (("token_ids", np.int32), ("action_mask", np.bool_), ("rollout_logp", np.float32)):
+            value = getattr(self, name)
+            if not (isinstance(value, np.ndarray) and value.dtype == dtype and not value.flags.writeable):
+                object.__setattr__(self, name, _frozen_array(value, dtype))
         n = len(self.token_ids)
         if len(self.action_mask) != n or len(self.rollout_logp) != n:
             raise ValueError(
@@ -71,6 +88,16 @@ class Trajectory:
             )
         if n and self.action_mask[0]:
             raise ValueError("action_mask[0] must be False (position 0 is never an action)")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return all(
+            np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+            for a, b in ((getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
+        )
+
+    __hash__ = None
 
     # Convenience views of the stamp.
     @property
@@ -105,7 +132,7 @@ class Trajectory:
     @property
     def num_action_tokens(self) -> int:
         """L_i of SPEC 4: tokens the policy generated."""
-        return int(sum(self.action_mask))
+        return int(np.count_nonzero(self.action_mask))
 
     @property
     def num_turns(self) -> int:
@@ -141,21 +168,21 @@ def pack_train_arrays(
         raise ValueError("advantages must be finite")
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
-    longest = max(len(t.token_ids) for t in trajectories)
+    lengths = np.fromiter((len(t.token_ids) for t in trajectories), np.int64, len(trajectories))
+    longest = int(lengths.max())
     if max_length is not None and longest > max_length:
         raise ValueError(f"a trajectory has {longest} tokens > max_length={max_length}")
     width = -(-max(longest, 1) // pad_to_multiple) * pad_to_multiple
     batch = len(trajectories)
+    # row-major scatter of the concatenated streams: one NumPy call per array, no row loop
+    attention_mask = np.arange(width)[None, :] < lengths[:, None]
     input_ids = np.full((batch, width), pad_id, dtype=np.int32)
-    attention_mask = np.zeros((batch, width), dtype=bool)
+    input_ids[attention_mask] = np.concatenate([t.token_ids for t in trajectories])
     action_mask = np.zeros((batch, width), dtype=bool)
+    action_mask[attention_mask] = np.concatenate([t.action_mask for t in trajectories])
     rollout_logp = np.zeros((batch, width), dtype=np.float32)
-    for row, traj in enumerate(trajectories):
-        n = len(traj.token_ids)
-        input_ids[row, :n] = traj.token_ids
-        attention_mask[row, :n] = True
-        action_mask[row, :n] = traj.action_mask
-        rollout_logp[row, :n] = np.where(traj.action_mask, traj.rollout_logp, 0.0)
+    rollout_logp[attention_mask] = np.concatenate([t.rollout_logp for t in trajectories])
+    rollout_logp[~action_mask] = 0.0  # the contract: 0 off actions, whatever a caller stored
     advantage_rows = np.broadcast_to(advantages[:, None], (batch, width)).astype(np.float32)
     return dict(
         input_ids=input_ids,

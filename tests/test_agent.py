@@ -174,7 +174,7 @@ def test_env_timeout_is_a_recorded_failure(tokenizer):
     env = AsyncSyntheticEnv(num_tasks=8, latency=lambda task, call: 100.0 if call == 0 else 0.0)
     config = AgentConfig(env_timeout_s=5.0)
     traj = run_virtual(run_episode(FakeEngine(answering_script(tokenizer, chat)), env, chat, _stamp(0), config))
-    assert traj.failed and "timed out" in traj.error and traj.token_ids == ()
+    assert traj.failed and "timed out" in traj.error and traj.token_ids.size == 0
     assert traj.env_latencies == (5.0,)
 
 

@@ -18,6 +18,7 @@ from rollout_bridge.engine.fake import FakeEngine, ScriptedReply, run_virtual
 from rollout_bridge.envs.base import AsyncEnvironment, StepResult
 from rollout_bridge.orchestrator import LearnerOutput, Orchestrator, OrchestratorConfig
 from rollout_bridge.tokenizer import build_tiny_tokenizer
+from spopp_jax.tracker import policy_coordinate
 
 RHO = 0.875
 
@@ -128,6 +129,7 @@ def replay_check_event_time(orch, alpha0, beta0, z0=0.0):
             in_flight.add(item.task_id)
             assert item.policy_event == publishes
             assert item.z == pytest.approx(z0 + publishes * -math.log(RHO), rel=1e-6)
+            assert item.z == float(policy_coordinate(publishes, RHO, z0))  # the tracker's float32, exactly
             expected = spec_baseline(alpha0[item.task_id], beta0[item.task_id], z0, item.z, history[item.task_id])
             assert item.frozen_baseline == pytest.approx(expected, abs=2e-6)
             checked_nonempty += bool(history[item.task_id])
@@ -475,7 +477,7 @@ def test_spo_tracker_updates_in_arrival_order_after_the_actor_update(chat):
                 seen = last_seen.get(t.task_id)
                 assert (prev is None) == (seen is None)
                 if prev is not None:  # y′ = the task's previous consumed response
-                    assert prev.task_id == t.task_id and tuple(prev.token_ids) == seen.token_ids
+                    assert prev.task_id == t.task_id and np.array_equal(prev.token_ids, seen.token_ids)
                     if prev.batch_row >= 0:  # earlier in this batch: π_then from this update
                         assert item.trajectories[prev.batch_row] is seen and prev.logp_then is None
                     else:  # π_then = the learner's log-probs when y′ was trained (-0.5 here)

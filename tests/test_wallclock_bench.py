@@ -40,6 +40,11 @@ def test_accounting_hand_numbers():
     assert _latency.drain_wait([3.0], [3.0]) == 0.0
     # Publishing every 2nd update: ends 1, 2, 5, 6; publishes 3, 7 -> (3 − 2) + (7 − 6).
     assert _latency.drain_wait([1.0, 2.0, 5.0, 6.0], [3.0, 7.0]) == pytest.approx(2.0)
+    # Aborted work, wall 10: [0, 4] done, [2, 6] aborted (4 s), [8, 12] not done but still
+    # running at the horizon (2 s busy, not aborted).
+    assert _latency.aborted_slot_time(episodes, [True, False, False], 10.0) == pytest.approx((4.0, 10.0))
+    with pytest.raises(ValueError, match="one flag per episode"):
+        _latency.aborted_slot_time(episodes, [True], 10.0)
     grid = np.array([0.0, 0.99, 1.0, 2.5, 3.0, 7.0])
     np.testing.assert_allclose(_latency.step_values([1.0, 3.0], [0.2, 0.3], 0.1, grid),
                                [0.1, 0.1, 0.2, 0.2, 0.3, 0.3])

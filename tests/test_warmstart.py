@@ -59,8 +59,8 @@ def test_demonstration_matches_the_agent_loop_token_for_token(tasks, chat):
                              sampling=SamplingParams(max_new_tokens=32))
         trajectory = asyncio.run(run_episode(engine, TextWorldEnv(tasks), chat, stamp, config))
         assert trajectory.reward == 1.0 and not trajectory.failed
-        assert example.token_ids == trajectory.token_ids
-        assert example.action_mask == trajectory.action_mask
+        assert example.token_ids == tuple(trajectory.token_ids.tolist())  # Trajectory holds arrays
+        assert example.action_mask == tuple(trajectory.action_mask.tolist())
         # the action tokens are exactly the replies + one stop token per turn
         expected = sum(len(chat.encode(reply)) + 1 for _, reply in pairs)
         assert sum(example.action_mask) == expected == trajectory.num_action_tokens

@@ -70,8 +70,8 @@ class GenerationResult:
     last_policy_event: int | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
-        object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
+        object.__setattr__(self, "token_ids", tuple(map(int, self.token_ids)))  # map: no per-token frame
+        object.__setattr__(self, "logprobs", tuple(map(float, self.logprobs)))
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"token_ids and logprobs must have equal length, got "

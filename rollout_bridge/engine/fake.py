@@ -86,7 +86,7 @@ class FakeEngine(RolloutEngine):
         if self.closed:
             raise RuntimeError("FakeEngine is closed")
         loop = asyncio.get_running_loop()
-        request = FakeRequest(self.num_requests, tuple(int(t) for t in prompt_ids), params, self.policy_event)
+        request = FakeRequest(self.num_requests, tuple(map(int, prompt_ids)), params, self.policy_event)
         self.num_requests += 1
         record = RequestRecord(request, start_time=loop.time())
         if self.keep_records:

@@ -177,15 +177,18 @@ class SingleStreamMethod:
 
     def refresh(self, tasks) -> None:
         """Recompute v̂ and the dispatch weight of ``tasks`` after their evidence changed."""
-        for x in np.atleast_1d(np.asarray(tasks, np.int64)).tolist():
-            self.v_hat[x] = self.alpha[x] / (self.alpha[x] + self.beta[x])
+        for x in ([tasks] if isinstance(tasks, int) else np.atleast_1d(np.asarray(tasks, np.int64)).tolist()):
+            alpha = self.alpha[x]
+            self.v_hat[x] = alpha / (alpha + self.beta[x])
             if self.tree is not None:
                 self.tree.update(x, self._weight_of(x))
 
-    def _count(self, task_id: int, delta: int) -> None:
+    def _count(self, task_id: int, delta: int, update_weight: bool = True) -> None:
+        """Change a task's in-flight count; ``update_weight=False`` when the caller
+        refreshes the task's weight right after (one sum-tree walk instead of two)."""
         self.in_flight[task_id] += delta
         self.free_slots -= delta
-        if self.tree is not None:
+        if self.tree is not None and update_weight:
             self.tree.update(task_id, self._weight_of(task_id))
 
     # -------------------------------------------------------------- protocol
@@ -218,14 +221,18 @@ class SingleStreamMethod:
         self._count(x, +1)
         return x
 
-    def observe_receipt(self, traj: Trajectory) -> None:
-        """Evidence a usable receipt adds at once (SPO++); none by default."""
+    def observe_receipt(self, traj: Trajectory) -> bool:
+        """Evidence a usable receipt adds at once (SPO++); none by default. Returns True
+        when it refreshed the task (its sum-tree weight is then current)."""
+        return False
 
     def receive(self, stamp: DispatchStamp, traj: Trajectory | None, spoil: str | None) -> Receipt:
-        self._count(stamp.task_id, -1)
         if traj is None:
+            self._count(stamp.task_id, -1)
             return Receipt()
-        self.observe_receipt(traj)
+        self._count(stamp.task_id, -1, update_weight=False)
+        if not self.observe_receipt(traj) and self.tree is not None:
+            self.tree.update(stamp.task_id, self._weight_of(stamp.task_id))
         return Receipt(ready=(traj,))
 
     def advantages(self, trajectories: Sequence[Trajectory]) -> np.ndarray:

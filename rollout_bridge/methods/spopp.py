@@ -16,7 +16,7 @@ from rollout_bridge.trajectory import Trajectory
 class SpoPlusPlus(SingleStreamMethod):
     """SPO++: evidence visible to later dispatches at once (event-time weights)."""
 
-    def observe_receipt(self, traj: Trajectory) -> None:
+    def observe_receipt(self, traj: Trajectory) -> bool:
         """``spopp_jax.tracker.observe`` for one result, on the host in float32:
         z_new = max(z_ref, z_i), alpha' = e^{−(z_new − z_ref)}·alpha + e^{−(z_new − z_i)}·R_i,
         beta' likewise with 1 − R_i (SPEC 2 "Overflow": every exponent <= 0)."""
@@ -24,10 +24,14 @@ class SpoPlusPlus(SingleStreamMethod):
         if traj.reward not in (0.0, 1.0):
             raise ValueError(f"rewards must be 0 or 1, got {traj.reward!r} (task {x})")
         z, z_ref = np.float32(traj.z), self.z_ref[x]
-        z_new = max(z_ref, z)
-        keep, weight = np.exp(z_ref - z_new), np.exp(z - z_new)
+        one = np.float32(1)
+        if z >= z_ref:  # z_new = z: e^{−(z_new − z_i)} = 1 exactly
+            z_new, keep, weight = z, np.exp(z_ref - z), one
+        else:
+            z_new, keep, weight = z_ref, one, np.exp(z - z_ref)
         reward = np.float32(traj.reward)
         self.alpha[x] = keep * self.alpha[x] + weight * reward
-        self.beta[x] = keep * self.beta[x] + weight * (np.float32(1) - reward)
+        self.beta[x] = keep * self.beta[x] + weight * (one - reward)
         self.z_ref[x] = z_new
         self.refresh(x)
+        return True
