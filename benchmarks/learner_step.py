@@ -79,23 +79,10 @@ import jax.numpy as jnp  # noqa: E402
 from spopp_jax import learner  # noqa: E402
 from spopp_jax.models import from_pretrained  # noqa: E402
 from spopp_jax.models.testing import random_hf_model, tiny_hf_config  # noqa: E402
+from _batches import learner_batch  # noqa: E402
 from _hardware import cpu_model  # noqa: E402
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def make_batch(args, rng):
-    """Prompt = first quarter of each row, then action tokens with one 8-token observation
-    span in the middle; 10% of rows end early (right padding)."""
-    b, t = args.batch, args.seq
-    ids = rng.integers(0, args.vocab, size=(b, t)).astype(np.int32)
-    pos = np.arange(t)[None, :]
-    lengths = np.where(rng.random(b) < 0.1, t // 2, t)[:, None]
-    attention = pos < lengths
-    action = attention & (pos >= t // 4) & ~((pos >= t // 2) & (pos < t // 2 + 8))
-    rollout = np.where(action, rng.normal(-6.2, 0.3, size=(b, t)), 0.0).astype(np.float32)
-    advantages = np.repeat(rng.normal(size=(b, 1)), t, axis=1).astype(np.float32)
-    return ids, attention, action, rollout, advantages
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -199,7 +186,7 @@ def main(args):
         model = from_pretrained(folder, dtype="float32")
 
     rng = np.random.default_rng(0)
-    batch_np = make_batch(args, rng)
+    batch_np = learner_batch(args.batch, args.seq, args.vocab, rng)
     batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
     holders, jax_steps = {}, {}
     for micro_batches in args.micro_batches:

@@ -168,6 +168,10 @@ def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     query: [B, T, K, G, D] (query head h = k * G + g, as transformers' repeat_kv),
     key, value: [B, S, K, D]; mask: [B, T, S] bool (True = may attend).
     Scores and softmax in float32; returns [B, T, K, G, D] in value.dtype.
+
+    The scores are laid out [B, K, T, G, S]: the batched dot over (b, k) emits its free
+    query dims in q's own order (t, g), so the float32 scores (the layer's largest
+    tensor) are not transposed before the mask and softmax (docs/PERFORMANCE.md).
     """
     if query.ndim != 5 or key.ndim != 4 or key.shape != value.shape:
         raise ValueError(f"query [B,T,K,G,D], key/value [B,S,K,D]; got {query.shape}, "
@@ -177,11 +181,11 @@ def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         raise ValueError(f"key {key.shape} does not match query {query.shape}")
     if mask.shape != (batch, time, key.shape[1]):
         raise ValueError(f"mask: expected {(batch, time, key.shape[1])}, got {mask.shape}")
-    scores = jnp.einsum("btkgd,bskd->bkgts", query, key, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bktgs", query, key, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASKED_SCORE)
+    scores = jnp.where(mask[:, None, :, None, :], scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, value)
+    return jnp.einsum("bktgs,bskd->btkgd", probs, value)
 
 
 class SwiGLU(nnx.Module):
