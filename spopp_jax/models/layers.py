@@ -35,10 +35,39 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
-        y = jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+        y = linear(x.astype(kernel.dtype), kernel)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+@jax.custom_vjp
+def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """y = x @ kernel: x [..., in], kernel [in, out] -> [..., out] (same dtype).
+
+    Gradient (`_linear_backward`): dx = dy kernel^T, dkernel = x^T dy as ONE dot that
+    contracts the tokens (all leading axes flattened) of x and dy in their stored
+    row-major layout. Autodiff's transposed dot led XLA:CPU to write a transposed copy of
+    dy (or of x) for every weight gradient, the largest single ops of the train step
+    (docs/PERFORMANCE.md). Values are those of autodiff.
+    """
+    return jnp.einsum("...i,io->...o", x, kernel)
+
+
+def _linear_forward(x, kernel):
+    return linear(x, kernel), (x, kernel)
+
+
+def _linear_backward(residuals, d_y):
+    x, kernel = residuals
+    d_x = jnp.einsum("...o,io->...i", d_y, kernel)
+    tokens_x = x.reshape(-1, x.shape[-1])  # [N, in]
+    tokens_d_y = d_y.reshape(-1, d_y.shape[-1])  # [N, out]
+    d_kernel = jax.lax.dot_general(tokens_x, tokens_d_y, (((0,), (0,)), ((), ())))
+    return d_x.astype(x.dtype), d_kernel.astype(kernel.dtype)
+
+
+linear.defvjp(_linear_forward, _linear_backward)
 
 
 class Embed(nnx.Module):
