@@ -48,14 +48,12 @@ from rollout_bridge.engine.jax_engine import JaxEngine
 from rollout_bridge.engine.sampling_ops import sample_tokens
 from spopp_jax.models import ModelConfig, init_model, save_pretrained
 from _hardware import cpu_model  # noqa: E402
+from _model_shapes import MODEL_SHAPES  # noqa: E402
 
 MODELS = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "10m": dict(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=5,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=64),
-    "M": dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-              num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    **MODEL_SHAPES,
 }
 
 

@@ -31,19 +31,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 REPLY = "AB_REPLY "
+sys.path.insert(0, BENCH)
+from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=TREE[:XLA_FLAGS]; TREE is '.' or a git revision")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--ffn", type=int, default=768)
+    add_shape_arguments(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batches", type=int, default=1)
@@ -53,6 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--allow-busy", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: worker mode
     args = parser.parse_args(argv)
+    resolve_shape(args)
     if not args.worker and len(args.variant) < 2:
         parser.error("give at least two --variant NAME=TREE[:XLA_FLAGS]")
     return args
@@ -143,7 +140,7 @@ class Worker:
         env["XLA_FLAGS"] = flags.replace(",", " ")
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k not in ("variant", "worker", "allow_busy", "rounds",
-                                  "max_load_excess")]
+                                  "max_load_excess", "model")]
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", tree, *forwarded],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree)
@@ -174,7 +171,7 @@ def main(args) -> None:
     load = os.getloadavg()
     print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/"
           f"{load[1]:.1f}/{load[2]:.1f} (shared machine); {args.threads} threads; model "
-          f"hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, batch "
+          f"{args.model}: hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, batch "
           f"{args.batch} x {args.seq}, M={args.micro_batches}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         workers = []

@@ -4,6 +4,7 @@ global-norm clipping + AdamW), eager and `torch.compile`, on the same weights an
 
     python benchmarks/learner_step.py                 # model M: vocab 512, hidden 256, 4 layers
     python benchmarks/learner_step.py --breakdown     # + forward / forward+backward timings
+    python benchmarks/learner_step.py --model 10m --batch 4 --seq 1024   # ~10M params, T=1024
 
 Methods are timed under the benchmark protocol (benchmarks/_protocol.py): interleaved
 rounds (jax, torch eager, torch.compile, jax, ...), the same thread count for all, the load
@@ -18,21 +19,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
 import numpy as np
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--ffn", type=int, default=768)
+    add_shape_arguments(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument(
@@ -65,7 +65,9 @@ def parse_args():
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also time forward and fwd+bwd")
-    return parser.parse_args()
+    args = parser.parse_args()
+    resolve_shape(args)
+    return args
 
 
 ARGS = parse_args()
@@ -220,7 +222,7 @@ def main(args):
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
     )
     print(
-        f"model: Qwen3 vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
+        f"model {args.model}: Qwen3 vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
         f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, ffn {args.ffn}, untied, fp32, "
         f"{matmul_params / 1e6:.2f}M matmul params; batch {args.batch} x {args.seq} = {tokens} "
         f"tokens, {int(batch_np[2].sum())} action tokens, {args.micro_batches} micro-batch(es)"
