@@ -200,7 +200,12 @@ def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
 
     The scores are laid out [B, K, T, G, S]: the batched dot over (b, k) emits its free
     query dims in q's own order (t, g), so the float32 scores (the layer's largest
-    tensor) are not transposed before the mask and softmax (docs/PERFORMANCE.md).
+    tensor) are not transposed before the mask and softmax. The softmax is normalised
+    after the value product, as flash attention does:
+      e = exp(s - max_s s),  out = (e v) / sum_s e
+    (= softmax(s) v exactly; the division runs on [B, T, H, D] instead of on the
+    [B, H, T, S] probabilities, which are never materialised; docs/PERFORMANCE.md).
+    A fully masked row (padding) has e = 1 everywhere: the mean of the values.
     """
     if query.ndim != 5 or key.ndim != 4 or key.shape != value.shape:
         raise ValueError(f"query [B,T,K,G,D], key/value [B,S,K,D]; got {query.shape}, "
@@ -213,8 +218,14 @@ def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     scores = jnp.einsum("btkgd,bskd->bktgs", query, key, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
     scores = jnp.where(mask[:, None, :, None, :], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
-    return jnp.einsum("bktgs,bskd->btkgd", probs, value)
+    # softmax is shift-invariant, so the max carries no gradient
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    numerators = jnp.exp(scores - row_max)  # in [0, 1], the row's max entry is 1
+    total = jnp.sum(numerators, axis=-1)  # [B, K, T, G], >= 1
+    unnormalised = jnp.einsum("bktgs,bskd->bktgd", numerators.astype(value.dtype), value,
+                              preferred_element_type=jnp.float32)
+    out = unnormalised / total[..., None]
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).astype(value.dtype)
 
 
 class SwiGLU(nnx.Module):
