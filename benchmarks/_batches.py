@@ -1,8 +1,26 @@
-"""The learner batch every learner benchmark times (learner_step.py, learner_ab.py)."""
+"""The model config and batch every learner benchmark uses (learner_step.py, learner_ab.py).
+
+Import after `_protocol.pin_threads` (this imports jax through spopp_jax).
+"""
 
 from __future__ import annotations
 
 import numpy as np
+
+from spopp_jax.models.testing import tiny_hf_config
+
+ROPE_THETA = 1e6
+MIN_POSITIONS = 4096  # max_position_embeddings of the benchmark models (at least seq)
+
+
+def learner_hf_config(args):
+    """transformers Qwen3 config of the shape in ``args`` (`_model_shapes.resolve_shape`),
+    untied embeddings, room for ``args.seq`` positions."""
+    return tiny_hf_config(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, intermediate_size=args.ffn, tie_word_embeddings=False,
+        max_position_embeddings=max(MIN_POSITIONS, args.seq), rope_theta=ROPE_THETA)
 
 EARLY_END_FRACTION = 0.1  # rows that end at half length (right padding)
 OBSERVATION_TOKENS = 8  # one observation span inside the action tokens

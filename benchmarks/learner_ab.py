@@ -95,16 +95,12 @@ def worker(args) -> None:
     import spopp_jax
     from spopp_jax import learner
     from spopp_jax.models import from_pretrained
-    from spopp_jax.models.testing import random_hf_model, tiny_hf_config
-    from _batches import learner_batch
+    from spopp_jax.models.testing import random_hf_model
+    from _batches import learner_batch, learner_hf_config
 
     if not os.path.abspath(spopp_jax.__file__).startswith(os.path.abspath(tree)):
         raise RuntimeError(f"worker imported spopp_jax from {spopp_jax.__file__}, not {tree}")
-    hf_config = tiny_hf_config(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, intermediate_size=args.ffn, tie_word_embeddings=False,
-        max_position_embeddings=max(4096, args.seq), rope_theta=1e6)
+    hf_config = learner_hf_config(args)
     with tempfile.TemporaryDirectory() as folder:
         random_hf_model(hf_config, seed=0).save_pretrained(folder)
         model = from_pretrained(folder, dtype="float32")

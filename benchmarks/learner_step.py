@@ -81,8 +81,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from spopp_jax import learner  # noqa: E402
 from spopp_jax.models import from_pretrained  # noqa: E402
-from spopp_jax.models.testing import random_hf_model, tiny_hf_config  # noqa: E402
-from _batches import learner_batch  # noqa: E402
+from spopp_jax.models.testing import random_hf_model  # noqa: E402
+from _batches import learner_batch, learner_hf_config  # noqa: E402
 from _hardware import cpu_model  # noqa: E402
 
 # ----------------------------------------------------------------------------- inputs
@@ -170,18 +170,7 @@ def main(args):
     import transformers
 
     torch.set_num_threads(args.threads)
-    hf_config = tiny_hf_config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        intermediate_size=args.ffn,
-        tie_word_embeddings=False,
-        max_position_embeddings=max(4096, args.seq),
-        rope_theta=1e6,
-    )
+    hf_config = learner_hf_config(args)
     hf_model = random_hf_model(hf_config, seed=0).train()
     hf_model.config._attn_implementation = "sdpa"
     with tempfile.TemporaryDirectory() as folder:
