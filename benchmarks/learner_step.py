@@ -27,6 +27,8 @@ import time
 import numpy as np
 
 
+# This checkout's spopp_jax, not an editable install's (the script's folder is sys.path[0]).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
 
@@ -206,6 +208,7 @@ def main(args):
         f"load avg {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (shared machine), "
         f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
+    print(f"spopp_jax from {os.path.dirname(learner.__file__)}")
     print(
         f"versions: jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
