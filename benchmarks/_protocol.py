@@ -9,7 +9,8 @@ A speed claim is a same-run ratio taken on an idle machine:
   * every system runs with the same thread count (``pin_threads`` before the first import
     of numpy/jax/torch);
   * each system is reported as median and spread (min, max) over the kept rounds, and the
-    headline is the ratio of medians from the same run.
+    headline is the ratio of medians from the same run, with the median of the per-round
+    ratios next to it (steadier when the load drifts during the run).
 """
 
 from __future__ import annotations
@@ -123,10 +124,21 @@ def headline(timings: Timings, ours: str, theirs: str, allow_busy: bool = False)
     note = ""
     if allow_busy and busy:
         note = f"; includes {busy} BUSY round(s): not a headline figure"
+    paired = paired_ratio(timings, ours, theirs, allow_busy)
     return (
         f"{ours} vs {theirs}: {theirs_median / ours_median:.2f}x "
-        f"(median of {kept} interleaved rounds{note})"
+        f"(median of {kept} interleaved rounds; per-round ratio median {paired:.2f}x{note})"
     )
+
+
+def paired_ratio(timings: Timings, ours: str, theirs: str, allow_busy: bool = False) -> float:
+    """Median over the kept rounds of theirs / ours within each round. Both ran in the
+    same round, back to back, so a load change between rounds cancels; the ratio of
+    medians can pair a fast round of one with a slow round of the other."""
+    rounds = timings.kept(allow_busy)
+    if not rounds:
+        timings.summary(ours, allow_busy)  # raises the "every round was busy" error
+    return statistics.median(r.seconds[theirs] / r.seconds[ours] for r in rounds)
 
 
 def report(timings: Timings, work_units: float, unit: str, allow_busy: bool = False) -> None:

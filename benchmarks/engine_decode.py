@@ -34,28 +34,31 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+# This checkout's packages, not an editable install's (the script's folder is sys.path[0]).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
-from rollout_bridge.engine.base import SamplingParams
-from rollout_bridge.engine.jax_engine import JaxEngine
-from rollout_bridge.engine.sampling_ops import sample_tokens
-from spopp_jax.models import ModelConfig, init_model, save_pretrained
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from rollout_bridge.engine.base import SamplingParams  # noqa: E402
+from rollout_bridge.engine.jax_engine import JaxEngine  # noqa: E402
+from rollout_bridge.engine.sampling_ops import sample_tokens  # noqa: E402
+from spopp_jax.models import ModelConfig, init_model, save_pretrained  # noqa: E402
 from _hardware import cpu_model  # noqa: E402
+from _model_shapes import MODEL_SHAPES  # noqa: E402
 
 MODELS = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "10m": dict(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=5,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=64),
-    "M": dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-              num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    **MODEL_SHAPES,
 }
 
 

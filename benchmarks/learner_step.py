@@ -4,35 +4,38 @@ global-norm clipping + AdamW), eager and `torch.compile`, on the same weights an
 
     python benchmarks/learner_step.py                 # model M: vocab 512, hidden 256, 4 layers
     python benchmarks/learner_step.py --breakdown     # + forward / forward+backward timings
+    python benchmarks/learner_step.py --model 10m --batch 4 --seq 1024   # ~10M params, T=1024
 
 Methods are timed under the benchmark protocol (benchmarks/_protocol.py): interleaved
 rounds (jax, torch eager, torch.compile, jax, ...), the same thread count for all, the load
 average printed per round and busy rounds left out, median and [min, max] per method, and
 the same-run ratio as the headline. tokens/s counts every position of the [batch, seq] batch. MFU = achieved
 FLOP/s / peak, FLOPs per step ~ 6 * matmul params * tokens + 12 * layers * batch * heads *
-head_dim * seq^2 (causal attention computed densely, as both implementations do), and the
-peak is a measured fp32 1024^3 matmul (jax) on this machine.
+head_dim * seq^2 (causal attention counted densely, the usual MFU convention; ours computes
+about 60% of those score FLOPs, `causal_block_attention`), and the peak is a measured fp32
+1024^3 matmul (jax) in the same run, so a loaded machine lowers peak and step alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
 import numpy as np
 
 
+# This checkout's spopp_jax, not an editable install's (the script's folder is sys.path[0]).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--ffn", type=int, default=768)
+    add_shape_arguments(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument(
@@ -65,7 +68,9 @@ def parse_args():
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also time forward and fwd+bwd")
-    return parser.parse_args()
+    args = parser.parse_args()
+    resolve_shape(args)
+    return args
 
 
 ARGS = parse_args()
@@ -78,24 +83,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from spopp_jax import learner  # noqa: E402
 from spopp_jax.models import from_pretrained  # noqa: E402
-from spopp_jax.models.testing import random_hf_model, tiny_hf_config  # noqa: E402
+from spopp_jax.models.testing import random_hf_model  # noqa: E402
+from _batches import learner_batch, learner_hf_config  # noqa: E402
 from _hardware import cpu_model  # noqa: E402
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def make_batch(args, rng):
-    """Prompt = first quarter of each row, then action tokens with one 8-token observation
-    span in the middle; 10% of rows end early (right padding)."""
-    b, t = args.batch, args.seq
-    ids = rng.integers(0, args.vocab, size=(b, t)).astype(np.int32)
-    pos = np.arange(t)[None, :]
-    lengths = np.where(rng.random(b) < 0.1, t // 2, t)[:, None]
-    attention = pos < lengths
-    action = attention & (pos >= t // 4) & ~((pos >= t // 2) & (pos < t // 2 + 8))
-    rollout = np.where(action, rng.normal(-6.2, 0.3, size=(b, t)), 0.0).astype(np.float32)
-    advantages = np.repeat(rng.normal(size=(b, 1)), t, axis=1).astype(np.float32)
-    return ids, attention, action, rollout, advantages
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -180,18 +172,7 @@ def main(args):
     import transformers
 
     torch.set_num_threads(args.threads)
-    hf_config = tiny_hf_config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        intermediate_size=args.ffn,
-        tie_word_embeddings=False,
-        max_position_embeddings=max(4096, args.seq),
-        rope_theta=1e6,
-    )
+    hf_config = learner_hf_config(args)
     hf_model = random_hf_model(hf_config, seed=0).train()
     hf_model.config._attn_implementation = "sdpa"
     with tempfile.TemporaryDirectory() as folder:
@@ -199,7 +180,7 @@ def main(args):
         model = from_pretrained(folder, dtype="float32")
 
     rng = np.random.default_rng(0)
-    batch_np = make_batch(args, rng)
+    batch_np = learner_batch(args.batch, args.seq, args.vocab, rng)
     batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
     holders, jax_steps = {}, {}
     for micro_batches in args.micro_batches:
@@ -227,13 +208,14 @@ def main(args):
         f"load avg {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (shared machine), "
         f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
+    print(f"spopp_jax from {os.path.dirname(learner.__file__)}")
     print(
         f"versions: jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
     )
     print(
-        f"model: Qwen3 vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
+        f"model {args.model}: Qwen3 vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
         f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, ffn {args.ffn}, untied, fp32, "
         f"{matmul_params / 1e6:.2f}M matmul params; batch {args.batch} x {args.seq} = {tokens} "
         f"tokens, {int(batch_np[2].sum())} action tokens, {args.micro_batches} micro-batch(es)"

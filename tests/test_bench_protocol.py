@@ -46,6 +46,9 @@ def test_busy_rounds_are_left_out_of_the_headline():
     assert timings.summary("ours") == (1.0, 1.0, 2.0)
     line = _protocol.headline(timings, "ours", "theirs")
     assert "3.00x" in line and "median of 3" in line and "BUSY" not in line
+    # per-round ratios 2, 3, 2 (the busy round's 50 is left out)
+    assert _protocol.paired_ratio(timings, "ours", "theirs") == pytest.approx(2.0)
+    assert "per-round ratio median 2.00x" in line
     # With busy rounds allowed, the medians change and the headline says so.
     assert timings.summary("theirs", allow_busy=True)[0] == pytest.approx(3.5)
     assert "not a headline figure" in _protocol.headline(timings, "ours", "theirs", allow_busy=True)
@@ -62,3 +65,18 @@ def test_bad_arguments():
         _protocol.interleaved_rounds({"a": lambda: None}, 0)
     with pytest.raises(ValueError, match="threads"):
         _protocol.pin_threads(0)
+
+
+def test_named_model_shape_fills_only_unset_dimensions():
+    import argparse
+
+    import _model_shapes
+
+    parser = argparse.ArgumentParser()
+    _model_shapes.add_shape_arguments(parser)
+    args = parser.parse_args(["--model", "10m", "--ffn", "7"])
+    _model_shapes.resolve_shape(args)
+    assert (args.hidden, args.layers, args.vocab, args.ffn) == (384, 5, 2048, 7)
+    args = parser.parse_args([])
+    _model_shapes.resolve_shape(args)
+    assert (args.hidden, args.heads, args.kv_heads, args.head_dim) == (256, 8, 2, 32)

@@ -35,10 +35,39 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
-        y = jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+        y = linear(x.astype(kernel.dtype), kernel)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+@jax.custom_vjp
+def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """y = x @ kernel: x [..., in], kernel [in, out] -> [..., out] (same dtype).
+
+    Gradient (`_linear_backward`): dx = dy kernel^T, dkernel = x^T dy as ONE dot that
+    contracts the tokens (all leading axes flattened) of x and dy in their stored
+    row-major layout. Autodiff's transposed dot led XLA:CPU to write a transposed copy of
+    dy (or of x) for every weight gradient, the largest single ops of the train step
+    (docs/PERFORMANCE.md). Values are those of autodiff.
+    """
+    return jnp.einsum("...i,io->...o", x, kernel)
+
+
+def _linear_forward(x, kernel):
+    return linear(x, kernel), (x, kernel)
+
+
+def _linear_backward(residuals, d_y):
+    x, kernel = residuals
+    d_x = jnp.einsum("...o,io->...i", d_y, kernel)
+    tokens_x = x.reshape(-1, x.shape[-1])  # [N, in]
+    tokens_d_y = d_y.reshape(-1, d_y.shape[-1])  # [N, out]
+    d_kernel = jax.lax.dot_general(tokens_x, tokens_d_y, (((0,), (0,)), ((), ())))
+    return d_x.astype(x.dtype), d_kernel.astype(kernel.dtype)
+
+
+linear.defvjp(_linear_forward, _linear_backward)
 
 
 class Embed(nnx.Module):
@@ -168,6 +197,15 @@ def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     query: [B, T, K, G, D] (query head h = k * G + g, as transformers' repeat_kv),
     key, value: [B, S, K, D]; mask: [B, T, S] bool (True = may attend).
     Scores and softmax in float32; returns [B, T, K, G, D] in value.dtype.
+
+    The scores are laid out [B, K, T, G, S]: the batched dot over (b, k) emits its free
+    query dims in q's own order (t, g), so the float32 scores (the layer's largest
+    tensor) are not transposed before the mask and softmax. The softmax is normalised
+    after the value product, as flash attention does:
+      e = exp(s - max_s s),  out = (e v) / sum_s e
+    (= softmax(s) v exactly; the division runs on [B, T, H, D] instead of on the
+    [B, H, T, S] probabilities, which are never materialised; docs/PERFORMANCE.md).
+    A fully masked row (padding) has e = 1 everywhere: the mean of the values.
     """
     if query.ndim != 5 or key.ndim != 4 or key.shape != value.shape:
         raise ValueError(f"query [B,T,K,G,D], key/value [B,S,K,D]; got {query.shape}, "
@@ -177,11 +215,17 @@ def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         raise ValueError(f"key {key.shape} does not match query {query.shape}")
     if mask.shape != (batch, time, key.shape[1]):
         raise ValueError(f"mask: expected {(batch, time, key.shape[1])}, got {mask.shape}")
-    scores = jnp.einsum("btkgd,bskd->bkgts", query, key, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bktgs", query, key, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, value)
+    scores = jnp.where(mask[:, None, :, None, :], scores, MASKED_SCORE)
+    # softmax is shift-invariant, so the max carries no gradient
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    numerators = jnp.exp(scores - row_max)  # in [0, 1], the row's max entry is 1
+    total = jnp.sum(numerators, axis=-1)  # [B, K, T, G], >= 1
+    unnormalised = jnp.einsum("bktgs,bskd->bktgd", numerators.astype(value.dtype), value,
+                              preferred_element_type=jnp.float32)
+    out = unnormalised / total[..., None]
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).astype(value.dtype)
 
 
 class SwiGLU(nnx.Module):

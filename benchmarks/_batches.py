@@ -1,0 +1,43 @@
+"""The model config and batch every learner benchmark uses (learner_step.py, learner_ab.py).
+
+Import after `_protocol.pin_threads` (this imports jax through spopp_jax).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spopp_jax.models.testing import tiny_hf_config
+
+ROPE_THETA = 1e6
+MIN_POSITIONS = 4096  # max_position_embeddings of the benchmark models (at least seq)
+
+
+def learner_hf_config(args):
+    """transformers Qwen3 config of the shape in ``args`` (`_model_shapes.resolve_shape`),
+    untied embeddings, room for ``args.seq`` positions."""
+    return tiny_hf_config(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, intermediate_size=args.ffn, tie_word_embeddings=False,
+        max_position_embeddings=max(MIN_POSITIONS, args.seq), rope_theta=ROPE_THETA)
+
+EARLY_END_FRACTION = 0.1  # rows that end at half length (right padding)
+OBSERVATION_TOKENS = 8  # one observation span inside the action tokens
+
+
+def learner_batch(batch: int, seq: int, vocab: int, rng: np.random.Generator):
+    """(input_ids, attention_mask, action_mask, rollout_logp, advantages), each [batch, seq].
+
+    Prompt = first quarter of each row, then action tokens with one 8-token observation
+    span in the middle; 10% of rows end early (right padding).
+    """
+    ids = rng.integers(0, vocab, size=(batch, seq)).astype(np.int32)
+    pos = np.arange(seq)[None, :]
+    lengths = np.where(rng.random(batch) < EARLY_END_FRACTION, seq // 2, seq)[:, None]
+    attention = pos < lengths
+    observation = (pos >= seq // 2) & (pos < seq // 2 + OBSERVATION_TOKENS)
+    action = attention & (pos >= seq // 4) & ~observation
+    rollout = np.where(action, rng.normal(-6.2, 0.3, size=(batch, seq)), 0.0).astype(np.float32)
+    advantages = np.repeat(rng.normal(size=(batch, 1)), seq, axis=1).astype(np.float32)
+    return ids, attention, action, rollout, advantages

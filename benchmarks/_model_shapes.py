@@ -1,0 +1,35 @@
+"""Named Qwen3 shapes the benchmarks share (transformers config names).
+
+"M": vocab 512, hidden 256, 4 layers, 8 / 2 heads x 32, ffn 768 (3.15M matmul params);
+"10m": vocab 2048, hidden 384, 5 layers, 6 / 2 heads x 64, ffn 1024 (~10M params).
+"""
+
+from __future__ import annotations
+
+MODEL_SHAPES = {
+    "10m": dict(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=5,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=64),
+    "M": dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+}
+
+# command-line flag -> transformers config name (benchmarks/learner_step.py, learner_ab.py)
+SHAPE_FLAGS = {"vocab": "vocab_size", "hidden": "hidden_size", "ffn": "intermediate_size",
+               "layers": "num_hidden_layers", "heads": "num_attention_heads",
+               "kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+
+
+def add_shape_arguments(parser) -> None:
+    """--model NAME plus one flag per dimension (a given flag overrides the model's)."""
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="M",
+                        help="named shape (benchmarks/_model_shapes.py); default M")
+    for flag in SHAPE_FLAGS:
+        parser.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
+
+
+def resolve_shape(args) -> None:
+    """Fill the dimension flags left unset from ``args.model``'s shape, in place."""
+    shape = MODEL_SHAPES[args.model]
+    for flag, name in SHAPE_FLAGS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, shape[name])

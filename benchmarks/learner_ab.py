@@ -1,0 +1,204 @@
+"""Same-run A/B of our learner train step: code versions and/or XLA flags, one worker
+process per variant, timed in interleaved rounds (benchmarks/_protocol.py).
+
+    python benchmarks/learner_ab.py --variant base=HEAD~1 --variant new=.       # code A/B
+    python benchmarks/learner_ab.py --variant default=. \\
+        --variant fastmath=.:--xla_cpu_enable_fast_math=true                   # flag A/B
+
+A variant is NAME=TREE[:XLA_FLAGS]. TREE is ``.`` (this checkout) or a git revision, which
+is exported (`git archive`) to a temporary folder that the worker puts first on its
+sys.path, so `spopp_jax` is imported from that revision. XLA flags must be set before the
+XLA client starts, hence one process per variant. Every worker builds the same random
+Qwen3 (model M by default), the same batch as `benchmarks/learner_step.py`, compiles
+`learner.make_train_step` and then blocks on its stdin; the driver asks one worker at a
+time for one timed step (at most one computes at a time, so load from other users of the
+machine hits all variants alike). The worker times its own step (block_until_ready
+included) for its warm-up; the rounds are timed by the driver (a pipe round trip, under
+a millisecond, against steps of seconds). Each worker also reports its first step's
+loss and pre-clip gradient norm, which must agree between code versions (same math).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+REPLY = "AB_REPLY "
+sys.path.insert(0, BENCH)
+from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=TREE[:XLA_FLAGS]; TREE is '.' or a git revision")
+    add_shape_arguments(parser)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--max-load-excess", type=float, default=0.5)
+    parser.add_argument("--allow-busy", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: worker mode
+    args = parser.parse_args(argv)
+    resolve_shape(args)
+    if not args.worker and len(args.variant) < 2:
+        parser.error("give at least two --variant NAME=TREE[:XLA_FLAGS]")
+    return args
+
+
+def parse_variant(text: str) -> tuple[str, str, str]:
+    """'name=tree[:flags]' -> (name, tree, flags)."""
+    if "=" not in text:
+        raise ValueError(f"--variant {text!r}: expected NAME=TREE[:XLA_FLAGS]")
+    name, rest = text.split("=", 1)
+    tree, _, flags = rest.partition(":")
+    if not name or not tree:
+        raise ValueError(f"--variant {text!r}: NAME and TREE must be non-empty")
+    return name, tree, flags
+
+
+def export_tree(tree: str, folder: str) -> str:
+    """The folder whose `spopp_jax` a worker imports: this checkout for '.', else the
+    revision exported with `git archive` into `folder`."""
+    if tree == ".":
+        return REPO
+    os.makedirs(folder)
+    archive = subprocess.run(["git", "-C", REPO, "archive", tree], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return folder
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def worker(args) -> None:
+    tree = args.worker
+    sys.path.insert(0, tree)
+    sys.path.insert(1, BENCH)
+    import _protocol
+
+    _protocol.pin_threads(args.threads)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import spopp_jax
+    from spopp_jax import learner
+    from spopp_jax.models import from_pretrained
+    from spopp_jax.models.testing import random_hf_model
+    from _batches import learner_batch, learner_hf_config
+
+    if not os.path.abspath(spopp_jax.__file__).startswith(os.path.abspath(tree)):
+        raise RuntimeError(f"worker imported spopp_jax from {spopp_jax.__file__}, not {tree}")
+    hf_config = learner_hf_config(args)
+    with tempfile.TemporaryDirectory() as folder:
+        random_hf_model(hf_config, seed=0).save_pretrained(folder)
+        model = from_pretrained(folder, dtype="float32")
+    batch_np = learner_batch(args.batch, args.seq, args.vocab, np.random.default_rng(0))
+    batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
+    config = learner.LearnerConfig(num_micro_batches=args.micro_batches)
+    model_def, state = learner.init_train_state(model, config)
+    step = learner.make_train_step(model_def, config)
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    metrics = jax.device_get(metrics)
+    first = {"compile_s": time.perf_counter() - start, "loss": float(metrics["loss"]),
+             "grad_norm": float(metrics["grad_norm"])}
+    print(REPLY + json.dumps(first), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        print(REPLY + json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+class Worker:
+    """One variant's process: ask it for a step, read its reply."""
+
+    def __init__(self, name: str, tree: str, flags: str, args):
+        self.name = name
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = flags.replace(",", " ")
+        forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                     if k not in ("variant", "worker", "allow_busy", "rounds",
+                                  "max_load_excess", "model")]
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", tree, *forwarded],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree)
+
+    def read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        raise RuntimeError(f"variant {self.name}: worker exited ({self.process.wait()})")
+
+    def step(self) -> float:
+        self.process.stdin.write("step\n")
+        self.process.stdin.flush()
+        return self.read()["seconds"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+
+
+def main(args) -> None:
+    sys.path.insert(0, BENCH)
+    import _protocol
+    from _hardware import cpu_model
+
+    variants = [parse_variant(v) for v in args.variant]
+    load = os.getloadavg()
+    print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/"
+          f"{load[1]:.1f}/{load[2]:.1f} (shared machine); {args.threads} threads; model "
+          f"{args.model}: hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, batch "
+          f"{args.batch} x {args.seq}, M={args.micro_batches}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        workers = []
+        try:
+            for index, (name, tree, flags) in enumerate(variants):
+                folder = export_tree(tree, os.path.join(scratch, f"tree{index}"))
+                workers.append(Worker(name, folder, flags, args))
+            for w, (name, tree, flags) in zip(workers, variants):  # compile one at a time
+                first = w.read()
+                print(f"{name}: tree {tree}, XLA_FLAGS {flags!r}: compile + first step "
+                      f"{first['compile_s']:.1f} s, loss {first['loss']:.6g}, grad_norm "
+                      f"{first['grad_norm']:.6g}", flush=True)
+            for w in workers:  # one warm step each
+                w.step()
+            # The protocol's clock includes the pipe round trip (< 1 ms against seconds).
+            fns = {w.name: w.step for w in workers}
+            timings = _protocol.interleaved_rounds(fns, args.rounds,
+                                                   max_load_excess=args.max_load_excess)
+        finally:
+            for w in workers:
+                w.close()
+    tokens = args.batch * args.seq
+    _protocol.report(timings, tokens, "tok", args.allow_busy)
+    base = workers[0].name
+    for w in workers[1:]:
+        print("headline: " + _protocol.headline(timings, w.name, base, args.allow_busy))
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.worker:
+        worker(ARGS)
+    else:
+        main(ARGS)

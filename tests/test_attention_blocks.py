@@ -1,0 +1,88 @@
+"""Causal query blocks (`causal_block_attention`) = dense masked attention on real tokens.
+
+The reference is the dense [T, T] attention of `chunked_attention` with one chunk (the
+formula of SPEC's model: softmax(q k^T / sqrt(D) + mask) v over all keys), compared on
+real query tokens, with gradients of a loss that weighs only real tokens.
+"""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from spopp_jax.models.attention import (causal_block_attention, causal_query_block,
+                                        chunked_attention)
+from spopp_jax.models.masks import sequence_layout
+
+BATCH, KV_HEADS, GROUPS, HEAD_DIM = 3, 2, 2, 8
+TOL = 1e-5
+
+
+def _inputs(time, seed):
+    rng = np.random.default_rng(seed)
+    query = rng.normal(size=(BATCH, time, KV_HEADS, GROUPS, HEAD_DIM))
+    key, value = (rng.normal(size=(BATCH, time, KV_HEADS, HEAD_DIM)) for _ in range(2))
+    weight = rng.normal(size=query.shape)
+    return [jnp.asarray(x, jnp.float32) for x in (query, key, value, weight)]
+
+
+def _layout(time, kind):
+    """Row 0 full; row 1 right-padded; row 2 left-padded ("padding") or two packed
+    segments ("packed")."""
+    mask = np.ones((BATCH, time), bool)
+    mask[1, time - time // 3:] = False
+    segments = np.zeros((BATCH, time), np.int32)
+    if kind == "padding":
+        mask[2, :time // 4] = False
+    else:
+        segments[2, time // 2:] = 1
+    return sequence_layout(jnp.zeros((BATCH, time), jnp.int32), jnp.asarray(mask),
+                           segment_ids=jnp.asarray(segments)), mask
+
+
+def _loss_and_grads(attend, inputs, real):
+    query, key, value, weight = inputs
+    weight = weight * real[:, :, None, None, None]  # only real query tokens count
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v) * weight)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(query, key, value)
+
+
+@pytest.mark.parametrize("time,block,kind", [(13, 4, "padding"), (24, 5, "packed"),
+                                             (16, 16, "padding"), (7, 1, "packed")])
+def test_blocks_match_dense_attention(time, block, kind):
+    inputs = _inputs(time, seed=time * 31 + block)
+    layout, real = _layout(time, kind)
+    real = jnp.asarray(real, jnp.float32)
+
+    def dense(q, k, v):
+        return chunked_attention(q, k, v, layout, chunk_size=time)
+
+    def blocked(q, k, v):
+        return causal_block_attention(q, k, v, layout, block)
+
+    out_dense = jax.jit(dense)(*inputs[:3]) * real[:, :, None, None, None]
+    out_blocked = jax.jit(blocked)(*inputs[:3]) * real[:, :, None, None, None]
+    np.testing.assert_allclose(out_blocked, out_dense, atol=TOL, rtol=TOL)
+    (loss_dense, grads_dense) = _loss_and_grads(dense, inputs, real)
+    (loss_blocked, grads_blocked) = _loss_and_grads(blocked, inputs, real)
+    np.testing.assert_allclose(loss_blocked, loss_dense, atol=TOL, rtol=TOL)
+    for name, got, want in zip("qkv", grads_blocked, grads_dense):
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL, err_msg=f"d{name}")
+
+
+def test_block_sizes():
+    assert causal_query_block(256) == 64
+    assert causal_query_block(1024) == 128
+    assert causal_query_block(10) == 64  # one block: the dense attention
+
+
+def test_blocks_need_a_full_forward():
+    query, key, value, _ = _inputs(8, seed=0)
+    layout, _ = _layout(8, "padding")
+    with pytest.raises(ValueError, match="keys = queries"):
+        causal_block_attention(query, key[:, :6], value[:, :6], layout, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        causal_block_attention(query, key, value, layout, 0)
