@@ -88,7 +88,7 @@ def test_resume_flag_forms():
     (["--rollout.top_p", "0"], "rollout.top_p"),
     (["--rollout.max_new_tokens", "600", "--rollout.max_seq_len", "512"],
      "rollout.max_new_tokens"),
-    (["--rollout.max_inflight", "64"], "rollout.max_inflight"),
+    (["--rollout.max_inflight", "64", "--env.num_games", "16"], "rollout.max_inflight"),
     (["--env.max_turns", "0"], "env.max_turns"),
     (["--prior.mass", "-8"], "prior.mass"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
