@@ -159,3 +159,17 @@ def test_ceilings_are_cached(files, tmp_path):
     assert cache.exists()
     assert np.array_equal(blind_ceilings(files, 2), first)
     assert ((0 <= first) & (first <= 1)).all()
+
+
+def test_a_game_its_walkthrough_cannot_win_is_skipped(tmp_path):
+    """tw-make seed 100171 (3 rooms, 4 objects, quest length 3) names a 'type P box' and a
+    'box': the compiled game answers the walkthrough's 'take type P latchkey from box' with
+    'Which do you mean...', so the walkthrough never wins and the seed is not a task."""
+    from rollout_bridge.envs.textworld_games import generate_game
+
+    spec = GameSetSpec("ambiguous", num_games=1, base_seed=100171, world_size=3, nb_objects=4, quest_length=3)
+    path = tmp_path / "game_100171.z8"
+    assert generate_game(100171, spec, path) is None
+    assert not list(tmp_path.iterdir())
+    fine = generate_game(100172, spec, tmp_path / "game_100172.z8")
+    assert fine is not None and fine["walkthrough"]

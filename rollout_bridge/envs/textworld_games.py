@@ -12,6 +12,10 @@ Game i of a set uses seed `base_seed + i`; `workers` processes generate games at
 complete one is reused. Each `.z8` sits next to its `.json` (TextWorld's game description,
 which carries the walkthrough).
 
+A game is part of a set only if its walkthrough wins the compiled game (a few tw-make
+games are not: the parser asks which of two similarly named objects is meant); such a
+seed is skipped like a duplicate.
+
 The warm-start (SFT) set must be disjoint from the training set so that the cold start
 teaches the action format and general skill, not the answers to the training tasks
 (`generate_disjoint_game_set`): games whose (objective, walkthrough) coincide with a
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 MANIFEST = "manifest.json"
+MANIFEST_VERSION = 2   # 2: every game's walkthrough checked to win the compiled game
 PLAYABLE_SUFFIXES = (".z8", ".z5", ".z3", ".tw-pddl")
 
 
@@ -82,22 +87,64 @@ def _game_options(seed: int, spec: GameSetSpec, path: Path):
     return options
 
 
-def generate_game(seed: int, spec: GameSetSpec, path: Path) -> dict:
-    """Generate and compile one game to `path` (.z8); return its record for the manifest."""
-    from textworld.generator import compile_game, make_game
-
-    options = _game_options(seed, spec, path)
-    game = make_game(options)
-    compiled = compile_game(game, options)
+def _record(seed: int, game, compiled: str | os.PathLike) -> dict:
     walkthrough = list(game.metadata.get("walkthrough") or [])
     if not walkthrough:
         raise RuntimeError(f"game seed {seed} has no walkthrough")
-    return {
-        "file": os.path.basename(compiled),
-        "seed": seed,
-        "objective": game.objective,
-        "walkthrough": walkthrough,
-    }
+    return {"file": os.path.basename(compiled), "seed": seed, "objective": game.objective,
+            "walkthrough": walkthrough}
+
+
+def walkthrough_wins(path: str | os.PathLike, walkthrough: Sequence[str]) -> bool:
+    """Whether the compiled game at `path` is won by playing `walkthrough` (a few games
+    are not: the z-machine parser asks "Which do you mean, the type P box or the box?")."""
+    from rollout_bridge.envs.textworld_env import start_game
+
+    env = start_game(str(path))
+    try:
+        env.reset()
+        for command in walkthrough:
+            state, _, done = env.step(command)
+            if done:
+                return bool(state["won"])
+        return False
+    finally:
+        env.close()
+
+
+def _cached_game(seed: int, path: Path) -> dict | None:
+    """The record of a game already compiled at `path` by an interrupted generation (its
+    .json and .z8 present and loadable), else None."""
+    import textworld
+
+    if not (path.exists() and path.with_suffix(".json").exists()):
+        return None
+    try:
+        return _record(seed, textworld.Game.load(str(path.with_suffix(".json"))), path)
+    except Exception:   # noqa: BLE001 - a half-written file: generate again
+        return None
+
+
+def generate_game(seed: int, spec: GameSetSpec, path: Path) -> dict | None:
+    """Generate and compile one game to `path` (.z8) (or reuse the files an interrupted
+    generation left there); return its record for the manifest, or None (files removed)
+    when its walkthrough does not win the compiled game."""
+    from textworld.generator import compile_game, make_game
+
+    record = _cached_game(seed, path)
+    if record is None:
+        options = _game_options(seed, spec, path)
+        game = make_game(options)
+        record = _record(seed, game, compile_game(game, options))
+    try:
+        playable = walkthrough_wins(path, record["walkthrough"])
+    except Exception:   # noqa: BLE001 - a corrupt leftover file: generate again
+        _drop_game_files(path)
+        return generate_game(seed, spec, path)
+    if not playable:
+        _drop_game_files(path)
+        return None
+    return record
 
 
 def game_signature(record: dict) -> str:
@@ -178,13 +225,16 @@ def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
     excluded = set(exclude_signatures)
     folder = game_set_folder(spec, data_dir, excluded)
     manifest = _load_manifest(folder)
-    if manifest is not None and manifest.get("spec") == dataclasses.asdict(spec):
+    if (manifest is not None and manifest.get("spec") == dataclasses.asdict(spec)
+            and manifest.get("version") == MANIFEST_VERSION):
         return [folder / g["file"] for g in manifest["games"]]
     folder.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     stream = _seed_stream(spec, folder, workers)
     try:
         for seed, path, record in stream:
+            if record is None:   # its walkthrough does not win: not part of the set
+                continue
             signature = game_signature(record)
             if signature not in excluded:
                 excluded.add(signature)
@@ -201,7 +251,7 @@ def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
         raise RuntimeError(
             f"could not make {spec.num_games} distinct games for {spec.name!r}; "
             "increase world_size / nb_objects / quest_length")
-    _write_manifest(folder, {"spec": dataclasses.asdict(spec), "games": records})
+    _write_manifest(folder, {"spec": dataclasses.asdict(spec), "version": MANIFEST_VERSION, "games": records})
     return [folder / g["file"] for g in records]
 
 
