@@ -146,6 +146,25 @@ def _textworld_own_games(env, style) -> Any:
     return TextWorldTasks(files, root, env.max_turns, style)
 
 
+class ReorderedDemonstrations:
+    """A warm-start task set whose every walkthrough appears ``orders`` times, each time
+    with the commands shown in fresh random orders (shuffled actions: the numbers to type
+    differ, the commands do not), so the SFT teaches finding a command's number in the
+    list rather than remembering numbers. Item i is walkthrough i mod num_tasks."""
+
+    def __init__(self, tasks, orders: int):
+        if orders < 1:
+            raise ValueError(f"orders must be >= 1, got {orders}")
+        self.tasks, self.orders = tasks, orders
+
+    @property
+    def num_tasks(self) -> int:
+        return self.tasks.num_tasks * self.orders
+
+    def demonstration(self, index: int) -> list[tuple[str, str]]:
+        return self.tasks.demonstration(index % self.tasks.num_tasks)
+
+
 def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
     """TextWorld: ``env.game_dir`` (your own games, e.g. ALFWorld's) or a seeded generated
     set; ``env.heldout_games`` generated games never trained on (evaluated before and after
@@ -189,12 +208,17 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
         if held is not None:
             reference["heldout_prompt_blind_ceiling"] = _blind_ceiling(held, log, progress, "held-out games")
 
-    def corpus() -> list[str]:
+    warm_games = warm
+
+    def corpus() -> list[str]:   # the tokenizer's texts: each walkthrough once
         texts = [train.episode(t).reset() for t in range(train.num_tasks)]
-        if warm is not None:
-            texts += [f"{obs}\n{reply}" for t in range(warm.num_tasks) for obs, reply in warm.demonstration(t)]
+        if warm_games is not None:
+            texts += [f"{obs}\n{reply}" for t in range(warm_games.num_tasks)
+                      for obs, reply in warm_games.demonstration(t)]
         return texts
 
+    if warm is not None and style.shuffle_actions and env.warmstart_orders > 1:
+        warm = ReorderedDemonstrations(warm, env.warmstart_orders)
     extra = {} if held is None else {"heldout": (held, lambda: TextWorldEnv(held))}
     return EnvBundle(train=train, env_factory=lambda: TextWorldEnv(train), max_turns=env.max_turns,
                      corpus=corpus, warm=warm, held_out=held, extra_evals=extra, reference_success=reference)
