@@ -22,7 +22,7 @@ from rollout_bridge.envs.textworld_games import GameSetSpec, generate_game_set, 
 SMALL = GameSetSpec("agentic", num_games=3, base_seed=7, world_size=2, nb_objects=2, quest_length=2)
 AGENTIC = ObservationStyle(max_feedback_chars=600, numbered_actions=True, shuffle_actions=True,
                            free_text=False, shuffle_seed=0, goal_every_turn=False)
-BLIND_EPISODES = 400      # Monte-Carlo episodes of a blind policy through the real game
+BLIND_EPISODES = 150      # Monte-Carlo episodes per blind policy through the real game
 MC_SIGMAS = 4.0           # tolerance of the Monte-Carlo check, in binomial SEs
 
 
