@@ -52,8 +52,9 @@ from rollout_bridge import distributed_learner as distributed
 from rollout_bridge.distributed_learner import LeaderLearner
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, extra_evaluations, latest_checkpoint_step,
-                                log, refuse_overwrite, run_prior, run_warmstart, state_digest, success_rollouts)
-from rollout_bridge.metrics import MetricsWriter, plot_learning_curve, read_metrics
+                                log, refuse_overwrite, report_run, run_prior, run_warmstart, state_digest,
+                                success_rollouts)
+from rollout_bridge.metrics import MetricsWriter, read_metrics
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.policy_learner import PolicyLearner
 from rollout_bridge.prior import write_json_atomic
@@ -206,15 +207,14 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     successes, trials, after_extra = asyncio.run(rl_loop(job, policy, chat, alpha0, beta0))
     after = float(successes.sum() / max(trials.sum(), 1))
     paths = job.paths
-    write_json_atomic(paths.eval_after, {"successes": successes.tolist(), "trials": trials.tolist(),
-                                         "success_rate": after})
+    after_record = {"successes": successes.tolist(), "trials": trials.tolist(), "success_rate": after}
+    write_json_atomic(paths.eval_after, after_record)
     rows = read_metrics(paths.root / "metrics.jsonl")
     before = None if prior is None else prior["success_rate"]
-    plot_learning_curve(rows, paths.curve, title=f"SPO++ ({job.cfg.method}) on {job.cfg.env.kind}",
-                        reference_lines={"success before RL (prior rollouts)": before,
-                                         "success after RL (same rollouts)": after})
     summary = {"success_before_rl": before, "success_after_rl": after,
                "success_per_step": [r.get("success_rate") for r in rows], "rl_wall_s": time.time() - start}
+    summary.update(report_run(paths, f"SPO++ ({job.cfg.method}) on {job.cfg.env.kind}", rows, prior, after_record,
+                              before_extra, after_extra, job.env.reference_success))
     for name in after_extra:  # e.g. heldout_before_rl / heldout_after_rl (ALFWorld), no_tool_* (Math-TIR)
         summary[f"{name}_before_rl"] = before_extra.get(name)
         summary[f"{name}_after_rl"] = after_extra[name]

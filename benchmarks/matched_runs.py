@@ -9,6 +9,11 @@ prior, decoding, budget, optimizer and runtime).
     python benchmarks/matched_runs.py run --arms event_traj receipt_token receipt_traj \
         --seeds 0 1 2 3 4 --steps 80
     python benchmarks/matched_runs.py report            # tables + figures from what is there
+    python benchmarks/matched_runs.py run --config configs/smoke.yaml --root runs/matched_smoke
+        # the published (issue #7) runs were on the tiny 2-turn job, now configs/smoke.yaml
+
+`--config` (default configs/default.yaml, the agentic TextWorld task) is passed to every
+train.py call as `--config_path`.
 
 `run` is resumable: a run whose `summary.json` exists is skipped, a run that crashed is
 redone from scratch (its folder is removed first). Runs go in the order seed-major
@@ -32,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-# Arm -> train.py flags on top of the shared defaults (configs/default.yaml).
+# Arm -> train.py flags on top of the shared recipe (--config, default configs/default.yaml).
 # SPO++: event-time tracker (fixed rho 0.875), action-token measure, dual-clip c = 2.
 # SPO:   receipt-order tracker with KL-adaptive retention clip(2^(-D/0.06), 0.875, 0.96),
 #        trajectory measure, dual-clip c = 10 (SPEC 2 baseline, SPEC 5, the paper's recipe).
@@ -65,6 +70,8 @@ def parse_args(argv=None):
     run.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     run.add_argument("--steps", type=int, default=160, help="learner updates per run")
     run.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
+    run.add_argument("--config", type=Path, default=REPO / "configs" / "default.yaml",
+                     help="the recipe every train.py call starts from (--config_path)")
     run.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                      help="flags passed to every train.py call (after --extra)")
     report = sub.add_parser("report", help="tables and figures from the finished runs")
@@ -120,10 +127,13 @@ def run(args) -> None:
     from _hardware import cpu_model
 
     print(f"hardware: {cpu_model()}; python {platform.python_version()}", flush=True)
-    model, prior = shared_stage(args.root, args.extra)
+    if not args.config.is_file():
+        raise SystemExit(f"--config {args.config}: no such file")
+    extra = ["--config_path", str(args.config.resolve()), *args.extra]
+    model, prior = shared_stage(args.root, extra)
     todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
     for i, (arm, seed) in enumerate(todo, 1):
-        wall = run_one(arm, seed, args.steps, args.root, model, prior, args.extra)
+        wall = run_one(arm, seed, args.steps, args.root, model, prior, extra)
         state = "done already" if wall is None else f"{wall:.0f} s"
         summary = json.loads((args.root / arm / f"seed{seed}" / "summary.json").read_text())
         print(f"[{i}/{len(todo)}] {arm} seed {seed}: {state}; success after RL "

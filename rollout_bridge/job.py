@@ -251,3 +251,140 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
     log(f"prior: success before RL {record['success_rate']:.3f} "
         f"({int(successes.sum())}/{int(trials.sum())}) in {time.time() - start:.0f}s")
     return np.asarray(record["alpha0"], np.float32), np.asarray(record["beta0"], np.float32), record
+
+
+# ------------------------------------------------------------------ stage: report
+def success_estimate(successes, trials) -> dict:
+    """Success rate of per-task rollouts and its standard error, games as clusters:
+
+        rate = Σ_g s_g / Σ_g n_g,   se = std_g(s_g / n_g) / √G   (ddof 1; equal n_g)
+
+    (rollouts of one game are correlated, so the SE is over games, not episodes)."""
+    successes, trials = np.asarray(successes, np.float64), np.asarray(trials, np.float64)
+    if successes.shape != trials.shape or successes.ndim != 1 or not (trials > 0).any():
+        raise ValueError("successes and trials must be equal-length 1-D arrays, some trials > 0")
+    played = trials > 0   # a game whose every rollout failed (env error) carries no evidence
+    successes, trials = successes[played], trials[played]
+    per_game = successes / trials
+    games = len(per_game)
+    se = float(per_game.std(ddof=1) / np.sqrt(games)) if games > 1 else float("nan")
+    return {"success_rate": float(successes.sum() / trials.sum()), "se": se, "episodes": int(trials.sum()),
+            "games": games}
+
+
+def paired_gain(before: dict, after: dict) -> dict:
+    """After − before on the same games (records with per-game ``successes``/``trials``):
+
+        gain = mean_g(d_g),  se = std_g(d_g) / √G,  d_g = after_g − before_g   (ddof 1)"""
+    rate = lambda record: np.asarray(record["successes"], np.float64) / np.asarray(record["trials"], np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        diff = rate(after) - rate(before)
+    diff = diff[np.isfinite(diff)]   # games with rollouts on both sides
+    if diff.size < 2:
+        return {"gain": float(diff.mean()), "se": float("nan")}
+    return {"gain": float(diff.mean()), "se": float(diff.std(ddof=1) / np.sqrt(diff.size))}
+
+
+def margin_line(name: str, estimate: dict, reference: float | None, what: str) -> str:
+    """'<name> <rate> ± <se> vs <what> <reference>: margin <k> SE' (one report line)."""
+    line = f"{name}: {estimate['success_rate']:.3f} ± {estimate['se']:.3f} (SE over {estimate['games']} games, " \
+           f"{estimate['episodes']} episodes)"
+    if reference is None:
+        return line
+    margin = (estimate["success_rate"] - reference) / estimate["se"] if estimate["se"] > 0 else float("inf")
+    return f"{line} vs {what} {reference:.3f}: {margin:+.1f} SE"
+
+
+def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dict) -> Path:
+    """learning_curve.png: training success per update (and its trailing mean), held-out
+    success before and after RL with ±2 SE bars (``held_out``: name -> (update, estimate)),
+    and horizontal reference lines (``references``: label -> success, e.g. the exact
+    prompt-blind ceilings and the warm start's training success)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rollout_bridge.metrics import trailing_mean
+
+    points = [(r["step"], r["success_rate"]) for r in rows if "success_rate" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if points:
+        steps, values = map(np.asarray, zip(*points))
+        ax.plot(steps, values, "o-", ms=3, alpha=0.35, label="train success per update")
+        ax.plot(steps, trailing_mean(values, TRAILING_WINDOW), "-", lw=2,
+                label=f"train success, trailing mean ({TRAILING_WINDOW})")
+    for label, (update, estimate) in held_out.items():
+        ax.errorbar([update], [estimate["success_rate"]], yerr=[2 * estimate["se"]], fmt="s", ms=7, capsize=5,
+                    label=f"{label}: {estimate['success_rate']:.2f} ± 2 SE")
+    for (label, value), style in zip(references.items(), ("--", ":", "-.", (0, (1, 3)), (0, (5, 5)))):
+        if value is not None:
+            ax.axhline(value, ls=style, color="gray", label=f"{label}: {value:.2f}")
+    ax.set_xlabel("learner update")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def lag_histogram(rows) -> dict[str, float]:
+    """Fraction of trained trajectories per policy lag over the run, from the per-update
+    ``diag/policy_lag_count_<k>`` metrics (last bucket: lag >= rollout.max_policy_lag)."""
+    prefix = "diag/policy_lag_count_"
+    counts: dict[int, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith(prefix):
+                counts[int(key[len(prefix):])] = counts.get(int(key[len(prefix):]), 0.0) + float(value)
+    total = sum(counts.values())
+    return {str(k): counts[k] / total for k in sorted(counts)} if total else {}
+
+
+def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, train_after: dict,
+               extra_before: dict, extra_after: dict, references: dict) -> dict:
+    """The end-of-job report: summary fields (success with SEs over games, the held-out
+    gain over the warm start paired by game, the reference successes such as the exact
+    prompt-blind ceiling and the margins to them, the policy-lag histogram), the log lines
+    and ``learning_curve.png``. ``train_*``/``extra_*`` are evaluation records with per-game
+    ``successes`` / ``trials``; ``references`` name -> success (``EnvBundle.reference_success``)."""
+    fields: dict[str, Any] = dict(references)
+    lines = []
+    last_update = max((r["step"] for r in rows), default=0)
+    held_points = {}
+    train_ref = references.get("prompt_blind_ceiling")
+    for name, before, after, blind in (
+            ("train", train_before, train_after, train_ref),
+            *((name, extra_before.get(name), extra_after[name], references.get(f"{name}_prompt_blind_ceiling"))
+              for name in extra_after)):
+        after_estimate = success_estimate(after["successes"], after["trials"])
+        fields[f"{name}_after_rl_estimate"] = after_estimate
+        lines.append(margin_line(f"{name} success after RL", after_estimate, blind, "prompt-blind ceiling"))
+        if before is not None:
+            before_estimate = success_estimate(before["successes"], before["trials"])
+            gain = paired_gain(before, after)
+            fields[f"{name}_before_rl_estimate"] = before_estimate
+            fields[f"{name}_gain_over_warm_start"] = gain
+            lines.append(margin_line(f"{name} success of the warm start", before_estimate, blind,
+                                     "prompt-blind ceiling"))
+            margin = gain["gain"] / gain["se"] if gain["se"] > 0 else float("inf")
+            lines.append(f"{name} gain of RL over the warm start: {gain['gain']:+.3f} ± {gain['se']:.3f} "
+                         f"(paired by game): {margin:+.1f} SE")
+            if name != "train":
+                held_points[f"{name} before RL (warm start)"] = (0, before_estimate)
+        if name != "train":
+            held_points[f"{name} after RL"] = (last_update, after_estimate)
+    histogram = lag_histogram(rows)
+    fields["policy_lag_histogram"] = histogram
+    lines.append("policy lag of trained trajectories: " + ", ".join(f"{k}: {v:.0%}" for k, v in histogram.items()))
+    curve_refs = {"train success before RL (warm start)": None if train_before is None else
+                  success_estimate(train_before["successes"], train_before["trials"])["success_rate"]}
+    curve_refs.update({f"{name.replace('_', ' ')}": value for name, value in references.items()})
+    plot_job_curve(rows, paths.curve, title, held_points, curve_refs)
+    for line in lines:
+        log(line)
+    return fields

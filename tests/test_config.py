@@ -88,7 +88,7 @@ def test_resume_flag_forms():
     (["--rollout.top_p", "0"], "rollout.top_p"),
     (["--rollout.max_new_tokens", "600", "--rollout.max_seq_len", "512"],
      "rollout.max_new_tokens"),
-    (["--rollout.max_inflight", "64"], "rollout.max_inflight"),
+    (["--rollout.max_inflight", "64", "--env.num_games", "16"], "rollout.max_inflight"),
     (["--env.max_turns", "0"], "env.max_turns"),
     (["--prior.mass", "-8"], "prior.mass"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
@@ -254,7 +254,7 @@ def test_library_knobs_are_reachable_from_the_command_line():
     orch = c.build_orchestrator_config(cfg, agent, seed=1)
     assert (orch.train_on_failed, orch.max_in_flight_per_task, orch.sibling_rule) == (True, 2, "proportional")
     assert orch.method == "spo" and orch.max_in_flight == 32
-    assert orch.whiten_eps == 1e-6 and orch.keep_history is False and orch.pad_to_multiple == 320
+    assert orch.whiten_eps == 1e-6 and orch.keep_history is False and orch.pad_to_multiple == TrainConfig().rollout.max_seq_len
     rloo = load_config(["--method", "rloo", "--rollout.group_size", "4"])
     assert c.build_orchestrator_config(rloo, c.build_agent_config(rloo, 2), seed=0).method == "rloo"
     message = _error(["--method", "grpo", "--rollout.batch_size", "16", "--rollout.max_in_flight_per_task", "2"])

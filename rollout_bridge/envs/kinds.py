@@ -10,6 +10,7 @@ line (and its name in ``EnvSection.kind``'s Literal).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -17,6 +18,8 @@ import numpy as np
 
 from rollout_bridge.envs.base import EnvFactory
 from spopp_jax.run_errors import UserError
+
+MAX_GENERATION_WORKERS = 2   # the CPU job's cores; more only crowd a shared box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +33,9 @@ class EnvBundle:
     texts for a locally trained tiny tokenizer; chat_tools: tool schemas handed to the chat
     template (None: no tools); extra_evals: name -> (task set, env factory) of additional
     evaluations of the policy before and after RL (e.g. ALFWorld's held-out games, Math-TIR
-    with the tool disabled); close:
-    releases what the kind started (sandbox workers, verifier processes).
+    with the tool disabled); reference_success: name -> success of a reference policy
+    on these tasks (e.g. the exact prompt-blind ceiling), reported beside the agent's;
+    close: releases what the kind started (sandbox workers, verifier processes).
     """
 
     train: Any
@@ -42,6 +46,7 @@ class EnvBundle:
     held_out: Any | None = None
     chat_tools: Sequence[Mapping[str, Any]] | None = None
     extra_evals: Mapping[str, tuple[Any, EnvFactory]] = dataclasses.field(default_factory=dict)
+    reference_success: Mapping[str, float] = dataclasses.field(default_factory=dict)
     close: Callable[[], None] = lambda: None
 
     @property
@@ -91,63 +96,132 @@ class _GenerationBar:
             self.bar.close()
 
 
-def _generated(spec, data_dir: str, progress: bool, what: str, disjoint_from=()):
+def generation_workers() -> int:
+    """Processes that generate games (and compute blind ceilings): every core, at most
+    ``MAX_GENERATION_WORKERS``."""
+    return max(1, min(MAX_GENERATION_WORKERS, os.cpu_count() or 1))
+
+
+def _generated(spec, data_dir: str, progress: bool, what: str, exclude=()):
     from rollout_bridge.envs import textworld_games as games
 
     bar = _GenerationBar(what, progress)
     try:
-        if disjoint_from:
-            return games.generate_disjoint_game_set(spec, data_dir, list(disjoint_from), progress=bar)
-        return games.generate_game_set(spec, data_dir, progress=bar)
+        return games.generate_game_set(spec, data_dir, exclude_signatures=exclude, progress=bar,
+                                       workers=generation_workers())
     finally:
         bar.close()
 
 
+def _blind_ceiling(tasks, log: Callable[[str], None], progress: bool, what: str) -> float:
+    """Mean over `tasks`' games of the exact prompt-blind success (textworld_blind)."""
+    from rollout_bridge.envs.textworld_blind import blind_ceilings
+
+    bar = _GenerationBar(f"prompt-blind ceiling ({what})", progress)
+    try:
+        per_game = blind_ceilings(tasks.game_files, tasks.max_turns, generation_workers(), bar)
+    finally:
+        bar.close()
+    log(f"prompt-blind ceiling ({what}): {per_game.mean():.4f} (uniform random admissible command each turn, "
+        f"exact over {len(per_game)} games, {tasks.max_turns} turns)")
+    return float(per_game.mean())
+
+
+def _textworld_own_games(env, style) -> Any:
+    from rollout_bridge.envs import textworld_games as games
+    from rollout_bridge.envs.textworld_env import TextWorldTasks
+
+    if not Path(env.game_dir).is_dir():
+        raise UserError(f"env.game_dir={env.game_dir!r} does not exist. For "
+                        "ALFWorld: `pip install alfworld && alfworld-download`, then point "
+                        "env.game_dir at $ALFWORLD_DATA/json_2.1.1/train")
+    if env.heldout_games:
+        raise UserError("env.heldout_games with env.game_dir: held-out games are generated; "
+                        "set env.heldout_games=0 for your own games")
+    root = Path(env.game_dir)
+    files = games.list_game_files(root)
+    if env.num_games:
+        order = np.random.default_rng(env.game_seed).permutation(len(files))
+        files = sorted(files[i] for i in order[:env.num_games])
+    return TextWorldTasks(files, root, env.max_turns, style)
+
+
+class ReorderedDemonstrations:
+    """A warm-start task set whose every walkthrough appears ``orders`` times, each time
+    with the commands shown in fresh random orders (shuffled actions: the numbers to type
+    differ, the commands do not), so the SFT teaches finding a command's number in the
+    list rather than remembering numbers. Item i is walkthrough i mod num_tasks."""
+
+    def __init__(self, tasks, orders: int):
+        if orders < 1:
+            raise ValueError(f"orders must be >= 1, got {orders}")
+        self.tasks, self.orders = tasks, orders
+
+    @property
+    def num_tasks(self) -> int:
+        return self.tasks.num_tasks * self.orders
+
+    def demonstration(self, index: int) -> list[tuple[str, str]]:
+        return self.tasks.demonstration(index % self.tasks.num_tasks)
+
+
 def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], progress: bool) -> EnvBundle:
     """TextWorld: ``env.game_dir`` (your own games, e.g. ALFWorld's) or a seeded generated
-    set; warm-start walkthroughs from a generated set disjoint from the training games."""
+    set; ``env.heldout_games`` generated games never trained on (evaluated before and after
+    RL, ``extra_evals["heldout"]``); warm-start walkthroughs from a generated set disjoint
+    from both. With shuffled, number-only actions the exact prompt-blind ceiling of the
+    training and held-out sets is computed (``reference_success``)."""
     from rollout_bridge.envs import textworld_games as games
     from rollout_bridge.envs.textworld_env import ObservationStyle, TextWorldEnv, TextWorldTasks
 
     env = cfg.env
+    style = ObservationStyle(env.max_feedback_chars, env.numbered_actions, env.shuffle_actions,
+                             env.free_text_commands, shuffle_seed=cfg.seed,
+                             goal_every_turn=env.goal_every_turn)
 
-    if env.game_dir is not None and not Path(env.game_dir).is_dir():
-        raise UserError(f"env.game_dir={env.game_dir!r} does not exist. For "
-                         "ALFWorld: `pip install alfworld && alfworld-download`, then point "
-                         "env.game_dir at $ALFWORLD_DATA/json_2.1.1/train")
-    style = ObservationStyle(env.max_feedback_chars, env.numbered_actions)
-    spec = games.GameSetSpec("train", env.num_games, env.game_seed, env.world_size, env.nb_objects,
-                             env.quest_length)
+    def task_set(name: str, count: int, seed: int, exclude=(), what: str = ""):
+        spec = games.GameSetSpec(name, count, seed, env.world_size, env.nb_objects, env.quest_length)
+        log(f"{what}: {spec.folder_name} in {env.data_dir} (generated once, then reused)")
+        files = _generated(spec, env.data_dir, progress, what, exclude)
+        return TextWorldTasks(files, files[0].parent, env.max_turns, style)
+
     if env.game_dir is not None:
-        root = Path(env.game_dir)
-        files = games.list_game_files(root)
-        if env.num_games:
-            order = np.random.default_rng(env.game_seed).permutation(len(files))
-            files = sorted(files[i] for i in order[:env.num_games])
-        train = TextWorldTasks(files, root, env.max_turns, style)
+        train = _textworld_own_games(env, style)
     else:
-        log(f"games: {spec.folder_name} in {env.data_dir} (generated once, then reused)")
-        files = _generated(spec, env.data_dir, progress, "training games")
-        train = TextWorldTasks(files, files[0].parent, env.max_turns, style)
+        train = task_set("train", env.num_games, env.game_seed, what="training games")
+    generated = [] if env.game_dir is not None else list(train.game_files)
+    held = None
+    if env.heldout_games > 0:
+        held = task_set("heldout", env.heldout_games, env.heldout_seed, games.set_signatures(generated),
+                        "held-out games")
+        generated += held.game_files
     warm = None
     if with_demonstrations and env.warmstart_games > 0:
         if env.game_dir is not None:
             raise UserError("warmstart.enabled with env.game_dir: the warm start uses generated "
-                             "TextWorld games; set warmstart.enabled=false for your own games")
-        warm_spec = games.GameSetSpec("warmstart", env.warmstart_games, env.warmstart_seed, env.world_size,
-                                      env.nb_objects, env.quest_length)
-        log(f"warm-start games: {warm_spec.folder_name} (disjoint from the training games)")
-        warm_files = _generated(warm_spec, env.data_dir, progress, "warm-start games", disjoint_from=[spec])
-        warm = TextWorldTasks(warm_files, warm_files[0].parent, env.max_turns, style)
+                            "TextWorld games; set warmstart.enabled=false for your own games")
+        warm = task_set("warmstart", env.warmstart_games, env.warmstart_seed, games.set_signatures(generated),
+                        "warm-start games (disjoint from the training and held-out games)")
+    reference = {}
+    if style.shuffle_actions and not style.free_text and env.game_dir is None:
+        reference["prompt_blind_ceiling"] = _blind_ceiling(train, log, progress, "training games")
+        if held is not None:
+            reference["heldout_prompt_blind_ceiling"] = _blind_ceiling(held, log, progress, "held-out games")
 
-    def corpus() -> list[str]:
+    warm_games = warm
+
+    def corpus() -> list[str]:   # the tokenizer's texts: each walkthrough once
         texts = [train.episode(t).reset() for t in range(train.num_tasks)]
-        if warm is not None:
-            texts += [f"{obs}\n{reply}" for t in range(warm.num_tasks) for obs, reply in warm.demonstration(t)]
+        if warm_games is not None:
+            texts += [f"{obs}\n{reply}" for t in range(warm_games.num_tasks)
+                      for obs, reply in warm_games.demonstration(t)]
         return texts
 
+    if warm is not None and style.shuffle_actions and env.warmstart_orders > 1:
+        warm = ReorderedDemonstrations(warm, env.warmstart_orders)
+    extra = {} if held is None else {"heldout": (held, lambda: TextWorldEnv(held))}
     return EnvBundle(train=train, env_factory=lambda: TextWorldEnv(train), max_turns=env.max_turns,
-                     corpus=corpus, warm=warm)
+                     corpus=corpus, warm=warm, held_out=held, extra_evals=extra, reference_success=reference)
 
 
 def math_tir_evaluations(setup) -> dict:

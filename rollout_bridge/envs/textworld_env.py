@@ -13,6 +13,16 @@ admissible commands of the current state:
     <game feedback>
     Actions: go east | open cabinet | ...
 
+With `numbered_actions` the commands are numbered ("1 go east | 2 open cabinet") and the
+reply may be the number. With `shuffle_actions` the list is shown in a fresh uniformly
+random order at every turn (seeded per episode), so a number means nothing without
+reading the list; with `free_text=False` a reply that is not the number of a shown command
+is answered "Reply with the number of one of the actions." and changes nothing (a turn is
+spent). Together they make the prompt-blind ceiling exact: whatever a policy that ignores
+observations replies, the command played is uniform over the admissible ones or nothing,
+so its best success is that of the uniform random walk
+(`rollout_bridge.envs.textworld_blind`).
+
 The action is the first non-empty line the model wrote, stripped to printable ASCII and
 `MAX_COMMAND_CHARS`; anything the game does not understand is answered by the game itself
 ("That's not a verb I recognise.") as an ordinary observation, never an exception. If the
@@ -26,6 +36,7 @@ after `max_turns` actions.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 import threading
@@ -33,11 +44,14 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from rollout_bridge.envs.base import Environment, StepResult, check_task_id
 from rollout_bridge.envs.textworld_games import list_game_files, task_name_for
 
 MAX_COMMAND_CHARS = 120
 MAX_FEEDBACK_CHARS = 600
+NOT_A_NUMBER_FEEDBACK = "Reply with the number of one of the actions."
 _PROMPT_TAIL = re.compile(r"\n\s*>[^\n]*$", re.S)   # "\n>   -= Room =-0/1" status line
 _BLANK_LINES = re.compile(r"\n\s*\n+")
 
@@ -63,12 +77,13 @@ def clean_feedback(text: str, max_chars: int = MAX_FEEDBACK_CHARS) -> str:
 
 
 def format_observation(objective: str, feedback: str, admissible: Sequence[str],
-                       numbered: bool = False) -> str:
+                       numbered: bool = False, with_goal: bool = True) -> str:
     if numbered:
         actions = " | ".join(f"{i} {command}" for i, command in enumerate(admissible, 1))
     else:
         actions = " | ".join(admissible)
-    return f"Goal: {objective.strip()}\n{feedback}\nActions: {actions}"
+    goal = f"Goal: {objective.strip()}\n" if with_goal else ""
+    return f"{goal}{feedback}\nActions: {actions}"
 
 
 def resolve_command(command: str, admissible: Sequence[str], numbered: bool) -> str:
@@ -152,10 +167,16 @@ class ObservationStyle:
 
     max_feedback_chars: int = MAX_FEEDBACK_CHARS
     numbered_actions: bool = False
+    shuffle_actions: bool = False   # a fresh random order of the commands every turn
+    free_text: bool = True          # False: only a shown command's number is played
+    shuffle_seed: int = 0           # episode k of a task set shuffles with (shuffle_seed, k)
+    goal_every_turn: bool = True    # False: the goal only in the first observation
 
     def __post_init__(self):
         if self.max_feedback_chars < 1:
             raise ValueError(f"max_feedback_chars must be >= 1, got {self.max_feedback_chars}")
+        if not (self.numbered_actions or self.free_text):
+            raise ValueError("free_text=False needs numbered_actions=True (the reply must be a number)")
 
 
 @dataclasses.dataclass
@@ -170,33 +191,45 @@ class StepOutcome:
 class TextWorldEpisode:
     """One running game. `reset()` then `step(text)` until `done`. Not thread-safe."""
 
-    def __init__(self, path: str, max_turns: int, style: ObservationStyle = ObservationStyle()):
+    def __init__(self, path: str, max_turns: int, style: ObservationStyle = ObservationStyle(),
+                 shuffle_seed: Sequence[int] = (0,)):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.path = str(path)
         self.max_turns = max_turns
         self.style = style
+        self._shuffle_seed = tuple(shuffle_seed)
+        self._rng = np.random.default_rng(self._shuffle_seed)
         self._env = None
         self.commands: list[str] = []
         self.objective = ""
         self.walkthrough: list[str] = []
-        self.admissible: list[str] = []
+        self.admissible: list[str] = []   # the commands in the order shown this turn
         self.turns = 0
         self.done = False
         self.won = False
 
     def _observation(self, feedback: str) -> str:
         return format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
-                                  self.admissible, self.style.numbered_actions)
+                                  self.admissible, self.style.numbered_actions,
+                                  with_goal=self.style.goal_every_turn or self.turns == 0)
+
+    def _show(self, admissible) -> list[str]:
+        """The game's (sorted) admissible commands in the order shown this turn."""
+        commands = list(admissible or [])
+        if self.style.shuffle_actions:
+            commands = [commands[i] for i in self._rng.permutation(len(commands))]
+        return commands
 
     def reset(self) -> str:
         self.close()
         self._env = start_game(self.path)
         state = self._env.reset()
+        self._rng = np.random.default_rng(self._shuffle_seed)   # a reset replays the same orders
         self.commands, self.turns, self.done, self.won = [], 0, False, False
         self.objective = state["objective"] or ""
         self.walkthrough = list(state.get("extra.walkthrough") or [])
-        self.admissible = list(state["admissible_commands"] or [])
+        self.admissible = self._show(state["admissible_commands"])
         return self._observation(state["description"] or state.feedback)
 
     def reply_for(self, command: str) -> str:
@@ -218,12 +251,14 @@ class TextWorldEpisode:
         command = resolve_command(sanitize_command(text), self.admissible,
                                   self.style.numbered_actions)
         self.turns += 1
+        if not self.style.free_text and command not in self.admissible:
+            return self._not_a_number(command)
         error = None
         try:
             state, _, game_over = self._env.step(command)
             feedback = state.feedback
             self.commands.append(command)
-            self.admissible = list(state["admissible_commands"] or [])
+            self.admissible = self._show(state["admissible_commands"])
             self.won = bool(state["won"])
             lost = bool(state["lost"])
         except Exception as exc:   # the interpreter choked: restore, answer as text
@@ -236,6 +271,14 @@ class TextWorldEpisode:
         if error is not None:
             info["error"] = error
         return StepOutcome(self._observation(feedback), reward, self.done, self.won, info)
+
+    def _not_a_number(self, command: str) -> StepOutcome:
+        """free_text=False and the reply is no shown command's number: nothing is played,
+        the turn is spent, the same commands are shown again (in a fresh order)."""
+        self.done = self.turns >= self.max_turns
+        self.admissible = self._show(sorted(self.admissible))
+        return StepOutcome(self._observation(NOT_A_NUMBER_FEEDBACK), 0.0, self.done, False,
+                           {"command": command, "turns": self.turns, "lost": False, "not_a_number": True})
 
     def close(self) -> None:
         if self._env is not None:
@@ -264,6 +307,7 @@ class TextWorldTasks:
         self.root = Path(root)
         self.max_turns = max_turns
         self.style = style
+        self._episode_counter = itertools.count()   # next() is atomic under the GIL
         files = {task_name_for(p, root): str(p) for p in game_files}
         self.task_names: list[str] = sorted(files)
         self.game_files: list[str] = [files[name] for name in self.task_names]
@@ -279,8 +323,11 @@ class TextWorldTasks:
         return cls(list_game_files(folder), folder, max_turns, style)
 
     def episode(self, task_id: int) -> TextWorldEpisode:
+        """A fresh episode of task `task_id`; with shuffled actions the k-th episode made
+        by this task set shuffles with seed (style.shuffle_seed, k)."""
         task_id = check_task_id(task_id, self.num_tasks)
-        return TextWorldEpisode(self.game_files[task_id], self.max_turns, self.style)
+        seed = (self.style.shuffle_seed, next(self._episode_counter))
+        return TextWorldEpisode(self.game_files[task_id], self.max_turns, self.style, seed)
 
     def demonstration(self, task_id: int) -> list[tuple[str, str]]:
         """Teacher demonstration: (observation, reply) per turn of the walkthrough, to a

@@ -6,10 +6,15 @@ A *game set* is a folder of TextWorld games generated offline, exactly as
 
 would make them, but through the Python API (`textworld.generator.make_game` +
 `compile_game`) in one process, which is ~1 s per game instead of ~4 s per `tw-make` call.
-Game i of a set uses seed `base_seed + i`. The folder is complete once its
+Game i of a set uses seed `base_seed + i`; `workers` processes generate games at once
+(candidate seeds are accepted in seed order, so the set does not depend on `workers`). The folder is complete once its
 `manifest.json` is written (last, atomically); an interrupted generation is resumed, a
 complete one is reused. Each `.z8` sits next to its `.json` (TextWorld's game description,
 which carries the walkthrough).
+
+A game is part of a set only if its walkthrough wins the compiled game (a few tw-make
+games are not: the parser asks which of two similarly named objects is meant); such a
+seed is skipped like a duplicate.
 
 The warm-start (SFT) set must be disjoint from the training set so that the cold start
 teaches the action format and general skill, not the answers to the training tasks
@@ -30,10 +35,12 @@ import hashlib
 import json
 import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Sequence
 
 MANIFEST = "manifest.json"
+MANIFEST_VERSION = 2   # 2: every game's walkthrough checked to win the compiled game
 PLAYABLE_SUFFIXES = (".z8", ".z5", ".z3", ".tw-pddl")
 
 
@@ -80,22 +87,64 @@ def _game_options(seed: int, spec: GameSetSpec, path: Path):
     return options
 
 
-def generate_game(seed: int, spec: GameSetSpec, path: Path) -> dict:
-    """Generate and compile one game to `path` (.z8); return its record for the manifest."""
-    from textworld.generator import compile_game, make_game
-
-    options = _game_options(seed, spec, path)
-    game = make_game(options)
-    compiled = compile_game(game, options)
+def _record(seed: int, game, compiled: str | os.PathLike) -> dict:
     walkthrough = list(game.metadata.get("walkthrough") or [])
     if not walkthrough:
         raise RuntimeError(f"game seed {seed} has no walkthrough")
-    return {
-        "file": os.path.basename(compiled),
-        "seed": seed,
-        "objective": game.objective,
-        "walkthrough": walkthrough,
-    }
+    return {"file": os.path.basename(compiled), "seed": seed, "objective": game.objective,
+            "walkthrough": walkthrough}
+
+
+def walkthrough_wins(path: str | os.PathLike, walkthrough: Sequence[str]) -> bool:
+    """Whether the compiled game at `path` is won by playing `walkthrough` (a few games
+    are not: the z-machine parser asks "Which do you mean, the type P box or the box?")."""
+    from rollout_bridge.envs.textworld_env import start_game
+
+    env = start_game(str(path))
+    try:
+        env.reset()
+        for command in walkthrough:
+            state, _, done = env.step(command)
+            if done:
+                return bool(state["won"])
+        return False
+    finally:
+        env.close()
+
+
+def _cached_game(seed: int, path: Path) -> dict | None:
+    """The record of a game already compiled at `path` by an interrupted generation (its
+    .json and .z8 present and loadable), else None."""
+    import textworld
+
+    if not (path.exists() and path.with_suffix(".json").exists()):
+        return None
+    try:
+        return _record(seed, textworld.Game.load(str(path.with_suffix(".json"))), path)
+    except Exception:   # noqa: BLE001 - a half-written file: generate again
+        return None
+
+
+def generate_game(seed: int, spec: GameSetSpec, path: Path) -> dict | None:
+    """Generate and compile one game to `path` (.z8) (or reuse the files an interrupted
+    generation left there); return its record for the manifest, or None (files removed)
+    when its walkthrough does not win the compiled game."""
+    from textworld.generator import compile_game, make_game
+
+    record = _cached_game(seed, path)
+    if record is None:
+        options = _game_options(seed, spec, path)
+        game = make_game(options)
+        record = _record(seed, game, compile_game(game, options))
+    try:
+        playable = walkthrough_wins(path, record["walkthrough"])
+    except Exception:   # noqa: BLE001 - a corrupt leftover file: generate again
+        _drop_game_files(path)
+        return generate_game(seed, spec, path)
+    if not playable:
+        _drop_game_files(path)
+        return None
+    return record
 
 
 def game_signature(record: dict) -> str:
@@ -130,41 +179,79 @@ def game_set_folder(spec: GameSetSpec, data_dir: str | os.PathLike,
     return Path(data_dir) / name
 
 
+def _seed_stream(spec: GameSetSpec, folder: Path, workers: int):
+    """(seed, path, record) for seeds base_seed, base_seed+1, ... in order, `workers`
+    games being generated at any time (a process pool when workers > 1)."""
+    max_seed = spec.base_seed + 20 * spec.num_games + 100
+    seeds = iter(range(spec.base_seed, max_seed))
+    path_of = lambda seed: folder / f"game_{seed:06d}.z8"
+    if workers <= 1:
+        for seed in seeds:
+            yield seed, path_of(seed), generate_game(seed, spec, path_of(seed))
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        pending = []
+        try:
+            for seed in seeds:
+                pending.append((seed, pool.submit(generate_game, seed, spec, path_of(seed))))
+                if len(pending) >= 2 * workers:
+                    seed0, future = pending.pop(0)
+                    yield seed0, path_of(seed0), future.result()
+            for seed0, future in pending:
+                yield seed0, path_of(seed0), future.result()
+        finally:   # games generated beyond the last one needed are not part of the set
+            for seed0, future in pending:
+                future.cancel()
+            for seed0, future in pending:
+                if not future.cancelled():
+                    future.exception()
+                    _drop_game_files(path_of(seed0))
+
+
+def _drop_game_files(path: Path) -> None:
+    for suffix in (".z8", ".json", ".ni"):
+        path.with_suffix(suffix).unlink(missing_ok=True)
+
+
 def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
-                      exclude_signatures: Iterable[str] = (), progress=None) -> list[Path]:
+                      exclude_signatures: Iterable[str] = (), progress=None, workers: int = 1) -> list[Path]:
     """Make (or reuse) the game set `spec` under `data_dir`; return its .z8 paths in order.
 
     Games whose signature is in `exclude_signatures` (or repeats an earlier game of the
     set) are skipped and the next seed is tried, so the set always has `num_games`
-    distinct games. Deterministic: same spec and exclusions -> same games, same folder.
+    distinct games. Deterministic: same spec and exclusions -> same games, same folder
+    (whatever `workers`, the number of generating processes).
     """
     excluded = set(exclude_signatures)
     folder = game_set_folder(spec, data_dir, excluded)
     manifest = _load_manifest(folder)
-    if manifest is not None and manifest.get("spec") == dataclasses.asdict(spec):
+    if (manifest is not None and manifest.get("spec") == dataclasses.asdict(spec)
+            and manifest.get("version") == MANIFEST_VERSION):
         return [folder / g["file"] for g in manifest["games"]]
     folder.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
-    seed = spec.base_seed
-    max_seed = spec.base_seed + 20 * spec.num_games + 100
-    while len(records) < spec.num_games:
-        if seed >= max_seed:
-            raise RuntimeError(
-                f"could not make {spec.num_games} distinct games for {spec.name!r}; "
-                "increase world_size / nb_objects / quest_length")
-        path = folder / f"game_{seed:06d}.z8"
-        record = generate_game(seed, spec, path)
-        signature = game_signature(record)
-        if signature not in excluded:
-            excluded.add(signature)
-            records.append(record)
-        else:   # a duplicate: drop its files so the folder holds only the set's games
-            for suffix in (".z8", ".json", ".ni"):
-                path.with_suffix(suffix).unlink(missing_ok=True)
-        seed += 1
-        if progress is not None:
-            progress(len(records), spec.num_games)
-    _write_manifest(folder, {"spec": dataclasses.asdict(spec), "games": records})
+    stream = _seed_stream(spec, folder, workers)
+    try:
+        for seed, path, record in stream:
+            if record is None:   # its walkthrough does not win: not part of the set
+                continue
+            signature = game_signature(record)
+            if signature not in excluded:
+                excluded.add(signature)
+                records.append(record)
+            else:   # a duplicate: drop its files so the folder holds only the set's games
+                _drop_game_files(path)
+            if progress is not None:
+                progress(len(records), spec.num_games)
+            if len(records) == spec.num_games:
+                break
+    finally:
+        stream.close()
+    if len(records) < spec.num_games:
+        raise RuntimeError(
+            f"could not make {spec.num_games} distinct games for {spec.name!r}; "
+            "increase world_size / nb_objects / quest_length")
+    _write_manifest(folder, {"spec": dataclasses.asdict(spec), "version": MANIFEST_VERSION, "games": records})
     return [folder / g["file"] for g in records]
 
 
@@ -176,13 +263,25 @@ def game_set_signatures(spec: GameSetSpec, data_dir: str | os.PathLike) -> set[s
     return {game_signature(g) for g in manifest["games"]}
 
 
+def set_signatures(game_files: Sequence[str | os.PathLike]) -> set[str]:
+    """Signatures of the games `game_files` (generated; read from their set's manifest)."""
+    names = {Path(f).name for f in game_files}
+    signatures = set()
+    for folder in {Path(f).parent for f in game_files}:
+        manifest = _load_manifest(folder)
+        if manifest is None:
+            raise FileNotFoundError(f"{folder / MANIFEST} is missing: not a generated game set")
+        signatures |= {game_signature(g) for g in manifest["games"] if g["file"] in names}
+    return signatures
+
+
 def generate_disjoint_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
-                               disjoint_from: Sequence[GameSetSpec], progress=None) -> list[Path]:
+                               disjoint_from: Sequence[GameSetSpec], progress=None, workers: int = 1) -> list[Path]:
     """Generate `spec` with no game in common with the (already generated) `disjoint_from`."""
     excluded: set[str] = set()
     for other in disjoint_from:
         excluded |= game_set_signatures(other, data_dir)
-    return generate_game_set(spec, data_dir, exclude_signatures=excluded, progress=progress)
+    return generate_game_set(spec, data_dir, exclude_signatures=excluded, progress=progress, workers=workers)
 
 
 def list_game_files(folder: str | os.PathLike) -> list[Path]:

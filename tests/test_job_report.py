@@ -1,0 +1,52 @@
+"""The end-of-job report (rollout_bridge.job): success with standard errors over games, the
+paired gain of RL over the warm start, the policy-lag histogram, learning_curve.png.
+Expected values are derived by hand from the docstring formulas."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rollout_bridge.job import RunPaths, lag_histogram, paired_gain, report_run, success_estimate
+
+
+def test_success_estimate_by_hand():
+    est = success_estimate([4, 0, 2], [4, 4, 4])          # per game 1, 0, 0.5
+    assert est["success_rate"] == pytest.approx(0.5)
+    assert est["se"] == pytest.approx(0.5 / math.sqrt(3))  # std(ddof 1) = 0.5
+    assert (est["episodes"], est["games"]) == (12, 3)
+
+
+def test_success_estimate_drops_games_without_trials():
+    assert success_estimate([1, 0, 3], [2, 0, 4])["games"] == 2
+    with pytest.raises(ValueError):
+        success_estimate([0], [0])
+
+
+def test_paired_gain_by_hand():
+    before = {"successes": [0, 1, 2, 1], "trials": [4, 4, 4, 4]}
+    after = {"successes": [2, 1, 4, 3], "trials": [4, 4, 4, 4]}   # d = .5, 0, .5, .5
+    gain = paired_gain(before, after)
+    assert gain["gain"] == pytest.approx(0.375)
+    assert gain["se"] == pytest.approx(np.std([0.5, 0, 0.5, 0.5], ddof=1) / 2)
+
+
+def test_lag_histogram_sums_counts_over_updates():
+    rows = [{"diag/policy_lag_count_0": 3.0, "diag/policy_lag_count_1": 1.0},
+            {"diag/policy_lag_count_0": 1.0, "diag/policy_lag_count_2": 3.0}, {"success_rate": 1.0}]
+    assert lag_histogram(rows) == {"0": 0.5, "1": 0.125, "2": 0.375}
+    assert lag_histogram([]) == {}
+
+
+def test_report_run_writes_curve_and_margins(tmp_path):
+    rows = [{"step": k, "success_rate": k / 10, "diag/policy_lag_count_1": 2.0} for k in range(1, 6)]
+    before = {"successes": [0, 1, 0, 1], "trials": [4, 4, 4, 4]}
+    after = {"successes": [3, 4, 2, 4], "trials": [4, 4, 4, 4]}
+    fields = report_run(RunPaths(tmp_path), "t", rows, before, after, {"heldout": before}, {"heldout": after},
+                        {"prompt_blind_ceiling": 0.1, "heldout_prompt_blind_ceiling": 0.12})
+    assert (tmp_path / "learning_curve.png").stat().st_size > 0
+    assert fields["heldout_after_rl_estimate"]["success_rate"] == pytest.approx(13 / 16)
+    assert fields["heldout_gain_over_warm_start"]["gain"] == pytest.approx(11 / 16)
+    assert fields["prompt_blind_ceiling"] == 0.1 and fields["policy_lag_histogram"] == {"1": 1.0}
