@@ -29,7 +29,7 @@ in `output_dir` when it was made with the same settings):
 Rollout engines (`rollout.engine`): the embedded JAX engine, vLLM in this process, or vLLM
 servers given by URL or launched by this script (docs/FLEET.md); every stage uses the same
 one. `--distributed`: the learner as several processes; process 0 runs the job and feeds the
-others each learner call (rollout_bridge/distributed_learner.py).
+others each learner call (rollout_bridge/learner_processes.py, distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
 A user mistake (missing config file, unwritable output_dir, full disk, a setting this
 version lacks) ends in one line and exit status 2 (spopp_jax.run_errors).
@@ -55,19 +55,16 @@ from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, extra_ev
                                 log, refuse_overwrite, report_run, run_prior, run_warmstart, state_digest,
                                 success_rollouts)
 from rollout_bridge.metrics import MetricsWriter, read_metrics
+from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, follow_process_0, start_distributed
 from rollout_bridge.orchestrator import Orchestrator
-from rollout_bridge.policy_learner import PolicyLearner
 from rollout_bridge.prior import write_json_atomic
 from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
 from spopp_jax.config import TrainConfig, format_config_error, load_config
 from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
                                   run_cleanly, unknown_fields_line)
-from spopp_jax.learner import init_train_state
-from spopp_jax.sharding import make_mesh
 
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
-DISTRIBUTED_FLAG = "--distributed"  # the learner as several processes (start_distributed)
 
 
 def parse_config(argv: Sequence[str]) -> TrainConfig:
@@ -121,23 +118,6 @@ async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
     finally:
         learner.stop()
         checkpointer.close()
-
-
-def build_learner(cfg: TrainConfig, learner_cfg, orchestrator_cfg, policy: Path) -> PolicyLearner:
-    """The RL learner on the ``mesh`` section's mesh. Several learner processes: every one
-    loads the same weights locally and keeps its shards (PolicyLearner(mesh=...))."""
-    mesh = build.build_mesh(cfg.mesh)
-    several = jax.process_count() > 1  # each process loads a full copy on its first own device
-    model = build.load_policy(policy, cfg.model, local_mesh() if several else mesh)
-    return PolicyLearner(*init_train_state(model, learner_cfg), learner_cfg, orchestrator_cfg.pad_to_multiple,
-                         snapshot_weights=orchestrator_cfg.drain == "none",  # next step runs during the install
-                         mesh=mesh)
-
-
-def local_mesh():
-    """A one-device mesh on this process's first device (jax's default device may be
-    another process's)."""
-    return make_mesh(data=1, fsdp=1, tensor=1, devices=jax.local_devices()[:1])
 
 
 async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderLearner, checkpointer, latest):
@@ -220,38 +200,6 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
         summary[f"{name}_after_rl"] = after_extra[name]
     write_json_atomic(paths.summary, summary)
     return summary
-
-
-def start_distributed(cfg: TrainConfig) -> None:
-    """``--distributed``: join the learner processes (``jax.distributed.initialize`` from
-    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a cluster jax
-    detects). Data path: rollout_bridge/distributed_learner.py and docs/FLEET.md."""
-    try:
-        settings = distributed.settings_from_env()
-    except ValueError as error:
-        raise UserError(str(error)) from None
-    if cfg.resume:
-        raise UserError("--resume with --distributed: restoring a checkpoint onto several learner processes is not "
-                        "wired yet; resume with one learner process")
-    settings = distributed.initialize(settings)
-    log(f"learner process {settings.process_id} of {settings.num_processes}")
-
-
-def follow_process_0(cfg: TrainConfig) -> dict:
-    """A learner process other than 0: no env, engine or orchestrator; load the policy
-    process 0 names, then run its learner commands until it stops."""
-    policy = distributed.share_from_process_0()
-    if policy is None:  # process 0 ran no RL stage
-        log(f"learner process {jax.process_index()}: process 0 ran no RL stage")
-        return {}
-    log(f"learner process {jax.process_index()}: following process 0's updates of {policy}")
-    agent = build.build_agent_config(cfg, max_turns=1)  # only its padding length matters here
-    orchestrator_cfg = build.build_orchestrator_config(cfg, agent, cfg.seed)
-    with Checkpointer(RunPaths(Path(cfg.output_dir)).checkpoints, max_to_keep=cfg.keep_checkpoints) as checkpointer:
-        learner = build_learner(cfg, build.build_learner_config(cfg), orchestrator_cfg, Path(policy))
-        calls = distributed.follow(learner, checkpointer)
-    log(f"learner process {jax.process_index()}: {calls} updates with process 0")
-    return {"learner_updates": calls}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -9,10 +9,10 @@ prior, decoding, budget, optimizer and runtime).
     python benchmarks/matched_runs.py run --arms event_traj receipt_token receipt_traj \
         --seeds 0 1 2 3 4 --steps 80
     python benchmarks/matched_runs.py report            # tables + figures from what is there
-    python benchmarks/matched_runs.py run --config configs/smoke.yaml --root runs/matched_smoke
-        # the published (issue #7) runs were on the tiny 2-turn job, now configs/smoke.yaml
+    python benchmarks/matched_runs.py run --config configs/textworld_agentic.yaml --root runs/matched_agentic
+        # the published (issue #7) runs were on the tiny 2-turn default job
 
-`--config` (default configs/default.yaml, the agentic TextWorld task) is passed to every
+`--config` (default configs/default.yaml, the tiny 2-turn job) is passed to every
 train.py call as `--config_path`.
 
 `run` is resumable: a run whose `summary.json` exists is skipped, a run that crashed is

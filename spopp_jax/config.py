@@ -73,13 +73,13 @@ class ModelSection:
     path: Optional[str] = None
     tiny_dir: str = "runs/tiny_model"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    tiny_vocab_size: int = 1024
-    tiny_hidden_size: int = 128
-    tiny_intermediate_size: int = 384
+    tiny_vocab_size: int = 768
+    tiny_hidden_size: int = 64
+    tiny_intermediate_size: int = 192
     tiny_num_layers: int = 2
     tiny_num_heads: int = 4
     tiny_num_kv_heads: int = 2
-    tiny_head_dim: int = 32
+    tiny_head_dim: int = 16
     seed: int = 0
 
     def __post_init__(self):
@@ -112,23 +112,23 @@ class EnvSection:
     kind: Literal["textworld", "alfworld", "synthetic", "math_tir"] = "textworld"
     game_dir: Optional[str] = None
     data_dir: str = "artifacts/textworld_games"
-    num_games: int = 64
+    num_games: int = 16
     game_seed: int = 0
-    world_size: int = 3
-    nb_objects: int = 4
-    quest_length: int = 3
-    max_turns: int = 12
-    max_feedback_chars: int = 600
+    world_size: int = 1
+    nb_objects: int = 3
+    quest_length: int = 1
+    max_turns: int = 2
+    max_feedback_chars: int = 60
     numbered_actions: bool = True
-    shuffle_actions: bool = True
-    free_text_commands: bool = False
-    goal_every_turn: bool = False
-    warmstart_games: int = 256
+    shuffle_actions: bool = False
+    free_text_commands: bool = True
+    goal_every_turn: bool = True
+    warmstart_games: int = 48
     warmstart_seed: int = 100_000
-    warmstart_orders: int = 4   # shuffled actions: each walkthrough shown in this many orders
+    warmstart_orders: int = 1   # shuffled actions: each walkthrough shown in this many orders
     # held-out games (textworld and alfworld: generated with seeds from heldout_seed;
     # alfworld also: the first heldout_games of heldout_dir)
-    heldout_games: int = 32
+    heldout_games: int = 0
     heldout_seed: int = 200_000
     # kind=alfworld only (rollout_bridge.envs.alfworld_tasks): a folder of held-out games,
     # objects besides the targets, receptacles kept per floor plan (None = all, as released)
@@ -158,11 +158,11 @@ class WarmStartSection:
     the training games), loss on the action tokens only. `epochs` passes over the data."""
 
     enabled: bool = True
-    epochs: int = 3
+    epochs: int = 10
     batch_size: int = 8
     learning_rate: float = 1e-2
     weight_decay: float = 0.0
-    max_length: int = 1024
+    max_length: int = 512
     loss_on: Literal["final_message", "all_assistant"] = "all_assistant"
 
     def __post_init__(self):
@@ -178,7 +178,7 @@ class PriorSection:
     (None = 1/(1-rho) = 8). `path`: reuse this prior file instead of computing one."""
 
     enabled: bool = True
-    rollouts_per_task: int = 4
+    rollouts_per_task: int = 8
     mass: Optional[float] = None
     path: Optional[str] = None
 
@@ -371,9 +371,9 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 4
-    max_seq_len: int = 1536
-    engine_steps_per_call: int = 4
+    max_new_tokens: int = 16
+    max_seq_len: int = 320
+    engine_steps_per_call: int = 8
     server_urls: Optional[str] = None
     servers: ServersSection = field(default_factory=ServersSection)
 
