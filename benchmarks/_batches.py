@@ -41,3 +41,24 @@ def learner_batch(batch: int, seq: int, vocab: int, rng: np.random.Generator):
     rollout = np.where(action, rng.normal(-6.2, 0.3, size=(batch, seq)), 0.0).astype(np.float32)
     advantages = np.repeat(rng.normal(size=(batch, 1)), seq, axis=1).astype(np.float32)
     return ids, attention, action, rollout, advantages
+
+
+def jitted_train_step(args):
+    """(step, state, batch) of our jitted SPO++ train step on the random benchmark model of
+    ``args`` (shape, batch, seq, micro_batches) and `learner_batch` (seed 0)."""
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from spopp_jax import learner
+    from spopp_jax.models import from_pretrained
+    from spopp_jax.models.testing import random_hf_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        random_hf_model(learner_hf_config(args), seed=0).save_pretrained(folder)
+        model = from_pretrained(folder, dtype="float32")
+    batch_np = learner_batch(args.batch, args.seq, args.vocab, np.random.default_rng(0))
+    batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
+    config = learner.LearnerConfig(num_micro_batches=args.micro_batches)
+    model_def, state = learner.init_train_state(model, config)
+    return learner.make_train_step(model_def, config), state, batch

@@ -89,26 +89,13 @@ def worker(args) -> None:
 
     _protocol.pin_threads(args.threads)
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     import spopp_jax
-    from spopp_jax import learner
-    from spopp_jax.models import from_pretrained
-    from spopp_jax.models.testing import random_hf_model
-    from _batches import learner_batch, learner_hf_config
+    from _batches import jitted_train_step
 
     if not os.path.abspath(spopp_jax.__file__).startswith(os.path.abspath(tree)):
         raise RuntimeError(f"worker imported spopp_jax from {spopp_jax.__file__}, not {tree}")
-    hf_config = learner_hf_config(args)
-    with tempfile.TemporaryDirectory() as folder:
-        random_hf_model(hf_config, seed=0).save_pretrained(folder)
-        model = from_pretrained(folder, dtype="float32")
-    batch_np = learner_batch(args.batch, args.seq, args.vocab, np.random.default_rng(0))
-    batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
-    config = learner.LearnerConfig(num_micro_batches=args.micro_batches)
-    model_def, state = learner.init_train_state(model, config)
-    step = learner.make_train_step(model_def, config)
+    step, state, batch = jitted_train_step(args)
     start = time.perf_counter()
     state, metrics = step(state, batch)
     metrics = jax.device_get(metrics)

@@ -90,22 +90,10 @@ def main(args):
     _protocol.pin_threads(args.threads)
     import spopp_jax
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from _batches import learner_batch, learner_hf_config
-    from spopp_jax import learner
-    from spopp_jax.models import from_pretrained
-    from spopp_jax.models.testing import random_hf_model
+    from _batches import jitted_train_step
 
-    with tempfile.TemporaryDirectory() as folder:
-        random_hf_model(learner_hf_config(args), seed=0).save_pretrained(folder)
-        model = from_pretrained(folder, dtype="float32")
-    batch_np = learner_batch(args.batch, args.seq, args.vocab, np.random.default_rng(0))
-    batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
-    config = learner.LearnerConfig(num_micro_batches=args.micro_batches)
-    model_def, state = learner.init_train_state(model, config)
-    step = learner.make_train_step(model_def, config)
+    step, state, batch = jitted_train_step(args)
     hlo = step.lower(state, batch).compile().as_text()
     if args.hlo_out:
         with open(args.hlo_out, "w") as f:
