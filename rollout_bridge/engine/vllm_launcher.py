@@ -273,10 +273,31 @@ class VllmServerLauncher:
                 except subprocess.TimeoutExpired:
                     _signal_group(server.process, signal.SIGKILL)
                     server.process.wait()
+                # the server's engine / worker children may outlive it: the group must be gone
+                if not _wait_group_gone(server.process.pid, deadline):
+                    _signal_group(server.process, signal.SIGKILL)
+                    _wait_group_gone(server.process.pid, time.monotonic() + GROUP_EXIT_AFTER_KILL_S)
             for server in self._servers:
                 if server.state != DROPPED:
                     server.state = STOPPED
         atexit.unregister(self.close)
+
+
+GROUP_EXIT_AFTER_KILL_S = 10.0  # how long close() waits for a SIGKILLed group to vanish
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> bool:
+    """Whether no process of group ``pgid`` is left by ``deadline`` (polled)."""
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
