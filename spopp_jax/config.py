@@ -21,9 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
-# The Math-TIR section is pure data defined next to its environment (the one import of
-# rollout_bridge here; a registry of per-kind sections would remove it).
-from rollout_bridge.envs.math_tir.env import MathTIRSection
+from spopp_jax.env_sections import MathTIRSection
 
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "TrackerSection",
@@ -109,7 +107,7 @@ class EnvSection:
     (seeds from `heldout_seed`, disjoint from the training set) are evaluated before and
     after RL, never trained on."""
 
-    kind: Literal["textworld", "alfworld", "synthetic", "math_tir"] = "textworld"
+    kind: Literal["textworld", "alfworld", "math_tir"] = "textworld"
     game_dir: Optional[str] = None
     data_dir: str = "artifacts/textworld_games"
     num_games: int = 16

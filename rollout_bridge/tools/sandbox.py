@@ -46,6 +46,7 @@ import threading
 import time
 from typing import Literal
 
+from spopp_jax.env_sections import SandboxConfig  # noqa: F401 (re-exported)
 from rollout_bridge.tools.jsonl_process import JsonLineProcess
 
 logger = logging.getLogger(__name__)
@@ -59,46 +60,12 @@ SANDBOX_ENV = {"PATH": "/nonexistent", "HOME": "/scratch/work", "LANG": "C.UTF-8
 ROOT_CHILD_UID_BASE = 200_000  # uids for call processes when the host runs as root
 ROOT_CHILD_UID_SPAN = 50_000
 ROOT_SERVER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_OVERRIDE")
-MIB = 1 << 20
 
 Status = Literal["ok", "error", "timeout", "output_limit", "crashed"]
 
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox could not start (bwrap missing or namespaces refused)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxConfig:
-    """Limits and layout of the tool sandbox (all limits are per call)."""
-
-    num_workers: int = 4
-    wall_s: float = 5.0
-    cpu_s: int = 4
-    memory_bytes: int = 512 * MIB
-    max_processes: int = 16
-    file_size_bytes: int = 8 * MIB
-    scratch_bytes: int = 16 * MIB
-    max_open_files: int = 64
-    max_output_bytes: int = 64 * 1024
-    allowed_modules: tuple[str, ...] = ()
-    preload: tuple[str, ...] = ()
-    isolation: Literal["bwrap", "rlimits_only"] = "bwrap"
-    fallback_to_rlimits: bool = False
-    host_grace_s: float = 5.0
-    start_timeout_s: float = 30.0
-
-    def __post_init__(self):
-        positive = ("num_workers", "wall_s", "cpu_s", "memory_bytes", "max_processes",
-                    "file_size_bytes", "scratch_bytes", "max_open_files", "max_output_bytes")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)}")
-        if self.isolation not in ("bwrap", "rlimits_only"):
-            raise ValueError(f"sandbox.isolation must be 'bwrap' or 'rlimits_only', got {self.isolation!r}")
-        missing = set(self.preload) - set(self.allowed_modules)
-        if missing:
-            raise ValueError(f"sandbox.preload names modules not in allowed_modules: {sorted(missing)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,39 +25,16 @@ and RL has to learn to prefer the tool (the student's skill, not the teacher's).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterable
 
 import numpy as np
 
+from spopp_jax.env_sections import ArithmeticSpec  # noqa: F401 (re-exported)
 from rollout_bridge.envs.math_tir.tasks import MathTask, MathTaskSet
 from rollout_bridge.envs.math_tir.tool_format import ToolFormat, render_call
 
-OPERATORS = ("*", "+")
 PROMPT_TEMPLATE = "Compute:\n{expression}"
 MAX_DRAW_ATTEMPTS_PER_PROBLEM = 100
-
-
-@dataclasses.dataclass(frozen=True)
-class ArithmeticSpec:
-    """How problems are drawn (``operators`` a subset of ``*`` and ``+``)."""
-
-    min_operand: int = 317
-    max_operand: int = 999
-    operators: tuple[str, ...] = ("*",)
-    slip_rate: float = 0.1
-    direct_rate: float = 0.0
-
-    def __post_init__(self):
-        if not 0 <= self.min_operand <= self.max_operand:
-            raise ValueError(f"math_tir.arithmetic: need 0 <= min_operand <= max_operand, got "
-                             f"{self.min_operand}, {self.max_operand}")
-        if not self.operators or set(self.operators) - set(OPERATORS):
-            raise ValueError(f"math_tir.arithmetic.operators must be a non-empty subset of {OPERATORS}")
-        if not 0.0 <= self.slip_rate <= 1.0:
-            raise ValueError(f"math_tir.arithmetic.slip_rate must be in [0, 1], got {self.slip_rate}")
-        if not 0.0 <= self.direct_rate <= 1.0:
-            raise ValueError(f"math_tir.arithmetic.direct_rate must be in [0, 1], got {self.direct_rate}")
 
 
 def expression_of(task: MathTask) -> str:

@@ -25,8 +25,8 @@ import asyncio
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Literal, Optional
 
+from spopp_jax.env_sections import MathTIRSection
 from rollout_bridge.envs.base import AsyncEnvironment, StepResult, check_task_id
 from rollout_bridge.envs.math_tir.arithmetic import ArithmeticSpec, generate_problems, teacher_trajectories
 from rollout_bridge.envs.math_tir.tasks import MathTaskSet, load_dapo_math
@@ -38,42 +38,13 @@ from rollout_bridge.envs.math_tir.teacher import (
     write_jsonl,
 )
 from rollout_bridge.envs.math_tir.tool_format import ToolFormat, parse_call, render_response
-from rollout_bridge.envs.math_tir.verifier import MathVerifier, VerifierConfig
-from rollout_bridge.tools.sandbox import SandboxConfig, ToolSandbox, truncate_text
+from rollout_bridge.envs.math_tir.verifier import MathVerifier
+from rollout_bridge.tools.sandbox import ToolSandbox, truncate_text
 
 logger = logging.getLogger(__name__)
 
 TOOL_DISABLED_TEXT = "[tool disabled]"
 DIGITS_REMOVED = str.maketrans("", "", "0123456789")
-
-
-@dataclasses.dataclass(frozen=True)
-class MathTIRSection:
-    """Math-TIR settings beyond the shared ``env`` section.
-
-    source: ``arithmetic`` (the seeded CPU task + scripted teacher) or ``dapo`` (parquet
-    files in ``env.data_dir`` + ``teacher_file``, a filtered teacher JSONL, relative to
-    ``env.data_dir``). ``teacher_samples_per_task``: arithmetic teacher samples per
-    warm-start problem; ``held_out_fraction``: share of teacher prompts held out.
-    """
-
-    source: Literal["arithmetic", "dapo"] = "arithmetic"
-    tool_format: Literal["plain", "qwen"] = "plain"
-    tools_enabled: bool = True
-    teacher_file: Optional[str] = None
-    teacher_samples_per_task: int = 1
-    held_out_fraction: float = 0.1
-    arithmetic: ArithmeticSpec = dataclasses.field(default_factory=ArithmeticSpec)
-    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
-    verifier: VerifierConfig = dataclasses.field(default_factory=VerifierConfig)
-
-    def __post_init__(self):
-        if self.source not in ("arithmetic", "dapo"):
-            raise ValueError(f"math_tir.source must be 'arithmetic' or 'dapo', got {self.source!r}")
-        if not 0.0 <= self.held_out_fraction < 1.0:
-            raise ValueError(f"math_tir.held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
-        if self.teacher_samples_per_task < 1:
-            raise ValueError(f"math_tir.teacher_samples_per_task must be >= 1, got {self.teacher_samples_per_task}")
 
 
 @dataclasses.dataclass(frozen=True)

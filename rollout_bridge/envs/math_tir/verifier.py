@@ -17,31 +17,15 @@ time-out is a failed score (0), logged, never a crash of the caller.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
 import threading
 
+from spopp_jax.env_sections import VerifierConfig
 from rollout_bridge.tools.jsonl_process import JsonLineProcess
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifierConfig:
-    """``timeout_s``: the caller's bound per check (includes the process round trip);
-    ``parse_timeout_s`` / ``verify_timeout_s``: math-verify's own time-outs (integers)."""
-
-    timeout_s: float = 10.0
-    parse_timeout_s: int = 5
-    verify_timeout_s: int = 5
-    start_timeout_s: float = 60.0
-
-    def __post_init__(self):
-        for name in ("timeout_s", "parse_timeout_s", "verify_timeout_s", "start_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"verifier.{name} must be > 0, got {getattr(self, name)}")
 
 
 def gold_text(ground_truth: str) -> str:
