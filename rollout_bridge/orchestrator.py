@@ -92,6 +92,8 @@ would outlive its use (none is expected in startup state). (2) The youngest gene
 threshold is raised to at least ``GC_GEN0_THRESHOLD`` (CPython: 700): with 10k episodes in
 flight, young collections were another ~40 µs per trajectory (135 -> 97 µs at 10k slots /
 100k tasks, same load); the cyclic garbage that can wait is at most that many objects.
+Both are process-wide: a program that embeds the orchestrator and manages its own
+collector sets ``OrchestratorConfig(tune_gc=False)`` (``train.py`` keeps the default).
 
 Memory: the orchestrator keeps what the next update and the checkpoint need (the ready
 buffer, in-flight stamps, the method's state). ``keep_history=True`` (the library default,
@@ -160,6 +162,7 @@ class OrchestratorConfig:
     max_consecutive_failures: int = 256  # a broken engine/env stops the run instead of spinning
     pad_to_multiple: int = 64
     keep_history: bool = True  # keep every event / record in memory (tests, analysis); False for long runs
+    tune_gc: bool = True  # process-wide gc.freeze + young threshold at the first run (docstring, "Host cost")
     seed: int = 0
 
     def __post_init__(self):
@@ -310,7 +313,8 @@ class Orchestrator:
             raise ValueError(
                 f"engine serves policy event {self.engine.policy_event}, orchestrator is at {self.policy_event}"
             )
-        _tune_garbage_collector()
+        if self.config.tune_gc:
+            _tune_garbage_collector()
         start = len(self.records)
         self._target = self.updates + num_updates
         while True:

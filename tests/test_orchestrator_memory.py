@@ -60,3 +60,26 @@ class _ForgetfulLearner(FakeLearner):
         output = await super().__call__(learner_input)
         self.inputs.clear()
         return output
+
+
+def test_garbage_collector_tuning_follows_tune_gc(chat, monkeypatch):
+    """The process-wide gc.freeze + threshold is applied at run() unless tune_gc=False
+    (a program embedding the orchestrator keeps its own collector settings)."""
+    import rollout_bridge.orchestrator as orchestrator_module
+
+    for tune_gc in (False, True):
+        calls = []
+        monkeypatch.setattr(orchestrator_module, "_tune_garbage_collector", lambda: calls.append(1))
+        world = World(chat, TASKS, lambda task, visit: task % 2, lambda task, visit: 1.0)
+        config = OrchestratorConfig(method="spopp", batch_size=BATCH, max_in_flight=SLOTS,
+                                    pad_to_multiple=8, tune_gc=tune_gc)
+        orch = Orchestrator(world.engine, world.env, chat, FakeLearner(), TASKS, config)
+
+        async def main():
+            try:
+                await orch.run(1)
+            finally:
+                await orch.close()
+
+        run_virtual(main())
+        assert orch.updates == 1 and len(calls) == (1 if tune_gc else 0)
