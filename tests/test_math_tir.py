@@ -105,6 +105,25 @@ def test_dapo_loader_errors_name_the_file_and_field(tmp_path):
         load_dapo_math(tmp_path, 5, 0)
 
 
+def test_dapo_heldout_prompts_avoid_training_and_teacher_prompts(tmp_path):
+    from rollout_bridge.envs.math_tir.env import TeacherDemonstrations, dapo_seen_prompts
+    from rollout_bridge.envs.math_tir.tasks import load_dapo_heldout
+
+    write_dapo_parquet(tmp_path / "dapo.parquet", DAPO_ROWS)
+    train = load_dapo_math(tmp_path, 4, seed=1)
+    demonstrated = next(p for p, _, _ in DAPO_ROWS if p not in {t.prompt for t in train.tasks})
+    teacher = [{"key": "k", "ground_truth": "0",
+                "messages": [{"role": "user", "content": demonstrated},
+                             {"role": "assistant", "content": "Answer: 0"}]}]
+    seen = dapo_seen_prompts(train, TeacherDemonstrations(teacher, "plain"))
+    assert len(seen) == 5 and demonstrated in seen
+    held = load_dapo_heldout(tmp_path, 5, seed=2, exclude_prompts=seen)
+    assert held.num_tasks == 5 and not {t.prompt for t in held.tasks} & seen   # all 5 that are left
+    assert load_dapo_heldout(tmp_path, 3, 2, seen) == load_dapo_heldout(tmp_path, 3, 2, seen)
+    with pytest.raises(ValueError, match="env.heldout_games=6 held-out prompts asked for.*5 distinct"):
+        load_dapo_heldout(tmp_path, 6, 2, seen)
+
+
 # ---------------------------------------------------------------------------- arithmetic + teacher
 
 

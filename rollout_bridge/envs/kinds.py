@@ -226,8 +226,8 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
 
 def math_tir_evaluations(setup) -> dict:
     """Math-TIR's extra evaluations: the training problems with the tool disabled
-    (``no_tool``) and, when ``env.heldout_games`` > 0 (arithmetic source), the held-out
-    problems with and without the tool (``heldout``, ``heldout_no_tool``)."""
+    (``no_tool``) and, when ``env.heldout_games`` > 0, the held-out
+    problems with and without the tool (``heldout``, ``heldout_no_tool``); both sources."""
     evals = {"no_tool": (setup.train, setup.env_factory(tools_enabled=False))}
     if setup.held_out is not None:
         evals["heldout"] = (setup.held_out, setup.env_factory(tasks=setup.held_out))

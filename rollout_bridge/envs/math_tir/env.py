@@ -14,7 +14,8 @@ The agent loop therefore needs ``max_turns = max_tool_calls + 1`` model turns.
 num_games, game_seed, max_turns, max_feedback_chars, warmstart_games, warmstart_seed,
 heldout_games, heldout_seed) and this module's ``MathTIRSection`` it returns a
 :class:`MathTIRSetup` holding the training task set, the held-out problems (arithmetic
-source: ``heldout_games`` problems, never trained on nor demonstrated), the cold-start
+source: ``heldout_games`` drawn problems; dapo source: ``heldout_games`` prompts of the
+same files drawn with ``heldout_seed``; either way never trained on nor demonstrated), the cold-start
 demonstrations, the env factory and the shared sandbox/verifier (``close()`` them at the
 end of the job).
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 from spopp_jax.env_sections import MathTIRSection
 from rollout_bridge.envs.base import AsyncEnvironment, StepResult, check_task_id
 from rollout_bridge.envs.math_tir.arithmetic import ArithmeticSpec, generate_problems, teacher_trajectories
-from rollout_bridge.envs.math_tir.tasks import MathTaskSet, load_dapo_math
+from rollout_bridge.envs.math_tir.tasks import MathTaskSet, load_dapo_heldout, load_dapo_math
 from rollout_bridge.envs.math_tir.teacher import (
     demonstration_pairs,
     filter_teacher,
@@ -195,6 +196,15 @@ def dapo_teacher(env, section: MathTIRSection) -> list[dict]:
     return records
 
 
+def dapo_seen_prompts(train: MathTaskSet, demos: "TeacherDemonstrations | None") -> set[str]:
+    """Prompt texts a DAPO held-out set must avoid: the training prompts and every
+    teacher demonstration's user prompt."""
+    seen = {task.prompt for task in train.tasks}
+    if demos is not None:
+        seen |= {str(record["messages"][0].get("content", "")) for record in demos.records}
+    return seen
+
+
 def build_math_tir(env, section: MathTIRSection, seed: int, with_teacher: bool = True) -> MathTIRSetup:
     """The ``math_tir`` kind's builder (see the module docstring)."""
     if env.max_turns < 1:
@@ -215,6 +225,9 @@ def build_math_tir(env, section: MathTIRSection, seed: int, with_teacher: bool =
             held = TeacherDemonstrations(held_records, section.tool_format) if held_records else None
         elif with_teacher:
             demos = TeacherDemonstrations(dapo_teacher(env, section), section.tool_format)
+        if section.source == "dapo" and env.heldout_games > 0:
+            held_out = load_dapo_heldout(env.data_dir, env.heldout_games, env.heldout_seed,
+                                         dapo_seen_prompts(train, demos))
     except BaseException:
         sandbox.close()
         verifier.close()

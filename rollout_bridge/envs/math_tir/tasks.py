@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -126,3 +126,19 @@ def load_dapo_math(path: str | Path, num_prompts: int, seed: int) -> MathTaskSet
         return MathTaskSet(tuple(rows))
     chosen = np.sort(np.random.default_rng(seed).choice(len(rows), num_prompts, replace=False))
     return MathTaskSet(tuple(rows[i] for i in chosen))
+
+def load_dapo_heldout(path: str | Path, num_prompts: int, seed: int,
+                      exclude_prompts: Iterable[str]) -> MathTaskSet:
+    """``num_prompts`` distinct prompts chosen with ``seed`` from the parquet file(s) at
+    ``path`` among those whose text is not in ``exclude_prompts`` (the training prompts and
+    the teacher demonstrations' prompts): problems never trained on nor demonstrated."""
+    if num_prompts < 1:
+        raise ValueError(f"env.heldout_games (prompts) must be >= 1, got {num_prompts}")
+    excluded = set(exclude_prompts)
+    rows = [t for t in unique_prompts([t for f in parquet_files(path) for t in read_dapo_rows(f)])
+            if t.prompt not in excluded]
+    if num_prompts > len(rows):
+        raise ValueError(f"env.heldout_games={num_prompts} held-out prompts asked for, {path} has "
+                         f"{len(rows)} distinct ones outside the training and teacher prompts")
+    chosen = np.sort(np.random.default_rng(seed).choice(len(rows), num_prompts, replace=False))
+    return MathTaskSet(tuple(rows[k] for k in chosen))
