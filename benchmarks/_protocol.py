@@ -15,8 +15,10 @@ A speed claim is a same-run ratio taken on an idle machine:
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -91,9 +93,14 @@ def interleaved_rounds(
     loadavg: Callable[[], tuple[float, float, float]] = os.getloadavg,
     clock: Callable[[], float] = time.perf_counter,
     verbose: bool = True,
+    self_timed: bool = False,
 ) -> Timings:
     """Time each function once per round, in the same order every round, load checked
-    before each round (printed when ``verbose``)."""
+    before each round (printed when ``verbose``).
+
+    self_timed: each function returns its own duration in seconds (a worker process
+    that timed the call itself, without the pipe round trip); ``clock`` is then unused.
+    """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     cores = cores or os.cpu_count() or 1
@@ -103,6 +110,9 @@ def interleaved_rounds(
         busy = is_busy(load, cores, max_load_excess)
         seconds = {}
         for name, fn in fns.items():
+            if self_timed:
+                seconds[name] = float(fn())
+                continue
             start = clock()
             fn()
             seconds[name] = clock() - start
@@ -149,3 +159,53 @@ def report(timings: Timings, work_units: float, unit: str, allow_busy: bool = Fa
             f"{name:34s} {median * 1e3:9.1f} ms  [{low * 1e3:.1f}, {high * 1e3:.1f}]  "
             f"{work_units / median:10.0f} {unit}/s"
         )
+
+
+REPLY_PREFIX = "BENCH_REPLY "
+
+
+def reply(payload: Mapping[str, object]) -> None:
+    """Worker side of ``WorkerProcess``: one JSON reply line on stdout (other output of
+    the worker's libraries, e.g. log lines, is ignored by the driver)."""
+    print(REPLY_PREFIX + json.dumps(payload), flush=True)
+
+
+class WorkerProcess:
+    """A benchmarked system in its own process (its own venv's python if need be),
+    started once and driven line by line: the driver writes one command line to its
+    stdin and reads its JSON reply (``reply``). A worker that is not asked blocks on its
+    stdin, so one system computes at a time. stderr goes to ``log_path``, quoted when the
+    worker dies."""
+
+    def __init__(self, name: str, argv: list[str], log_path: str,
+                 env: Mapping[str, str] | None = None, cwd: str | None = None):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self._log, text=True, env=env, cwd=cwd)
+
+    def read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(REPLY_PREFIX):
+                return json.loads(line[len(REPLY_PREFIX):])
+        code = self.process.wait()
+        self._log.flush()
+        with open(self.log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"worker {self.name} exited (rc={code}); end of its stderr:\n{tail}")
+
+    def ask(self, line: str) -> dict:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:  # a hung worker must not outlive the driver
+                self.process.kill()
+                self.process.wait()
+        self._log.close()

@@ -85,7 +85,7 @@ from spopp_jax import learner  # noqa: E402
 from spopp_jax.models import from_pretrained  # noqa: E402
 from spopp_jax.models.testing import random_hf_model  # noqa: E402
 from _batches import learner_batch, learner_hf_config  # noqa: E402
-from _hardware import cpu_model  # noqa: E402
+from _hardware import cpu_model, measured_peak_flops  # noqa: E402
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -147,18 +147,6 @@ def torch_step_fns(hf_model, batch_np, args):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def measured_peak_flops(n=1024, repeats=10):
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
-    matmul = jax.jit(lambda a: a @ a)
-    matmul(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 def step_flops(args, matmul_params):

@@ -80,3 +80,44 @@ def test_named_model_shape_fills_only_unset_dimensions():
     args = parser.parse_args([])
     _model_shapes.resolve_shape(args)
     assert (args.hidden, args.heads, args.kv_heads, args.head_dim) == (256, 8, 2, 32)
+
+
+def test_self_timed_rounds_use_the_reported_seconds():
+    """self_timed: each function returns its own duration (a worker's); the clock is unused."""
+    def broken_clock():
+        raise AssertionError("the clock must not be read")
+
+    timings = _protocol.interleaved_rounds(
+        {"ours": scripted([1.0, 2.0, 3.0]), "theirs": scripted([4.0, 4.0, 9.0])}, 3, cores=2,
+        loadavg=lambda: (0.5, 0.0, 0.0), clock=broken_clock, verbose=False, self_timed=True)
+    assert timings.summary("ours") == (2.0, 1.0, 3.0)
+    assert timings.summary("theirs") == (4.0, 4.0, 9.0)
+    assert _protocol.paired_ratio(timings, "ours", "theirs") == pytest.approx(3.0)
+
+
+WORKER_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import _protocol
+print("library noise the driver must skip", flush=True)
+_protocol.reply({"ready": True})
+for line in sys.stdin:
+    if line.strip() == "die":
+        sys.stderr.write("worker stderr: dying on request\\n")
+        sys.exit(3)
+    _protocol.reply({"echo": line.strip()})
+"""
+
+
+def test_worker_process_answers_and_reports_its_death(tmp_path):
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    argv = [sys.executable, "-c", WORKER_SCRIPT, bench]
+    worker = _protocol.WorkerProcess("echo", argv, str(tmp_path / "echo.stderr"))
+    try:
+        assert worker.read() == {"ready": True}
+        assert worker.ask("time x c=1") == {"echo": "time x c=1"}
+        with pytest.raises(RuntimeError, match=r"(?s)worker echo exited \(rc=3\).*dying on request"):
+            worker.ask("die")
+    finally:
+        worker.close()
+    assert worker.process.poll() == 3

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.engine.jax_engine import JaxEngine, prng_key_data
 from rollout_bridge.engine.sampling_ops import allowed_token_mask, sample_tokens, scaled_log_probs
+from rollout_bridge.engine.slot_decode import chunk_uniforms
 from spopp_jax.models import ModelConfig, init_model
 
 LOGP_ATOL = 2e-5
@@ -201,6 +202,47 @@ def test_prng_key_data_equals_jax_prngkey_and_keeps_high_bits():
     for seed in [0, 1, 12345, 2**32 - 1]:
         np.testing.assert_array_equal(prng_key_data(seed), np.asarray(jax.random.PRNGKey(seed)))
     np.testing.assert_array_equal(prng_key_data(2**32 + 5), [1, 5])
+
+
+
+def test_chunk_uniforms_equal_one_fold_in_per_token():
+    """A chunk's uniforms drawn at once (slot_decode.chunk_uniforms) are bit for bit the
+    per-token draws 1 - uniform(fold_in(key_s, n_s + j)) of the engine contract."""
+    rng = np.random.default_rng(0)
+    keys = jnp.asarray(np.stack([prng_key_data(int(s)) for s in rng.integers(0, 2**62, 5)]))
+    counts = jnp.asarray(rng.integers(0, 1000, 5), jnp.int32)
+    got = np.asarray(jax.jit(chunk_uniforms, static_argnums=2)(keys, counts, 3))
+    assert got.shape == (3, 5)
+    for j in range(3):
+        for s in range(5):
+            key = jax.random.fold_in(keys[s], counts[s] + j)
+            want = 1.0 - jax.random.uniform(key, (), dtype=jnp.float32)
+            assert got[j, s] == np.float32(want)
+
+
+def test_sampled_tokens_follow_the_key_schedule_across_chunks(model_a):
+    """Token i of a request with seed r is the inverse-CDF sample of the full forward's
+    softmax at u_i = 1 - uniform(fold_in(PRNGKey(r), i)) (NumPy float64), across decode
+    chunks of 3 steps; tokens whose u lies within 1e-4 of a CDF step are not judged."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=11)
+    prompt = [5, 1, 7, 2]
+
+    async def body(engine):
+        return await engine.generate(prompt, params, seed=2024)
+
+    result = run(with_engine(model_a, body, steps_per_call=3))
+    ids = np.zeros((1, REPLAY_LEN), np.int32)
+    ids[0, : len(prompt) + len(result.token_ids)] = list(prompt) + list(result.token_ids)
+    all_logits = np.asarray(_full_forward(model_a, jnp.asarray(ids))[0], np.float64)
+    judged = 0
+    for i, token in enumerate(result.token_ids):
+        u = 1.0 - float(jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(2024), i), ()))
+        cdf = np.cumsum(np.exp(np_log_softmax(all_logits[len(prompt) - 1 + i], 1.0)))
+        if np.min(np.abs(cdf - u * cdf[-1])) < 1e-4:
+            continue
+        judged += 1
+        assert token == int(np.sum(cdf < u * cdf[-1])), f"token {i}"
+    assert judged >= 8
 
 
 # --------------------------------------------------------------------------- engine

@@ -78,6 +78,11 @@ def allowed_token_mask(log_probs: jax.Array, top_k: jax.Array, top_p: jax.Array)
     return jnp.zeros((batch, vocab), dtype=bool).at[rows, order].set(keep_sorted)
 
 
+def uniforms_from_keys(keys: jax.Array) -> jax.Array:
+    """One float32 uniform in (0, 1] per row: ``1 - uniform(key_b)`` ([B] keys -> [B])."""
+    return 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (), dtype=jnp.float32))(keys)
+
+
 def sample_tokens(
     logits: jax.Array,
     temperature: jax.Array,
@@ -87,12 +92,7 @@ def sample_tokens(
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row and return (token_ids [B] int32, logprobs [B] float32).
 
-    ``logprobs = log_softmax(logits / temperature)[token]`` (before filtering). Sampling is
-    by inverse CDF with ONE uniform per row (u in (0, 1]): token = the first index whose
-    cumulative probability reaches ``u * total``; tokens outside the allowed set have zero
-    probability and can never be chosen (a flat CDF step is never the first to reach u).
-    One uniform per row instead of V Gumbel draws keeps the PRNG off the decode critical
-    path. The sort for top-k/top-p runs only when some row filters (``lax.cond``).
+    ``sample_with_uniforms`` with u_b = ``uniforms_from_keys(keys)[b]``.
 
     Args:
       logits: [B, V] float.
@@ -101,7 +101,36 @@ def sample_tokens(
       top_p: [B] float in (0, 1].
       keys: [B] PRNG keys (legacy uint32[B, 2] or typed), one per row.
     """
-    _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys)
+    _check_rows(logits, keys=keys)
+    return sample_with_uniforms(logits, temperature, top_k, top_p, uniforms_from_keys(keys))
+
+
+def sample_with_uniforms(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    uniform: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row from its uniform u in (0, 1]; (token_ids [B] int32,
+    logprobs [B] float32).
+
+    ``logprobs = log_softmax(logits / temperature)[token]`` (before filtering). Sampling is
+    by inverse CDF with ONE uniform per row: token = the first index whose cumulative
+    probability reaches ``u * total``; tokens outside the allowed set have zero
+    probability and can never be chosen (a flat CDF step is never the first to reach u).
+    One uniform per row instead of V Gumbel draws keeps the PRNG off the decode critical
+    path (the engine draws a whole decode chunk's uniforms at once). The sort for
+    top-k/top-p runs only when some row filters (``lax.cond``).
+
+    Args:
+      logits: [B, V] float.
+      temperature: [B] float > 0.
+      top_k: [B] int (<= 0: off).
+      top_p: [B] float in (0, 1].
+      uniform: [B] float32 in (0, 1] (``uniforms_from_keys``).
+    """
+    _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
     vocab = logits.shape[-1]
     log_probs = scaled_log_probs(logits, temperature)
     filtering = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
@@ -112,8 +141,7 @@ def sample_tokens(
         log_probs,
     )
     cdf = jnp.cumsum(probs, axis=-1)
-    uniform = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (), dtype=jnp.float32))(keys)  # (0, 1]
-    target = uniform * cdf[:, -1]
+    target = uniform.astype(jnp.float32) * cdf[:, -1]
     tokens = jnp.sum(cdf < target[:, None], axis=-1, dtype=jnp.int32)
     tokens = jnp.minimum(tokens, vocab - 1)
     token_logp = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]

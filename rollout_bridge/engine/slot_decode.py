@@ -10,7 +10,8 @@ Token timeline of a request with prompt ``p[0..L-1]`` (cache length ``max_len``)
     ``position = L-1``.
   * each decode step feeds ``last_token`` at ``position`` (written, then attended with
     indices ``<= position``), samples token ``g`` from the resulting logits
-    (``sampling_ops.sample_tokens``), then ``last_token = g``, ``position += 1``.
+    (``sampling_ops.sample_with_uniforms``; the uniform of the request's i-th token is
+    drawn from ``fold_in(rng_key, i)``), then ``last_token = g``, ``position += 1``.
   * the request finishes right after sampling a stop token ("stop") or its
     ``max_new_tokens``-th token ("length"). The host caps ``max_new_tokens`` at
     ``max_len - L + 1`` so no position exceeds ``max_len - 1``.
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rollout_bridge.engine.sampling_ops import sample_tokens
+from rollout_bridge.engine.sampling_ops import sample_with_uniforms, uniforms_from_keys
 
 FINISH_NONE = 0
 FINISH_STOP = 1
@@ -160,11 +161,29 @@ def admit(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, requests:
     )
 
 
-def _decode_step(model: nnx.Module, state: SlotState) -> tuple[SlotState, DecodeOutput]:
+def chunk_uniforms(rng_key: jax.Array, num_generated: jax.Array, num_steps: int) -> jax.Array:
+    """The sampling uniforms of a whole decode chunk, drawn at once: [num_steps, S],
+
+      u[j, s] = uniforms_from_keys(fold_in(rng_key[s], num_generated[s] + j))
+    i.e. the uniform of row s's (num_generated[s] + j)-th token. A row active at step j of
+    a chunk was active at every earlier step of it (slots join and leave between chunks),
+    so its counter then is exactly num_generated[s] + j: the same draws as one
+    ``fold_in`` per step. Why at once: XLA:CPU runs threefry as a rolled while loop of
+    small kernels (5 iterations of ~16 each, for fold_in and again for the uniform);
+    inside the decode step that was about as many kernel launches as the model's whole
+    forward. Per chunk it is two loops over [num_steps * S] words.
+    """
+    num_slots = num_generated.shape[0]
+    counts = num_generated[None, :] + jnp.arange(num_steps, dtype=num_generated.dtype)[:, None]
+    keys = jnp.broadcast_to(rng_key, (num_steps, *rng_key.shape)).reshape(num_steps * num_slots, -1)
+    keys = jax.vmap(jax.random.fold_in)(keys, counts.reshape(-1))
+    return uniforms_from_keys(keys).reshape(num_steps, num_slots)
+
+
+def _decode_step(model: nnx.Module, state: SlotState, uniform: jax.Array) -> tuple[SlotState, DecodeOutput]:
     positions = jnp.where(state.active, state.position, -1)[:, None]
     logits, cache = model.forward_cached(state.last_token[:, None], positions, state.cache)
-    keys = jax.vmap(jax.random.fold_in)(state.rng_key, state.num_generated)
-    tokens, logprobs = sample_tokens(logits[:, -1, :], state.temperature, state.top_k, state.top_p, keys)
+    tokens, logprobs = sample_with_uniforms(logits[:, -1, :], state.temperature, state.top_k, state.top_p, uniform)
     num_generated = state.num_generated + state.active.astype(jnp.int32)
     hit_stop = jnp.any(tokens[:, None] == state.stop_token_ids, axis=-1)
     hit_length = num_generated >= state.max_new_tokens
@@ -187,16 +206,17 @@ def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, nu
 
     A slot that finishes mid-chunk goes inactive (its positions become -1: no cache writes,
     no emitted tokens) for the rest of the chunk. Shapes are fixed by (S, num_steps): one
-    compile.
+    compile. The chunk's sampling uniforms are drawn before the scan (``chunk_uniforms``).
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     model = nnx.merge(graphdef, params)
+    uniforms = chunk_uniforms(state.rng_key, state.num_generated, num_steps)
 
-    def body(carry: SlotState, _: None) -> tuple[SlotState, DecodeOutput]:
-        return _decode_step(model, carry)
+    def body(carry: SlotState, uniform: jax.Array) -> tuple[SlotState, DecodeOutput]:
+        return _decode_step(model, carry, uniform)
 
-    return jax.lax.scan(body, state, None, length=num_steps)
+    return jax.lax.scan(body, state, uniforms)
 
 
 def release(state: SlotState, slot_mask: jax.Array) -> SlotState:
