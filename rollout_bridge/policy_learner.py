@@ -30,6 +30,7 @@ leaves the learner (log-probs, the weights to publish) is gathered to the host w
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -107,10 +108,19 @@ class PolicyLearner:
                   f"{metrics['grad_norm']}); parameters unchanged", flush=True)
         self.skip_guard.observe(metrics)
         if learner_input.previous is None:
-            return LearnerOutput(self.weights(), metrics)
+            return LearnerOutput(self._timed_weights(metrics), metrics)
         logp_then = np.asarray(to_host(logp_then))
         divergence = self.previous_divergences(learner_input.previous, logp_then)
-        return LearnerOutput(self.weights(), metrics, divergence, trained_logp=logp_then)
+        return LearnerOutput(self._timed_weights(metrics), metrics, divergence, trained_logp=logp_then)
+
+    def _timed_weights(self, metrics: dict):
+        """``weights()``, its seconds on the learner's thread as ``metrics["publish_snapshot_s"]``
+        (the snapshot's device-copy dispatch, or the multi-process gather): the part of a
+        publish the learner itself pays, apart from the orchestrator's publish wait."""
+        start = time.perf_counter()
+        weights = self.weights()
+        metrics["publish_snapshot_s"] = time.perf_counter() - start
+        return weights
 
     def previous_divergences(self, previous, logp_batch: np.ndarray) -> list[float | None]:
         """D_i of each y′ under the current (updated) parameters; None on a first visit."""
