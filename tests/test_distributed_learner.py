@@ -9,9 +9,13 @@ the same `PolicyLearner` calls:
     follower training on anything but process 0's batch would change them), the losses too;
   * the checkpoint both processes wrote (SAVE: each its shards) restores, in one process,
     to those same parameters with the orchestrator's policy event;
+  * ``--resume`` (RESTORE): two NEW processes, built from the initial parameters, restore
+    that checkpoint (each its shards) and train one more update on the same batch: the
+    result equals the one-device learner after 4 updates (a process that kept its
+    initial shards would change it);
   * (slow) ``python train.py --distributed`` as two processes completes a tiny job.
 
-Worker: ``python tests/test_distributed_learner.py OUT PROCESS_ID PORT``.
+Worker: ``python tests/test_distributed_learner.py OUT PROCESS_ID PORT [train|resume]``.
 """
 
 import os
@@ -45,13 +49,13 @@ def flat_weights(module) -> dict:
     return flat_numpy(nnx.split(module)[1])
 
 
-def learner_calls(learner, batch):
+def learner_calls(learner, batch, num_updates: int = NUM_UPDATES):
     from rollout_bridge.methods import LearnerInput
 
-    return [learner(LearnerInput(batch, (), None)).metrics["loss"] for _ in range(NUM_UPDATES)]
+    return [learner(LearnerInput(batch, (), None)).metrics["loss"] for _ in range(num_updates)]
 
 
-def worker(out_dir: str, process_id: int, port: int) -> None:
+def worker(out_dir: str, process_id: int, port: int, phase: str = "train") -> None:
     from rollout_bridge import distributed_learner as dl
     from rollout_bridge.policy_learner import PolicyLearner
     from spopp_jax import sharding
@@ -64,6 +68,9 @@ def worker(out_dir: str, process_id: int, port: int) -> None:
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=1)
     learner = PolicyLearner(model_def, state, config, pad_to_multiple=20, mesh=mesh)
     checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
+    if phase == "resume":
+        resume_worker(learner, batch, checkpointer, out_dir, process_id)
+        return
     if process_id == 0:
         dl.share_from_process_0(SHARED)
         leader = dl.LeaderLearner(learner)
@@ -80,6 +87,24 @@ def worker(out_dir: str, process_id: int, port: int) -> None:
     checkpointer.wait_until_finished()
     checkpointer.close()
     np.savez(os.path.join(out_dir, f"process-{process_id}.npz"), **out)
+
+
+def resume_worker(learner, batch, checkpointer, out_dir: str, process_id: int) -> None:
+    """Both processes restore the train phase's checkpoint, then one more update."""
+    from rollout_bridge import distributed_learner as dl
+
+    if process_id == 0:
+        leader = dl.LeaderLearner(learner)
+        restored = leader.restore(checkpointer, NUM_UPDATES, CHECKPOINT_CONFIG)
+        policy_event = int(restored.train_state.policy_event)  # before the next step donates it
+        loss = learner_calls(leader, jax.device_get(batch), 1)[0]
+        out = {f"params/{k}": v for k, v in flat_weights(leader.weights()).items()}
+        out.update(loss=np.asarray(loss), policy_event=np.asarray(policy_event))
+        leader.stop()
+    else:
+        out = {"calls": np.asarray(dl.follow(learner, checkpointer))}
+    checkpointer.close()
+    np.savez(os.path.join(out_dir, f"resume-{process_id}.npz"), **out)
 
 
 def free_port() -> int:
@@ -101,22 +126,28 @@ def wait_all(procs: list, timeout_s: float) -> list[str]:
     return logs
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("distributed")
+def run_workers(out, phase: str) -> list[dict]:
+    """NUM_PROCESSES worker processes of ``phase``; the ``<prefix>-<i>.npz`` each wrote."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(tests_dir), tests_dir, env.get("PYTHONPATH")]))
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(out), str(i), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(out), str(i), str(port), phase],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]
     wait_all(procs, WORKER_TIMEOUT_S)
+    prefix = "process" if phase == "train" else phase
     results = []
     for i in range(NUM_PROCESSES):
-        with np.load(out / f"process-{i}.npz") as data:
+        with np.load(out / f"{prefix}-{i}.npz") as data:
             results.append(dict(data))
-    return out, results
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
+    return out, run_workers(out, "train")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +159,12 @@ def one_device():
     model_def, state, batch, config = build_case()
     learner = PolicyLearner(model_def, state, config, pad_to_multiple=20)
     losses = learner_calls(learner, jax.device_get(batch))
-    return {"losses": np.asarray(losses), **{f"params/{k}": v for k, v in flat_weights(learner.weights()).items()}}
+    # copies: the next step donates the buffers these may view
+    reference = {"losses": np.asarray(losses),
+                 **{f"params/{k}": np.array(v) for k, v in flat_weights(learner.weights()).items()}}
+    fourth_loss = learner_calls(learner, jax.device_get(batch), 1)[0]  # the update after a resume
+    after = {f"params/{k}": v for k, v in flat_weights(learner.weights()).items()}
+    return {**reference, "after_resume": {"loss": np.asarray(fourth_loss), **after}}
 
 
 def assert_same_params(result: dict, reference: dict) -> None:
@@ -166,6 +202,17 @@ def test_checkpoint_written_by_both_processes_restores(two_processes, one_device
     assert int(restored.train_state.policy_event) == NUM_UPDATES
     params = flat_weights(model_def.merge(restored.train_state.params))
     assert_same_params({f"params/{k}": v for k, v in params.items()}, one_device)
+
+
+def test_two_processes_resume_the_checkpoint_they_wrote(two_processes, one_device):
+    """``--resume --distributed``: each new process restores its shards of the same
+    checkpoint; the next update equals the one-device learner's 4th."""
+    out, _ = two_processes
+    leader, follower = run_workers(out, "resume")
+    assert int(follower["calls"]) == 1 and int(leader["policy_event"]) == NUM_UPDATES
+    reference = one_device["after_resume"]
+    np.testing.assert_allclose(leader["loss"], reference["loss"], rtol=1e-4, atol=1e-6)
+    assert_same_params(leader, reference)
 
 
 def test_settings_from_env_name_the_variable():
@@ -210,4 +257,4 @@ def test_train_py_distributed_runs_as_two_learner_processes(tmp_path):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
