@@ -13,9 +13,12 @@ the same `PolicyLearner` calls:
     that checkpoint (each its shards) and train one more update on the same batch: the
     result equals the one-device learner after 4 updates (a process that kept its
     initial shards would change it);
+  * (slow) ``method: spo``'s learner path (previous responses y′ in the payload, π_then of
+    the batch, D_i of each y′ after the update) as two processes equals one device: the
+    divergences, the trained log-probs and the weights after 2 calls;
   * (slow) ``python train.py --distributed`` as two processes completes a tiny job.
 
-Worker: ``python tests/test_distributed_learner.py OUT PROCESS_ID PORT [train|resume]``.
+Worker: ``python tests/test_distributed_learner.py OUT PROCESS_ID PORT [train|resume|spo]``.
 """
 
 import os
@@ -71,6 +74,10 @@ def worker(out_dir: str, process_id: int, port: int, phase: str = "train") -> No
     if phase == "resume":
         resume_worker(learner, batch, checkpointer, out_dir, process_id)
         return
+    if phase == "spo":
+        checkpointer.close()
+        spo_worker(learner, batch, out_dir, process_id)
+        return
     if process_id == 0:
         dl.share_from_process_0(SHARED)
         leader = dl.LeaderLearner(learner)
@@ -105,6 +112,51 @@ def resume_worker(learner, batch, checkpointer, out_dir: str, process_id: int) -
         out = {"calls": np.asarray(dl.follow(learner, checkpointer))}
     checkpointer.close()
     np.savez(os.path.join(out_dir, f"resume-{process_id}.npz"), **out)
+
+
+SPO_CALLS = 2
+
+
+def spo_previous(batch, call: int, trained_logp) -> tuple:
+    """SPO's y′ per batch row. Call 0: odd rows' y′ is the row before, in the same batch
+    (π_then = this batch's log-probs at the starting parameters), even rows have none;
+    call 1: every row's y′ is itself as trained at call 0 (π_then = call 0's trained_logp)."""
+    from rollout_bridge.methods.base import PreviousResponse
+
+    ids, mask = np.asarray(batch.input_ids), np.asarray(batch.action_mask)
+    if call == 0:
+        return tuple(None if row % 2 == 0 else PreviousResponse(row, ids[row - 1], mask[row - 1], None, batch_row=row - 1)
+                     for row in range(ids.shape[0]))
+    return tuple(PreviousResponse(row, ids[row], mask[row], np.where(mask[row], trained_logp[row], 0.0).astype(np.float32))
+                 for row in range(ids.shape[0]))
+
+
+def spo_calls(learner, batch) -> dict:
+    """SPO_CALLS learner calls with previous responses: losses, D_i (nan: no y′), trained
+    log-probs of each call, and the weights after them."""
+    from rollout_bridge.methods import LearnerInput
+
+    out, trained = {}, None
+    for call in range(SPO_CALLS):
+        output = learner(LearnerInput(batch, (), spo_previous(batch, call, trained)))
+        trained = np.array(output.trained_logp)
+        out[f"loss{call}"] = np.asarray(output.metrics["loss"])
+        out[f"divergence{call}"] = np.array([np.nan if d is None else d for d in output.divergence], np.float64)
+        out[f"trained_logp{call}"] = trained
+    out.update({f"params/{k}": np.array(v) for k, v in flat_weights(learner.weights()).items()})
+    return out
+
+
+def spo_worker(learner, batch, out_dir: str, process_id: int) -> None:
+    from rollout_bridge import distributed_learner as dl
+
+    if process_id == 0:
+        leader = dl.LeaderLearner(learner)
+        out = spo_calls(leader, jax.device_get(batch))
+        leader.stop()
+    else:
+        out = {"calls": np.asarray(dl.follow(learner))}
+    np.savez(os.path.join(out_dir, f"spo-{process_id}.npz"), **out)
 
 
 def free_port() -> int:
@@ -212,6 +264,29 @@ def test_two_processes_resume_the_checkpoint_they_wrote(two_processes, one_devic
     assert int(follower["calls"]) == 1 and int(leader["policy_event"]) == NUM_UPDATES
     reference = one_device["after_resume"]
     np.testing.assert_allclose(leader["loss"], reference["loss"], rtol=1e-4, atol=1e-6)
+    assert_same_params(leader, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_spo_previous_responses_under_two_processes_match_one_device(tmp_path):
+    """``method: spo`` under ``--distributed``: the y′ travel in the CALL payload, π_then
+    and π_now are computed SPMD on the global mesh; D_i, π_then and the weights after 2
+    calls equal one process on one device."""
+    from rollout_bridge.policy_learner import PolicyLearner
+    from test_sharding import build_case
+
+    model_def, state, batch, config = build_case()
+    reference = spo_calls(PolicyLearner(model_def, state, config, pad_to_multiple=20), jax.device_get(batch))
+    leader, follower = run_workers(tmp_path, "spo")
+    assert int(follower["calls"]) == SPO_CALLS
+    for call in range(SPO_CALLS):
+        divergence = reference[f"divergence{call}"]
+        assert np.isnan(divergence).sum() == (4 if call == 0 else 0)  # y′ where planned, D > 0 there
+        assert np.nanmin(divergence) > 0
+        np.testing.assert_allclose(leader[f"divergence{call}"], divergence, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(leader[f"trained_logp{call}"], reference[f"trained_logp{call}"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(leader[f"loss{call}"], reference[f"loss{call}"], rtol=1e-5)
     assert_same_params(leader, reference)
 
 
