@@ -21,6 +21,7 @@ the same `PolicyLearner` calls:
 Worker: ``python tests/test_distributed_learner.py OUT PROCESS_ID PORT [train|resume|spo]``.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -309,12 +310,29 @@ def test_settings_from_env_name_the_variable():
 def test_train_py_distributed_runs_as_two_learner_processes(tmp_path):
     """``python train.py --distributed`` as 2 processes x 2 CPU devices: both exit 0,
     process 1 trained every update with process 0, the run wrote its checkpoints,
-    metrics and the exported policy."""
+    metrics and the exported policy; then ``--resume --distributed`` to 6 updates: both
+    processes restore step 4 and train the 2 new updates together."""
     from tiny_run import tiny_train_args
 
-    steps = 4
+    steps, more = 4, 6
+    logs = run_train_py_distributed(tmp_path, [*tiny_train_args(tmp_path, steps=steps)])
+    assert f"learner process 1: {steps} updates with process 0" in logs[1], logs[1][-2000:]
+    run = tmp_path / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == steps
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert (run / "hf_model" / "config.json").exists()
+
+    logs = run_train_py_distributed(tmp_path, [*tiny_train_args(tmp_path, steps=more), "--resume"])
+    assert "resume: step 4" in logs[0], logs[0][-2000:]
+    assert f"learner process 1: {more - steps} updates with process 0" in logs[1], logs[1][-2000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, more + 1))
+
+
+def run_train_py_distributed(tmp_path, args: list[str]) -> list[str]:
+    """``python train.py ARGS --distributed`` as NUM_PROCESSES processes x 2 CPU devices; their logs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    args = [*tiny_train_args(tmp_path, steps=steps), "--progress", "false", "--tensorboard", "false", "--distributed"]
+    args = [*args, "--progress", "false", "--tensorboard", "false", "--distributed"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(NUM_PROCESSES),
@@ -323,12 +341,7 @@ def test_train_py_distributed_runs_as_two_learner_processes(tmp_path):
                               env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]
-    logs = wait_all(procs, TRAIN_TIMEOUT_S)
-    assert f"learner process 1: {steps} updates with process 0" in logs[1], logs[1][-2000:]
-    run = tmp_path / "run"
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == steps
-    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
-    assert (run / "hf_model" / "config.json").exists()
+    return wait_all(procs, TRAIN_TIMEOUT_S)
 
 
 if __name__ == "__main__":
