@@ -9,7 +9,7 @@ the same `PolicyLearner` calls:
     follower training on anything but process 0's batch would change them), the losses too;
   * the checkpoint both processes wrote (SAVE: each its shards) restores, in one process,
     to those same parameters with the orchestrator's policy event;
-  * ``--resume`` (RESTORE): two NEW processes, built from the initial parameters, restore
+  * (slow) ``--resume`` (RESTORE): two NEW processes, built from the initial parameters, restore
     that checkpoint (each its shards) and train one more update on the same batch: the
     result equals the one-device learner after 4 updates (a process that kept its
     initial shards would change it);
@@ -257,6 +257,7 @@ def test_checkpoint_written_by_both_processes_restores(two_processes, one_device
     assert_same_params({f"params/{k}": v for k, v in params.items()}, one_device)
 
 
+@pytest.mark.slow  # two more processes (~40 s on the loaded box): keeps the default file under a minute
 def test_two_processes_resume_the_checkpoint_they_wrote(two_processes, one_device):
     """``--resume --distributed``: each new process restores its shards of the same
     checkpoint; the next update equals the one-device learner's 4th."""
