@@ -128,11 +128,10 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
     resume_step = None
     if cfg.resume and latest is not None:  # exactly as saved; the engine then serves the saved weights
         try:
-            restored = checkpointer.restore(learner.state, expected_config=checkpoint_key(cfg))
+            restored = learner.restore(checkpointer, latest, checkpoint_key(cfg))  # every learner process
         except CheckpointMismatchError as error:
             raise UserError(f"--resume: {error}\n(resume with that run's settings, or choose a new "
                             "--output_dir)") from None
-        learner.state = restored.train_state
         orchestrator.load_state_dict(restored.extras["orchestrator"])
         await engine.publish(learner.weights(), orchestrator.policy_event)
         resume_step = restored.step

@@ -21,6 +21,11 @@ Data path (SPMD: every process must run the same jitted computations in the same
       - ``SAVE``: payload = (step, extras, config) of a checkpoint; every process calls
         ``Checkpointer.save`` with the global state (orbax writes each process's shards,
         process 0 the rest);
+      - ``RESTORE``: payload = (step, config) of the checkpoint ``--resume`` continues;
+        every process restores the SAME checkpoint onto its own shards of the global state
+        (``Checkpointer.restore`` with its sharded state as the target: orbax reads each
+        process's shards). Process 0 alone loads the extras it needs (the orchestrator's
+        state, the method's); the followers drop theirs;
       - ``STOP``: followers return.
   * the first broadcast (`share_from_process_0`) hands the followers the run's policy
     folder once process 0 has finished the warm start (they load the same weights).
@@ -40,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-CALL, WEIGHTS, SAVE, STOP, SHARE = 1, 2, 3, 4, 5
-COMMAND_NAMES = {CALL: "call", WEIGHTS: "weights", SAVE: "save", STOP: "stop", SHARE: "share"}
+CALL, WEIGHTS, SAVE, STOP, SHARE, RESTORE = 1, 2, 3, 4, 5, 6
+COMMAND_NAMES = {CALL: "call", WEIGHTS: "weights", SAVE: "save", STOP: "stop", SHARE: "share", RESTORE: "restore"}
 HEADER_KEY = "spopp_learner/{index}"  # coordination-service key of the index-th command
 FOLLOWER_WAIT_MS = 7 * 24 * 3600 * 1000  # a follower waits this long for process 0's next command
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -213,6 +218,13 @@ class LeaderLearner:
         self._send(SAVE, (step, extras, config))
         checkpointer.save(step, saved_state(self.learner.state, extras), extras, config=config)
 
+    def restore(self, checkpointer, step: int, config: Any):
+        """Every process restores checkpoint ``step`` onto its shards; returns process 0's
+        ``RestoredCheckpoint`` (extras included). A config mismatch raises
+        ``CheckpointMismatchError`` on every process alike (the same files are read)."""
+        self._send(RESTORE, (step, config))
+        return restore_learner(self.learner, checkpointer, step, config)
+
     def stop(self) -> None:
         """Followers return from `follow` (idempotent)."""
         if self.distributed and not self.stopped:
@@ -231,6 +243,13 @@ def saved_state(state, extras: dict):
     return dataclasses.replace(state, policy_event=as_array(event, np.int32))
 
 
+def restore_learner(learner: Any, checkpointer: Any, step: int, config: Any):
+    """``learner.state`` = checkpoint ``step``'s train state (placed like the current one)."""
+    restored = checkpointer.restore(learner.state, expected_config=config, step=step)
+    learner.state = restored.train_state
+    return restored
+
+
 def follow(learner: Any, checkpointer: Any = None) -> int:
     """A follower process's loop: run process 0's learner commands on ``learner`` until
     STOP; returns the number of learner calls."""
@@ -244,11 +263,15 @@ def follow(learner: Any, checkpointer: Any = None) -> int:
             calls += 1
         elif command == WEIGHTS:
             learner.weights()
+        elif command in (SAVE, RESTORE) and checkpointer is None:
+            raise RuntimeError(f"learner follower: process 0 sent {COMMAND_NAMES[command]}, this process has no "
+                               "checkpointer")
         elif command == SAVE:
-            if checkpointer is None:
-                raise RuntimeError("learner follower: process 0 saves a checkpoint, this process has no checkpointer")
             step, extras, config = payload
             checkpointer.save(step, saved_state(learner.state, extras), extras, config=config)
+        elif command == RESTORE:
+            step, config = payload
+            restore_learner(learner, checkpointer, step, config)
         else:
             raise RuntimeError(f"learner follower: unexpected {COMMAND_NAMES[command]} command")
 

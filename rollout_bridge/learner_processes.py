@@ -47,9 +47,6 @@ def start_distributed(cfg: TrainConfig) -> None:
         settings = distributed.settings_from_env()
     except ValueError as error:
         raise UserError(str(error)) from None
-    if cfg.resume:
-        raise UserError("--resume with --distributed: restoring a checkpoint onto several learner processes is not "
-                        "wired yet; resume with one learner process")
     settings = distributed.initialize(settings)
     log(f"learner process {settings.process_id} of {settings.num_processes}")
 

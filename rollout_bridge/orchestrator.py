@@ -263,6 +263,7 @@ class Orchestrator:
         self._has_publish_pending = False
         self._publish_task: asyncio.Future | None = None  # drain "none": the install running now
         self._last_update_end: float | None = None
+        self._publish_wait_since: float | None = None  # a full batch ready, held by a pending publish
         self._target = 0
         self._z_cache: dict[int, float] = {}
         self._z_step: np.float32 | None = None
@@ -490,9 +491,11 @@ class Orchestrator:
     # ------------------------------------------------------------------ consumption
     def _maybe_start_update(self) -> None:
         n = self.config.batch_size
-        if self._learner_task is not None or self._has_publish_pending or self.updates >= self._target:
+        if self._learner_task is not None or self.updates >= self._target or len(self._ready) < n:
             return
-        if len(self._ready) < n:
+        if self._has_publish_pending:  # the batch waits for the publish (its drain or the previous install)
+            if self._publish_wait_since is None:
+                self._publish_wait_since = asyncio.get_running_loop().time()
             return
         trajectories = tuple(self._ready[:n])
         del self._ready[:n]
@@ -515,10 +518,9 @@ class Orchestrator:
             dropped_groups_total=float(self.dropped_groups),
             dropped_group_trajectories_total=float(self.dropped_group_trajectories),
             lag_aborted_total=float(self.lag_aborted),
-            # loop time from the previous update's end to this start: waiting for data, a
-            # drain or a publish (0 for the first update of a run() call's learner)
-            learner_idle_s=0.0 if self._last_update_end is None else start - self._last_update_end,
+            **learner_wait_diagnostics(self._last_update_end, self._publish_wait_since, start),
         )
+        self._publish_wait_since = None
         self._learner_pending = _PendingUpdate(trajectories, raw, whitened, lag, diagnostics, start,
                                                self.policy_event)
         self._learner_task = asyncio.ensure_future(self._call_learner(learner_input))
@@ -607,6 +609,22 @@ def _tune_garbage_collector() -> None:
         young, middle, old = gc.get_threshold()
         gc.set_threshold(max(young, GC_GEN0_THRESHOLD), middle, old)
         _garbage_collector_tuned = True
+
+
+def learner_wait_diagnostics(last_update_end: float | None, publish_wait_since: float | None,
+                             start: float) -> dict[str, float]:
+    """The learner's idle time before an update, split by cause (loop seconds):
+
+        learner_idle_s          = start − previous update's end (0 for the run's first update)
+        learner_publish_wait_s  = start − the moment a full batch was ready but a publish was
+                                  pending (its drain, or the previous in-flight install); 0 if never
+        learner_batch_wait_s    = learner_idle_s − learner_publish_wait_s (waiting for rollouts)
+    """
+    idle = 0.0 if last_update_end is None else start - last_update_end
+    waited = 0.0 if publish_wait_since is None else start - publish_wait_since
+    publish_wait = min(idle, waited) if last_update_end is not None else waited
+    return {"learner_idle_s": idle, "learner_publish_wait_s": publish_wait,
+            "learner_batch_wait_s": max(0.0, idle - publish_wait)}
 
 
 def policy_lag_histogram(lag: np.ndarray, max_policy_lag: int) -> dict[str, float]:

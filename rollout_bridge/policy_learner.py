@@ -30,8 +30,10 @@ leaves the learner (log-probs, the weights to publish) is gathered to the host w
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from rollout_bridge import baselines
@@ -41,20 +43,18 @@ from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, m
                                make_optimizer, make_train_step)
 from spopp_jax.sharding import shard_global_batch, shard_train_state, train_state_sharding
 
+MIB = 2**20
+
 
 def multiprocess_mesh(mesh):
     """``mesh`` when the learner spans several processes, else None (one process: the
     state and batches stay as the caller placed them)."""
-    import jax
-
     return mesh if mesh is not None and jax.process_count() > 1 else None
 
 
 def to_host(tree):
     """A pytree of (possibly multi-process sharded) arrays as host numpy arrays; a
     collective when several processes hold shards (every process must call it)."""
-    import jax
-
     if jax.process_count() == 1:
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
@@ -84,8 +84,6 @@ class PolicyLearner:
         """The current policy as an NNX module (what the engine publishes); over a copy of
         the parameters with ``snapshot_weights`` (safe to install while the next step runs)."""
         if self.mesh is not None:  # gathered, on this process's first device: a copy no step donates
-            import jax
-
             return self.model_def.merge(jax.device_put(to_host(self.state.params), jax.local_devices()[0]))
         params = snapshot_params(self.state.params) if self.snapshot_weights else self.state.params
         return self.model_def.merge(params)
@@ -107,10 +105,25 @@ class PolicyLearner:
                   f"{metrics['grad_norm']}); parameters unchanged", flush=True)
         self.skip_guard.observe(metrics)
         if learner_input.previous is None:
-            return LearnerOutput(self.weights(), metrics)
+            return LearnerOutput(self._timed_weights(metrics), metrics)
         logp_then = np.asarray(to_host(logp_then))
         divergence = self.previous_divergences(learner_input.previous, logp_then)
-        return LearnerOutput(self.weights(), metrics, divergence, trained_logp=logp_then)
+        return LearnerOutput(self._timed_weights(metrics), metrics, divergence, trained_logp=logp_then)
+
+    def _timed_weights(self, metrics: dict):
+        """``weights()``, its seconds on the learner's thread as ``metrics["publish_snapshot_s"]``
+        (the snapshot's device-copy dispatch, or the multi-process gather): the part of a
+        publish the learner itself pays, apart from the orchestrator's publish wait; and
+        ``metrics["publish_snapshot_mib"]``, the copy's size (0 without a copy; a multi-process
+        learner's gathered copy is the full parameters, on process 0).
+        A copy lives until its publish is installed (one installing + at most one pending)."""
+        start = time.perf_counter()
+        weights = self.weights()
+        metrics["publish_snapshot_s"] = time.perf_counter() - start
+        copied = self.snapshot_weights or self.mesh is not None
+        full_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.state.params))  # the copy is never sharded
+        metrics["publish_snapshot_mib"] = full_bytes / MIB if copied else 0.0
+        return weights
 
     def previous_divergences(self, previous, logp_batch: np.ndarray) -> list[float | None]:
         """D_i of each y′ under the current (updated) parameters; None on a first visit."""

@@ -10,7 +10,7 @@ import pytest
 
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.engine.fake import FakeEngine, ScriptedReply, run_virtual
-from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig, policy_lag_histogram
+from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig, learner_wait_diagnostics, policy_lag_histogram
 from spopp_jax.config import RolloutSection
 from test_orchestrator import (  # noqa: F401  (chat is a fixture)
     FakeLearner, World, chat, replay_check_event_time, replay_check_whole_groups, reward_table,
@@ -144,11 +144,27 @@ def test_learner_waits_on_a_slow_publish_only_when_draining(chat, drain):
                                 pad_to_multiple=8)
     orch = run_orchestrator(world, config, 4, learner=FakeLearner(latency=0.5))
     idle = [r.diagnostics["learner_idle_s"] for r in orch.records[1:]]
+    on_publish = [r.diagnostics["learner_publish_wait_s"] for r in orch.records[1:]]
+    on_batch = [r.diagnostics["learner_batch_wait_s"] for r in orch.records[1:]]
+    assert on_publish == pytest.approx(np.subtract(idle, on_batch).tolist())
     if drain == "finish":
         assert min(idle) >= 5.0  # each update waited for the previous install
+        assert min(on_publish) >= 5.0  # with its batch ready all along (3 batches may be buffered)
     else:
         assert max(idle) < 5.0  # the next update trained while the install ran
         assert any(r.start_time < orch.records[i].end_time + 5.0 for i, r in enumerate(orch.records[1:]))
+        # the update after that one waits for the install (5 s) less the 0.5 s update it overlapped
+        assert max(on_publish) == pytest.approx(4.5)
+        assert on_publish[0] == 0.0
+
+
+def test_learner_wait_diagnostics_split_idle_time():
+    assert learner_wait_diagnostics(None, None, 3.0) == {
+        "learner_idle_s": 0.0, "learner_publish_wait_s": 0.0, "learner_batch_wait_s": 0.0}
+    split = learner_wait_diagnostics(10.0, 12.5, 14.0)  # 2.5 s for rollouts, then 1.5 s for a publish
+    assert split == {"learner_idle_s": 4.0, "learner_publish_wait_s": 1.5, "learner_batch_wait_s": 2.5}
+    # a batch ready before the previous update ended: all the idle time is the publish's
+    assert learner_wait_diagnostics(10.0, 9.0, 11.0)["learner_publish_wait_s"] == 1.0
 
 
 def test_drain_none_needs_an_inflight_engine(chat):

@@ -186,7 +186,9 @@ def test_launched_servers_serve_every_stage_and_report_a_restart(tmp_path, tiny_
 
         os.killpg(first[0]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while servers.metrics().get("server_restarts", 0) < 1:
+        # the launcher counts the restart, then respawns, then servers.json is rewritten: wait for both
+        while (servers.metrics().get("server_restarts", 0) < 1
+               or json.loads(state_file.read_text())["servers"][0]["restarts"] < 1):
             assert time.monotonic() < deadline, "the launcher never restarted the killed server"
             time.sleep(0.1)
         restarted = json.loads(state_file.read_text())["servers"][0]

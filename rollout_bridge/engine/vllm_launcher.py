@@ -15,6 +15,10 @@
   restarted server rejoin once it has loaded the current policy.
 * ``close()`` (also at interpreter exit): SIGTERM to every process group, SIGKILL after
   ``stop_grace_s``.
+* killed without ``close()`` (``kill -9`` of train.py, an OOM kill): a watchdog process
+  (``vllm_watchdog.py``, started with the first server, in its own session) holds a pipe
+  from this process; when the pipe closes it stops every server group still registered
+  (SIGTERM, SIGKILL after ``stop_grace_s``), the engine-core children included.
 
 ``command`` replaces the vLLM command line (tests use a stand-in server script).
 """
@@ -35,6 +39,7 @@ import urllib.error
 import urllib.request
 from typing import Callable, Sequence
 
+from rollout_bridge.engine import vllm_watchdog
 from rollout_bridge.engine.vllm_fleet import VllmServerSpec, vllm_server_argv, vllm_server_env
 
 logger = logging.getLogger(__name__)
@@ -150,6 +155,7 @@ class VllmServerLauncher:
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
+        self._watchdog: subprocess.Popen | None = None
         atexit.register(self.close)
 
     # ---------------------------------------------------------------- commands
@@ -186,13 +192,49 @@ class VllmServerLauncher:
                 self._servers.append(server)
         return self.specs()
 
+    def _start_watchdog(self) -> None:
+        """The guard that stops the server groups if this process dies without ``close``."""
+        if self._watchdog is not None:
+            return
+        with open(os.path.join(self.log_dir, "watchdog.log"), "ab") as log:
+            self._watchdog = subprocess.Popen([sys.executable, vllm_watchdog.__file__, str(self.config.stop_grace_s)],
+                                              stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True)
+
+    def _tell_watchdog(self, sign: str, pgid: int) -> None:
+        """Register (``+``) or release (``-``) a server's process group with the watchdog."""
+        if self._watchdog is None or self._watchdog.stdin is None:
+            return
+        try:
+            self._watchdog.stdin.write(f"{sign}{pgid}\n".encode())
+            self._watchdog.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            logger.warning("server watchdog gone (log %s/watchdog.log): servers would outlive a killed trainer",
+                           self.log_dir)
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is None:
+            return
+        try:
+            self._watchdog.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self._watchdog.wait(timeout=self.config.stop_grace_s + GROUP_EXIT_AFTER_KILL_S)
+        except subprocess.TimeoutExpired:
+            self._watchdog.kill()
+            self._watchdog.wait()
+        self._watchdog = None
+
     def _spawn(self, server: LaunchedServer) -> None:
+        self._start_watchdog()
         argv = [str(a) for a in self._command(server.index, server.port)]
         with open(server.log_path, "ab") as log:
             log.write(f"# launch {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(argv)}\n".encode())
             log.flush()
             server.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                               env=self._server_env(server), start_new_session=True)
+        self._tell_watchdog("+", server.process.pid)  # its own session: pgid = pid
         server.state = RUNNING
         logger.info("vLLM server %d: pid %d on %s (log %s)", server.index, server.process.pid, server.url,
                     server.log_path)
@@ -233,6 +275,7 @@ class VllmServerLauncher:
                     server.restarts += 1
                     self.stats.restarts += 1
                     _signal_group(server.process, signal.SIGKILL)  # orphaned engine / worker children
+                    self._tell_watchdog("-", server.process.pid)
                     logger.warning("vLLM server %d died (exit %s); restart %d/%d", server.index, code,
                                    server.restarts, self.config.max_restarts)
                     self._spawn(server)
@@ -280,6 +323,9 @@ class VllmServerLauncher:
             for server in self._servers:
                 if server.state != DROPPED:
                     server.state = STOPPED
+                if server.process is not None:
+                    self._tell_watchdog("-", server.process.pid)
+            self._stop_watchdog()
         atexit.unregister(self.close)
 
 
@@ -287,7 +333,9 @@ GROUP_EXIT_AFTER_KILL_S = 10.0  # how long close() waits for a SIGKILLed group t
 
 
 def _wait_group_gone(pgid: int, deadline: float) -> bool:
-    """Whether no process of group ``pgid`` is left by ``deadline`` (polled)."""
+    """Whether no process of group ``pgid`` is left by ``deadline`` (polled). Zombies count
+    until they are reaped: callers (the CI test) check with ``killpg(pgid, 0)`` right after
+    ``close`` returns; the watchdog, which only has to stop processes, ignores them."""
     while True:
         try:
             os.killpg(pgid, 0)
