@@ -55,6 +55,7 @@ ORCHESTRATOR_DERIVED = {
     "z0": "0: the prior's coordinate (SPEC 2)",
     "pad_to_multiple": "agent.max_total_tokens: every batch [B, max_seq_len], one compile",
     "keep_history": "False: bounded memory, records stream to the metric sinks",
+    "tune_gc": "True (the default): train.py is the whole process, so the process-wide collector tuning is its to make",
     "seed": "the job seed",
 }
 
