@@ -167,7 +167,7 @@ class WarmStartSection:
     learning_rate: float = 1e-2
     weight_decay: float = 0.0
     max_length: int = 512
-    loss_on: Literal["final_message", "all_assistant"] = "all_assistant"
+    loss_on: Literal["final_message", "all_assistant", "all_tokens"] = "all_assistant"
 
     def __post_init__(self):
         _check_literals("warmstart", self)
