@@ -28,7 +28,7 @@ class RunPaths:
     root: Path
 
     warmstart_model = property(lambda self: self.root / "warmstart_model")
-    warmstart_record = property(lambda self: self.root / "warmstart_model" / "warmstart.json")
+    warmstart_record = property(lambda self: self.root / "warmstart_model" / "warmstart.json")  # WARMSTART_RECORD_NAME
     prior = property(lambda self: self.root / "prior.json")
     checkpoints = property(lambda self: self.root / "checkpoints")
     eval_after = property(lambda self: self.root / "eval_after.json")
@@ -148,6 +148,35 @@ class UpdateLogger:
 
 
 # ------------------------------------------------------------------ stage: warm start
+# Bump when the code that turns games into SFT examples (observation text, reply format,
+# tokenization) or runs the SFT changes in a way the config does not show.
+WARMSTART_RECIPE_VERSION = 2
+WARMSTART_RECORD_NAME = "warmstart.json"
+
+
+def folder_digest(folder: Path, skip: tuple[str, ...] = (WARMSTART_RECORD_NAME,)) -> str:
+    """sha1 over every file under `folder` (relative path and bytes, in sorted order)."""
+    digest = hashlib.sha1()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name not in skip):
+        digest.update(str(path.relative_to(folder)).encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def warmstart_key(cfg, base: Path) -> dict:
+    """Everything the warm-start SFT result depends on, so a cached warm start is reused
+    only when it would come out the same: the ``model``, ``env`` (which games, their
+    observation text and reply format) and ``warmstart`` sections, the job seed (SFT batch
+    order), the optimizer fields the SFT step reads, the base model's files (content, not
+    path) and ``WARMSTART_RECIPE_VERSION``."""
+    key = stage_key(cfg, "model", "env", "warmstart")
+    key.update(seed=cfg.seed, max_grad_norm=cfg.optim.max_grad_norm, logprob_chunk_size=cfg.optim.logprob_chunk_size,
+               base=folder_digest(base), recipe_version=WARMSTART_RECIPE_VERSION)
+    return key
+
+
 def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_config) -> Path:
     """SFT on the warm-start walkthroughs (``warmstart.*``); the initial RL policy's folder."""
     from rollout_bridge.warmstart import run_sft, sft_examples
@@ -157,8 +186,7 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
     ws = cfg.warmstart
     if not ws.enabled or warm_tasks is None:
         return base
-    key = stage_key(cfg, "model", "env", "warmstart")
-    key["base"] = str(base)
+    key = warmstart_key(cfg, base)
     if paths.warmstart_record.exists():
         record = json.loads(paths.warmstart_record.read_text())
         if record.get("key") == key:
@@ -225,7 +253,7 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
         half = np.full(env.num_tasks, 0.5, np.float32)
         return half, half.copy(), None
     key = stage_key(cfg, "model", "env", "warmstart", "prior", "rollout")
-    key.update(rho=rho, policy=str(policy))
+    key.update(rho=rho, seed=cfg.seed, policy=folder_digest(policy))   # the policy's content, not its path
     if paths.prior.exists():
         record = json.loads(paths.prior.read_text())
         if record.get("key") == key:

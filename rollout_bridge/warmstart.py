@@ -12,7 +12,10 @@ would have produced it had the policy typed the teacher's commands:
 
 with action_mask = 1 exactly on `[cmd_k ids, stop]` (what the policy samples) for every k
 (`loss_on="all_assistant"`), or only for the LAST reply (`loss_on="final_message"`, the
-paper's Math-TIR cold start, SPEC 6: earlier replies and tool outputs are context). The SFT
+paper's Math-TIR cold start, SPEC 6: earlier replies and tool outputs are context), or on
+every token but the first (`loss_on="all_tokens"`: language modelling of the observations
+too, which teaches a tiny random model to copy names from its context far sooner than the
+few reply tokens alone; RL still trains only the replies). The SFT
 step (`spopp_jax.learner.make_sft_step`) minimises
     -Σ action_mask · log p(x_t | x_<t) / Σ action_mask     (global token-mean)
 """
@@ -25,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-LOSS_ON = ("final_message", "all_assistant")
+LOSS_ON = ("final_message", "all_assistant", "all_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,7 @@ def check_loss_on(loss_on: str) -> str:
 def demonstration_example(chat, pairs: Sequence[tuple[str, str]],
                           loss_on: str = "all_assistant") -> SFTExample:
     """Tokenize (observation, command) turns the way the agent loop builds a trajectory;
-    the loss mask covers every reply or only the last one (``loss_on``)."""
+    the loss mask covers every reply, only the last one, or every token (``loss_on``)."""
     if not pairs:
         raise ValueError("pairs is empty")
     check_loss_on(loss_on)
@@ -67,6 +70,8 @@ def demonstration_example(chat, pairs: Sequence[tuple[str, str]],
         ids += reply
         trained = loss_on == "all_assistant" or k == len(pairs) - 1
         mask += [trained] * len(reply)
+    if loss_on == "all_tokens":
+        mask = [False] + [True] * (len(ids) - 1)
     return SFTExample(tuple(ids), tuple(mask))
 
 

@@ -102,7 +102,8 @@ class EnvSection:
     Observations: the game text cut to `max_feedback_chars`, then the admissible commands,
     numbered when `numbered_actions` (the reply may then be the number), in a fresh random
     order every turn when `shuffle_actions`; `free_text_commands=False` plays only a shown
-    command's number (any other reply spends the turn); the goal heads every observation,
+    command's number (any other reply spends the turn); `reply_format` "command_number" lists
+    and replies "<command> = <number>" (only the number is played); the goal heads every observation,
     or only the first when `goal_every_turn=False`. `heldout_games` generated games
     (seeds from `heldout_seed`, disjoint from the training set) are evaluated before and
     after RL, never trained on."""
@@ -121,6 +122,9 @@ class EnvSection:
     shuffle_actions: bool = False
     free_text_commands: bool = True
     goal_every_turn: bool = True
+    # numbered actions: reply "3" to a list "3 go south | ..." (number), or "go south = 3"
+    # to a list "go south = 3 | ..." (command_number: the text first, only the number is played)
+    reply_format: Literal["number", "command_number"] = "number"
     warmstart_games: int = 48
     warmstart_seed: int = 100_000
     warmstart_orders: int = 1   # shuffled actions: each walkthrough shown in this many orders
@@ -161,7 +165,7 @@ class WarmStartSection:
     learning_rate: float = 1e-2
     weight_decay: float = 0.0
     max_length: int = 512
-    loss_on: Literal["final_message", "all_assistant"] = "all_assistant"
+    loss_on: Literal["final_message", "all_assistant", "all_tokens"] = "all_assistant"
 
     def __post_init__(self):
         _check_literals("warmstart", self)

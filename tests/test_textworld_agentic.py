@@ -9,13 +9,15 @@ command sequence (the DP's recursion, SPEC-style, checked against the definition
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 
 from rollout_bridge.envs.textworld_blind import _GameLogic, blind_ceilings, random_walk_success
-from rollout_bridge.envs.textworld_env import (NOT_A_NUMBER_FEEDBACK, ObservationStyle, TextWorldTasks)
+from rollout_bridge.envs.textworld_env import (NOT_A_NUMBER_FEEDBACK, ObservationStyle, TextWorldTasks,
+                                               resolve_command, shown_number)
 from rollout_bridge.envs.textworld_games import GameSetSpec, generate_game_set, set_signatures
 
 # 2 rooms, quest length 2: small enough to enumerate every 3-command sequence.
@@ -24,6 +26,7 @@ AGENTIC = ObservationStyle(max_feedback_chars=600, numbered_actions=True, shuffl
                            free_text=False, shuffle_seed=0, goal_every_turn=False)
 BLIND_EPISODES = 150      # Monte-Carlo episodes per blind policy through the real game
 MC_SIGMAS = 4.0           # tolerance of the Monte-Carlo check, in binomial SEs
+COMMAND_NUMBER = dataclasses.replace(AGENTIC, reply_format="command_number")
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +73,11 @@ def test_orders_differ_between_episodes_and_repeat_on_reset(tasks):
     assert tuple(episode.admissible) == again
 
 
-@pytest.mark.parametrize("reply", ["open door", "0", "99", "", "go north"])
+@pytest.mark.parametrize("reply", ["open door", "0", "99", "", "go north", "<a shown command>"])
 def test_a_reply_that_is_no_shown_number_plays_nothing(tasks, reply):
     episode = tasks.episode(1)
     episode.reset()
+    reply = episode.admissible[0] if reply == "<a shown command>" else reply   # its text is no number
     before = sorted(episode.admissible)
     outcome = episode.step(reply)
     assert NOT_A_NUMBER_FEEDBACK in outcome.observation and outcome.reward == 0.0
@@ -173,3 +177,74 @@ def test_a_game_its_walkthrough_cannot_win_is_skipped(tmp_path):
     assert not list(tmp_path.iterdir())
     fine = generate_game(100172, spec, tmp_path / "game_100172.z8")
     assert fine is not None and fine["walkthrough"]
+
+
+@pytest.mark.parametrize("reply, number", [
+    ("3", 3), ("go south = 3", 3), ("go south=12", 12), ("  take key from box =  2 ", 2),
+    ("a = b = 4", 4), ("0", 0)])
+def test_command_number_reply_names_the_number_after_the_last_equals(reply, number):
+    assert shown_number(reply, "command_number") == number
+
+
+@pytest.mark.parametrize("reply", ["go south", "go south =", "= ", "", "go south = 3a", "3 = go south",
+                                   "go south = -1", "go south = 2.5", "go south = \u00b2"])
+def test_malformed_command_number_replies_name_no_number(reply):
+    assert shown_number(reply, "command_number") is None
+
+
+def test_number_format_accepts_only_a_bare_number():
+    assert shown_number("3", "number") == 3
+    assert shown_number("go south = 3", "number") is None
+    assert resolve_command("go south = 3", ["a", "b", "c"], True, "number") == "go south = 3"
+    with pytest.raises(ValueError, match="reply_format"):
+        shown_number("3", "text")
+    with pytest.raises(ValueError, match="reply_format"):
+        ObservationStyle(reply_format="text")
+
+
+def test_command_number_lists_text_then_number_and_plays_only_the_number(tasks):
+    """The list reads "<command> = <k>"; the reply's text is ignored: the command played is
+    the k-th shown, even when the text names another command."""
+    episode = TextWorldTasks(tasks.game_files, tasks.root, max_turns=6, style=COMMAND_NUMBER).episode(0)
+    first = episode.reset()
+    shown = list(episode.admissible)
+    assert f"{shown[0]} = 1 | {shown[1]} = 2" in first
+    assert episode.reply_for(shown[1]) == f"{shown[1]} = 2"
+    outcome = episode.step(f"{shown[1]} = 1")
+    assert outcome.info["command"] == shown[0]
+    for reply in (shown[0], f"{shown[0]} = {len(shown) + 1}", f"{shown[0]} = 0"):
+        outcome = episode.step(reply)
+        assert outcome.info.get("not_a_number") and len(episode.commands) == 1
+
+
+def test_command_number_demonstrations_win(tasks):
+    replay = TextWorldTasks(tasks.game_files, tasks.root, max_turns=3, style=COMMAND_NUMBER)
+    for t in range(replay.num_tasks):
+        pairs = replay.demonstration(t)
+        assert all(shown_number(reply, "command_number") is not None and " = " in reply for _, reply in pairs)
+
+
+def test_blind_command_number_replies_match_the_ceiling(files, tasks):
+    """The ceiling argument for "command_number": a blind policy that always types the same
+    command text (the walkthrough's first command of game 0) with number 1 plays a uniformly
+    random shown command, whatever the text says; through the real game its success
+    matches the exact ceiling within Monte-Carlo error."""
+    replay = TextWorldTasks(tasks.game_files, tasks.root, max_turns=3, style=COMMAND_NUMBER)
+    walkthrough_first = replay.demonstration(0)[0][1].rpartition("=")[0].strip()
+    ceiling = blind_ceilings(files, replay.max_turns)
+    task_ids = np.random.default_rng(1).integers(0, replay.num_tasks, BLIND_EPISODES)
+    wins, hits, firsts = [], 0, 0
+    for t in task_ids:
+        episode = replay.episode(int(t))
+        episode.reset()
+        while not episode.done:
+            outcome = episode.step(f"{walkthrough_first} = 1")
+            if t == 0 and episode.turns == 1:
+                firsts += 1
+                hits += outcome.info["command"] == walkthrough_first
+        wins.append(episode.won)
+        episode.close()
+    expected = float(ceiling[task_ids].mean())
+    se = np.sqrt(max(expected * (1 - expected), 1e-3) / BLIND_EPISODES)
+    assert abs(np.mean(wins) - expected) < MC_SIGMAS * se, (np.mean(wins), expected)
+    assert hits < firsts   # the text did not choose the command

@@ -66,6 +66,18 @@ def test_demonstration_matches_the_agent_loop_token_for_token(tasks, chat):
         assert sum(example.action_mask) == expected == trajectory.num_action_tokens
 
 
+def test_loss_on_all_tokens_trains_every_token_but_the_first(tasks, chat):
+    pairs = tasks.demonstration(0)
+    replies_only = demonstration_example(chat, pairs, "all_assistant")
+    every = demonstration_example(chat, pairs, "all_tokens")
+    assert every.token_ids == replies_only.token_ids
+    assert every.action_mask == (False,) + (True,) * (len(every.token_ids) - 1)
+    last_only = demonstration_example(chat, pairs, "final_message")
+    assert 0 < sum(last_only.action_mask) < sum(replies_only.action_mask) < sum(every.action_mask)
+    with pytest.raises(ValueError, match="loss_on"):
+        demonstration_example(chat, pairs, "observations")
+
+
 def test_pack_and_batches(tasks, chat):
     examples = sft_examples(tasks, chat)
     arrays = pack_sft_batch(examples, pad_id=chat.tokenizer.pad_token_id, width=512)

@@ -177,7 +177,7 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
     env = cfg.env
     style = ObservationStyle(env.max_feedback_chars, env.numbered_actions, env.shuffle_actions,
                              env.free_text_commands, shuffle_seed=cfg.seed,
-                             goal_every_turn=env.goal_every_turn)
+                             goal_every_turn=env.goal_every_turn, reply_format=env.reply_format)
 
     def task_set(name: str, count: int, seed: int, exclude=(), what: str = ""):
         spec = games.GameSetSpec(name, count, seed, env.world_size, env.nb_objects, env.quest_length)

@@ -13,8 +13,14 @@ admissible commands of the current state:
     <game feedback>
     Actions: go east | open cabinet | ...
 
-With `numbered_actions` the commands are numbered ("1 go east | 2 open cabinet") and the
-reply may be the number. With `shuffle_actions` the list is shown in a fresh uniformly
+With `numbered_actions` the commands are numbered and the reply may be the number. Two
+reply formats (`reply_format`):
+  "number":          list "1 go east | 2 open cabinet", reply "2";
+  "command_number":  list "go east = 1 | open cabinet = 2", reply "open cabinet = 2" (or
+                     just "2"): the command text first, then its number. Only the number is
+                     played (`shown_number`); the text before the last "=" is ignored. The
+                     number then follows text that occurred earlier in the prompt, which an
+                     induction head can copy (a number-first list needs a two-hop lookup). With `shuffle_actions` the list is shown in a fresh uniformly
 random order at every turn (seeded per episode), so a number means nothing without
 reading the list; with `free_text=False` a reply that is not the number of a shown command
 is answered "Reply with the number of one of the actions." and changes nothing (a turn is
@@ -52,6 +58,8 @@ from rollout_bridge.envs.textworld_games import list_game_files, task_name_for
 MAX_COMMAND_CHARS = 120
 MAX_FEEDBACK_CHARS = 600
 NOT_A_NUMBER_FEEDBACK = "Reply with the number of one of the actions."
+REPLY_FORMATS = ("number", "command_number")
+NUMBER_SEPARATOR = " = "   # command_number: "<command> = <number>"
 _PROMPT_TAIL = re.compile(r"\n\s*>[^\n]*$", re.S)   # "\n>   -= Room =-0/1" status line
 _BLANK_LINES = re.compile(r"\n\s*\n+")
 
@@ -76,29 +84,56 @@ def clean_feedback(text: str, max_chars: int = MAX_FEEDBACK_CHARS) -> str:
     return text
 
 
+def check_reply_format(reply_format: str) -> str:
+    if reply_format not in REPLY_FORMATS:
+        raise ValueError(f"reply_format must be one of {REPLY_FORMATS}, got {reply_format!r}")
+    return reply_format
+
+
+def numbered_command(command: str, number: int, reply_format: str = "number") -> str:
+    """How command `number` (1-based) is listed, and what the policy types to play it:
+    "3 go south" ("number" list; the reply is just "3") or "go south = 3" ("command_number")."""
+    if check_reply_format(reply_format) == "command_number":
+        return f"{command}{NUMBER_SEPARATOR}{number}"
+    return f"{number} {command}"
+
+
+def shown_number(reply: str, reply_format: str = "number") -> int | None:
+    """The number a (sanitized) reply names, else None: the whole reply "3" in either
+    format; with "command_number" also the digits after the reply's last "=" ("go south = 3"
+    -> 3; the text before it is ignored). ASCII digits only."""
+    check_reply_format(reply_format)
+    tail = reply.rpartition("=")[2] if reply_format == "command_number" else reply
+    tail = tail.strip()
+    return int(tail) if tail and tail.isascii() and tail.isdigit() else None
+
+
 def format_observation(objective: str, feedback: str, admissible: Sequence[str],
-                       numbered: bool = False, with_goal: bool = True) -> str:
+                       numbered: bool = False, with_goal: bool = True, reply_format: str = "number") -> str:
     if numbered:
-        actions = " | ".join(f"{i} {command}" for i, command in enumerate(admissible, 1))
+        actions = " | ".join(numbered_command(command, i, reply_format) for i, command in enumerate(admissible, 1))
     else:
         actions = " | ".join(admissible)
     goal = f"Goal: {objective.strip()}\n" if with_goal else ""
     return f"{goal}{feedback}\nActions: {actions}"
 
 
-def resolve_command(command: str, admissible: Sequence[str], numbered: bool) -> str:
-    """With numbered actions, a reply "k" (1-based) stands for the k-th admissible
-    command shown; anything else (other numbers too) is sent to the game as typed."""
-    if numbered and command.isdigit() and 1 <= int(command) <= len(admissible):
-        return admissible[int(command) - 1]
+def resolve_command(command: str, admissible: Sequence[str], numbered: bool, reply_format: str = "number") -> str:
+    """With numbered actions, a reply naming number k (1-based, `shown_number`) stands for
+    the k-th admissible command shown; anything else (other numbers too) is sent to the
+    game as typed."""
+    number = shown_number(command, reply_format) if numbered else None
+    if number is not None and 1 <= number <= len(admissible):
+        return admissible[number - 1]
     return command
 
 
-def reply_for_command(command: str, admissible: Sequence[str], numbered: bool) -> str:
-    """What the policy should type to issue `command` (its 1-based number if numbered and
-    admissible; `resolve_command` inverts it)."""
+def reply_for_command(command: str, admissible: Sequence[str], numbered: bool, reply_format: str = "number") -> str:
+    """What the policy should type to issue `command` ("3", or "go south = 3" with
+    "command_number", if numbered and admissible; `resolve_command` inverts it)."""
     if numbered and command in admissible:
-        return str(list(admissible).index(command) + 1)
+        number = list(admissible).index(command) + 1
+        return str(number) if reply_format == "number" else numbered_command(command, number, reply_format)
     return command
 
 
@@ -171,8 +206,10 @@ class ObservationStyle:
     free_text: bool = True          # False: only a shown command's number is played
     shuffle_seed: int = 0           # episode k of a task set shuffles with (shuffle_seed, k)
     goal_every_turn: bool = True    # False: the goal only in the first observation
+    reply_format: str = "number"    # numbered: "number" ("3") | "command_number" ("go south = 3")
 
     def __post_init__(self):
+        check_reply_format(self.reply_format)
         if self.max_feedback_chars < 1:
             raise ValueError(f"max_feedback_chars must be >= 1, got {self.max_feedback_chars}")
         if not (self.numbered_actions or self.free_text):
@@ -212,7 +249,8 @@ class TextWorldEpisode:
     def _observation(self, feedback: str) -> str:
         return format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
                                   self.admissible, self.style.numbered_actions,
-                                  with_goal=self.style.goal_every_turn or self.turns == 0)
+                                  with_goal=self.style.goal_every_turn or self.turns == 0,
+                                  reply_format=self.style.reply_format)
 
     def _show(self, admissible) -> list[str]:
         """The game's (sorted) admissible commands in the order shown this turn."""
@@ -234,7 +272,7 @@ class TextWorldEpisode:
 
     def reply_for(self, command: str) -> str:
         """What the policy should type to issue `command` now (its number if numbered)."""
-        return reply_for_command(command, self.admissible, self.style.numbered_actions)
+        return reply_for_command(command, self.admissible, self.style.numbered_actions, self.style.reply_format)
 
     def _replay(self) -> None:
         self.close()
@@ -248,10 +286,10 @@ class TextWorldEpisode:
             raise RuntimeError("call reset() before step()")
         if self.done:
             raise RuntimeError("episode is over; call reset()")
-        command = resolve_command(sanitize_command(text), self.admissible,
-                                  self.style.numbered_actions)
+        reply = sanitize_command(text)
+        command = resolve_command(reply, self.admissible, self.style.numbered_actions, self.style.reply_format)
         self.turns += 1
-        if not self.style.free_text and command not in self.admissible:
+        if not self.style.free_text and not self._names_a_shown_number(reply):
             return self._not_a_number(command)
         error = None
         try:
@@ -271,6 +309,13 @@ class TextWorldEpisode:
         if error is not None:
             info["error"] = error
         return StepOutcome(self._observation(feedback), reward, self.done, self.won, info)
+
+    def _names_a_shown_number(self, reply: str) -> bool:
+        """Whether `reply` names the number of a command shown this turn. (Typing a shown
+        command's text is not enough: with free_text=False only numbers are played, which
+        is what makes the prompt-blind ceiling exact.)"""
+        number = shown_number(reply, self.style.reply_format)
+        return number is not None and 1 <= number <= len(self.admissible)
 
     def _not_a_number(self, command: str) -> StepOutcome:
         """free_text=False and the reply is no shown command's number: nothing is played,

@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Does a warm start read? A cheap probe without rollouts: the teacher-forced negative
+log-likelihood of the walkthrough replies of held-out games, split by the part of the reply.
+
+    python scripts/warmstart_probe.py --config_path configs/textworld_agentic.yaml [--games 8]
+
+reads `<output_dir>/warmstart_model` (made by `python train.py --stage warmstart` with the
+same config) and prints, averaged over every reply of the first `--games` held-out games
+(`env.heldout_games`; the training games when there are none):
+
+    first   the reply's first token (which command: the choice a reading policy makes)
+    text    the rest of the command text (copied from the list / goal with reply_format
+            command_number)
+    number  the number after the last "=" (command_number) or the whole reply (number):
+            what the environment plays. A policy that does not find the command's number
+            in the shuffled list is near ln(#commands shown) here (~2.1-2.4 nats).
+
+The model is loaded with transformers (PyTorch), a reference nobody here wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+NUMBER_MARK = "="   # command_number replies: "<command> = <k>"
+
+
+def reply_spans(action_mask) -> list[np.ndarray]:
+    """Target positions (index into ids[1:]) of each reply: the runs of the action mask."""
+    positions = np.nonzero(np.asarray(action_mask[1:]))[0]
+    return np.split(positions, np.nonzero(np.diff(positions) > 1)[0] + 1) if positions.size else []
+
+
+def split_reply(tokens: list[str]) -> tuple[slice, slice, slice]:
+    """(first, text, number) slices of one reply's tokens (the last one is the stop token):
+    the number is what follows the last token holding "=", or the whole reply without it."""
+    body = len(tokens) - 1
+    marks = [i for i, token in enumerate(tokens[:body]) if NUMBER_MARK in token]
+    if not marks:
+        return slice(0, 0), slice(0, 0), slice(0, body)
+    return slice(0, 1), slice(1, marks[-1]), slice(marks[-1] + 1, body)
+
+
+def probe(cfg, games: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_bridge import components as build
+    from rollout_bridge.envs.kinds import build_env
+    from rollout_bridge.warmstart import demonstration_example
+
+    folder = Path(cfg.output_dir) / "warmstart_model"
+    if not folder.is_dir():
+        raise SystemExit(f"{folder} does not exist: run `python train.py --stage warmstart` with this config first")
+    env = build_env(cfg, False, lambda _: None, False)
+    tasks = env.held_out if env.held_out is not None else env.train
+    chat = build.load_chat(folder)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    parts: dict[str, list[float]] = {"first": [], "text": [], "number": []}
+    for task in range(min(games, tasks.num_tasks)):
+        example = demonstration_example(chat, tasks.demonstration(task))
+        ids = torch.tensor([example.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        nll = -logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].numpy()
+        for span in reply_spans(example.action_mask):
+            tokens = [chat.tokenizer.decode([int(example.token_ids[i + 1])]) for i in span]
+            for name, part in zip(parts, split_reply(tokens)):
+                if part.stop > part.start:
+                    parts[name].append(float(nll[span[part]].mean()))
+    return {name: float(np.mean(values)) if values else float("nan") for name, values in parts.items()}
+
+
+def main(argv=None) -> None:
+    import train
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--games", type=int, default=8, help="held-out games whose walkthroughs are scored")
+    args, rest = parser.parse_known_args(argv)
+    cfg = train.parse_config(rest)
+    result = probe(cfg, args.games)
+    print(f"warm start {cfg.output_dir}: mean NLL per reply part (nats) " +
+          ", ".join(f"{name} {value:.2f}" for name, value in result.items()) + f" (load {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
