@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 from pathlib import Path
 
 import numpy as np
+from _hardware import cpu_model
 
 from rollout_bridge.envs.alfworld_env import NUMBER_SEPARATOR, AlfworldTasks
 from rollout_bridge.envs.textworld_env import ObservationStyle
@@ -99,7 +99,7 @@ def main() -> None:
     per_game = np.stack([game_counts(model, chat, tasks, t, args.command_numbers)
                          for t in range(tasks.num_tasks)])
     turns = per_game[:, 0].sum()
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    print(f"{cpu_model()}, {os.cpu_count()} cores, "
           f"1-min load average {os.getloadavg()[0]:.1f}")
     print(f"{args.model} on {tasks.num_tasks} games, {int(turns)} teacher turns "
           f"({'command = number' if args.command_numbers else 'number'} replies)")
