@@ -137,6 +137,10 @@ class EnvSection:
     heldout_dir: Optional[str] = None
     max_distractors: int = 6
     max_receptacles: Optional[int] = None
+    # kind=alfworld only: task types generated (None = all six); actions listed and
+    # replied as "<command> = <number>" (rollout_bridge.envs.alfworld_env)
+    alfworld_task_types: Optional[tuple[str, ...]] = None
+    command_numbers: bool = False
 
     def __post_init__(self):
         _check_literals("env", self)
@@ -152,6 +156,8 @@ class EnvSection:
         _check(self.max_distractors >= 0, "env.max_distractors", ">= 0", self.max_distractors)
         _check(self.max_receptacles is None or self.max_receptacles >= 4,
                "env.max_receptacles", "null or >= 4", self.max_receptacles)
+        _check(self.alfworld_task_types is None or len(self.alfworld_task_types) > 0,
+               "env.alfworld_task_types", "null or non-empty", self.alfworld_task_types)
 
 
 @dataclass

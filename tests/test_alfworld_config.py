@@ -65,3 +65,28 @@ def test_missing_heldout_dir_is_named(tmp_path):
 
     with pytest.raises(UserError, match=r"env.heldout_dir=.*does not exist"):
         build_env(_alfworld_cfg("--env.heldout_dir", str(tmp_path / "nope")), False)
+
+
+def test_unknown_alfworld_task_type_is_named():
+    from rollout_bridge.envs.kinds import build_env
+    from spopp_jax.run_errors import UserError
+
+    with pytest.raises(UserError, match=r"env.alfworld_task_types: unknown \['pick_banana'\]"):
+        build_env(_alfworld_cfg("--env.alfworld_task_types", "[pick_and_place_simple,pick_banana]"), False)
+
+
+def test_task_types_and_command_numbers_reach_the_task_sets(monkeypatch):
+    from rollout_bridge.envs import alfworld_tasks
+    from rollout_bridge.envs.kinds import build_env
+
+    seen = {}
+
+    def fake_build(config, progress=None):
+        seen["config"] = config
+        raise RuntimeError("stop after the config")
+    monkeypatch.setattr(alfworld_tasks, "build_task_sets", fake_build)
+    with pytest.raises(RuntimeError, match="stop after the config"):
+        build_env(_alfworld_cfg("--env.alfworld_task_types", "[look_at_obj_in_light]",
+                                "--env.command_numbers", "true"), False)
+    assert seen["config"].task_types == ("look_at_obj_in_light",)
+    assert seen["config"].command_numbers and seen["config"].style.max_feedback_chars == 240

@@ -18,6 +18,9 @@ from rollout_bridge.envs.alfworld_env import (  # noqa: E402
     ALFWORLD_MAX_TURNS,
     AlfworldEnv,
     AlfworldTasks,
+    command_number_list,
+    command_number_reply,
+    resolve_command_number,
     split_intro,
 )
 from rollout_bridge.envs.base import Environment, StepResult  # noqa: E402
@@ -253,3 +256,41 @@ def test_concurrent_episodes_in_threads_do_not_break(generated):
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+ADMISSIBLE = ["examine drawer 1", "go to bed 1", "go to drawer 2", "look", "open drawer 1"]
+
+
+@pytest.mark.parametrize("reply, played", [
+    ("go to drawer 2 = 3", "go to drawer 2"),     # command and its number
+    ("go to drawer 2 = 5", "go to drawer 2"),     # a wrong number: the command text plays
+    ("go to drawer 9 = 5", "open drawer 1"),      # not a command: its number plays
+    ("go to drawer 2", "go to drawer 2"),         # the command alone
+    ("go to drawer 9 = 6", "go to drawer 9 = 6"),  # neither: sent as typed (the game answers)
+    ("3", "3"),                                   # a bare number is not this format's reply
+])
+def test_command_number_replies_resolve(reply, played):
+    assert resolve_command_number(reply, ADMISSIBLE) == played
+
+
+def test_command_number_list_and_reply_round_trip():
+    shown = command_number_list(ADMISSIBLE)
+    assert shown[0] == "examine drawer 1 = 1" and shown[-1] == "open drawer 1 = 5"
+    for k, command in enumerate(ADMISSIBLE, 1):
+        reply = command_number_reply(command, ADMISSIBLE)
+        assert reply == shown[k - 1] and resolve_command_number(reply, ADMISSIBLE) == command
+    assert command_number_reply("fly", ADMISSIBLE) == "fly"
+
+
+def test_command_numbers_list_commands_then_numbers_and_demonstrate(released_layout):
+    tasks = AlfworldTasks.from_folder(released_layout, command_numbers=True)
+    env = AlfworldEnv(tasks)
+    observation = env.reset(0)
+    episode = env.last_episode
+    assert observation.endswith("Actions: " + " | ".join(command_number_list(episode.admissible)))
+    assert env.step("go to countertop 1 = 99").observation.split("\n")[1].startswith(
+        "You arrive at countertop 1.")                # the command text decides
+    env.close()
+    pairs = tasks.demonstration(0)
+    assert [reply.rsplit(" = ", 1)[0] for _, reply in pairs] == HAND_WALKTHROUGH
+    assert all(reply.rsplit(" = ", 1)[1].isdigit() for _, reply in pairs)

@@ -12,7 +12,12 @@ which needs the game's `traj_data.json`). Admissible commands and the won flag c
 `PddlEnv`; the walkthrough is the game file's stored one (planner-made when generated).
 
 Observations are those of `textworld_env` ("Goal: ...", the game's text, "Actions: a | b");
-the goal is the intro's "Your task is to: ..." sentence. Reward 1.0 on the step that wins;
+the goal is the intro's "Your task is to: ..." sentence. Replies: the command (free text),
+its number ("1 go to fridge 1 | ..."; `ObservationStyle.numbered_actions`), or, with
+`command_numbers`, the command followed by its number as listed ("go to fridge 1 = 1 |
+open fridge 1 = 2", reply "open fridge 1 = 2"): the number is then a copy of the
+tokens after the command just written (an induction-head copy for a small model) rather
+than a two-hop lookup; `resolve_command_number` says which command such a reply plays. Reward 1.0 on the step that wins;
 an episode ends on a win or after `max_turns` (ALFWorld: 50) commands.
 
 Speed and threads: textworld's PddlState translates the PDDL problem to SAS (twice) on
@@ -60,6 +65,8 @@ ALFWORLD_MAX_TURNS = 50                     # the paper's interaction budget
 EXPERT_TYPES = (None, "planner", "handcoded")
 _TASK_LINE = re.compile(r"Your task is to:\s*(.*?)\s*$", re.S)
 _WELCOME = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
+NUMBER_SEPARATOR = " = "        # "go to fridge 1 = 3": a command, then its number as listed
+_COMMAND_NUMBER = re.compile(r"^(.*?)\s*=\s*(\d+)$")
 TRANSLATION_CACHE_SIZE = 1024   # SAS translations kept (2 per game: plain, optimized)
 TEXT_PARSE_CACHE_SIZE = 4096    # parsed grammar texts kept (templates, rules, intros)
 
@@ -121,6 +128,32 @@ def split_intro(intro: str) -> tuple[str, str]:
     if not sep:
         return "", _WELCOME.sub("", intro).strip()
     return task.strip(), _WELCOME.sub("", head).strip()
+
+
+def command_number_list(admissible: Sequence[str]) -> list[str]:
+    """The shown list with `command_numbers`: "<command> = <k>", k the 1-based position."""
+    return [f"{command}{NUMBER_SEPARATOR}{k}" for k, command in enumerate(admissible, 1)]
+
+
+def command_number_reply(command: str, admissible: Sequence[str]) -> str:
+    """What the policy types to issue `command` with `command_numbers`: the command, then
+    its number as listed; a command not in the list is typed as is."""
+    if command in admissible:
+        return f"{command}{NUMBER_SEPARATOR}{list(admissible).index(command) + 1}"
+    return command
+
+
+def resolve_command_number(reply: str, admissible: Sequence[str]) -> str:
+    """The command a `command_numbers` reply plays: its command text when that is one of
+    the `admissible` commands (the number is then ignored), else the command of its number
+    k (1 <= k <= len(admissible)), else the reply as typed (the game answers it)."""
+    match = _COMMAND_NUMBER.match(reply)
+    text = match.group(1) if match else reply
+    if text in admissible:
+        return text
+    if match and 1 <= int(match.group(2)) <= len(admissible):
+        return admissible[int(match.group(2)) - 1]
+    return reply
 
 
 class AlfredPddlGame:
@@ -208,10 +241,11 @@ class AlfworldEpisode:
     `done`. Same interface as `TextWorldEpisode` (walkthrough, reply_for, won, ...)."""
 
     def __init__(self, path: str, max_turns: int, style: ObservationStyle,
-                 player: AlfredPddlGame):
+                 player: AlfredPddlGame, command_numbers: bool = False):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.path, self.max_turns, self.style, self.player = str(path), max_turns, style, player
+        self.command_numbers = command_numbers
         self.commands: list[str] = []
         self.objective = ""
         self.walkthrough: list[str] = []
@@ -225,9 +259,12 @@ class AlfworldEpisode:
         self.expert_plan = list(state.get("extra.expert_plan") or [])
 
     def _observation(self, feedback: str) -> str:
-        return format_observation(self.objective,
-                                  clean_feedback(feedback, self.style.max_feedback_chars),
-                                  self.admissible, self.style.numbered_actions)
+        feedback = clean_feedback(feedback, self.style.max_feedback_chars)
+        if self.command_numbers:
+            return format_observation(self.objective, feedback,
+                                      command_number_list(self.admissible), numbered=False)
+        return format_observation(self.objective, feedback, self.admissible,
+                                  self.style.numbered_actions)
 
     def reset(self) -> str:
         state = self.player.load(self.path)
@@ -238,16 +275,25 @@ class AlfworldEpisode:
         return self._observation(room)
 
     def reply_for(self, command: str) -> str:
-        """What the policy should type to issue `command` now (its number if numbered)."""
+        """What the policy should type to issue `command` now (its number if numbered;
+        "<command> = <number>" with `command_numbers`)."""
+        if self.command_numbers:
+            return command_number_reply(command, self.admissible)
         return reply_for_command(command, self.admissible, self.style.numbered_actions)
+
+    def resolve(self, text: str) -> str:
+        """The command a reply plays (see `resolve_command_number` / `resolve_command`)."""
+        reply = sanitize_command(text)
+        if self.command_numbers:
+            return resolve_command_number(reply, self.admissible)
+        return resolve_command(reply, self.admissible, self.style.numbered_actions)
 
     def step(self, text: str) -> StepOutcome:
         if not self._started:
             raise RuntimeError("call reset() before step()")
         if self.done:
             raise RuntimeError("episode is over; call reset()")
-        command = resolve_command(sanitize_command(text), self.admissible,
-                                  self.style.numbered_actions)
+        command = self.resolve(text)
         self.turns += 1
         state = self.player.step(command)
         self.commands.append(command)
@@ -276,22 +322,24 @@ def list_alfworld_games(folder: str | os.PathLike) -> list[Path]:
 
 class AlfworldTasks(TextWorldTasks):
     """A set of ALFWorld games (generated or downloaded). Episodes borrow players from
-    the process's shared pool and return them on `close()`."""
+    the process's shared pool and return them on `close()`. `command_numbers`: actions
+    listed and replied as "<command> = <number>" (overrides `style.numbered_actions`)."""
 
     plays_pddl = True
 
     def __init__(self, game_files: Sequence[str | os.PathLike], root: str | os.PathLike,
                  max_turns: int = ALFWORLD_MAX_TURNS,
                  style: ObservationStyle = ObservationStyle(max_feedback_chars=2000),
-                 expert: str | None = None):
+                 expert: str | None = None, command_numbers: bool = False):
         super().__init__(game_files, root, max_turns, style)
         self.pool = shared_pool(expert)
+        self.command_numbers = command_numbers
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, max_turns: int = ALFWORLD_MAX_TURNS,
                     style: ObservationStyle = ObservationStyle(max_feedback_chars=2000),
-                    expert: str | None = None) -> "AlfworldTasks":
-        return cls(list_alfworld_games(folder), folder, max_turns, style, expert)
+                    expert: str | None = None, command_numbers: bool = False) -> "AlfworldTasks":
+        return cls(list_alfworld_games(folder), folder, max_turns, style, expert, command_numbers)
 
     def episode(self, task_id: int, player: AlfredPddlGame | None = None) -> AlfworldEpisode:
         """An episode of task `task_id`; without `player` it borrows one from the pool and
@@ -299,8 +347,9 @@ class AlfworldTasks(TextWorldTasks):
         task_id = check_task_id(task_id, self.num_tasks)
         path = self.game_files[task_id]
         if player is not None:
-            return AlfworldEpisode(path, self.max_turns, self.style, player)
-        episode = AlfworldEpisode(path, self.max_turns, self.style, self.pool.acquire())
+            return AlfworldEpisode(path, self.max_turns, self.style, player, self.command_numbers)
+        episode = AlfworldEpisode(path, self.max_turns, self.style, self.pool.acquire(),
+                                  self.command_numbers)
         borrowed, close = episode.player, episode.close
 
         def close_and_return() -> None:

@@ -54,6 +54,7 @@ class AlfworldTaskConfig:
     max_turns: int = ALFWORLD_MAX_TURNS
     max_feedback_chars: int = 2000
     numbered_actions: bool = False
+    command_numbers: bool = False   # actions listed and replied as "<command> = <number>"
     workers: int = 2
 
     def __post_init__(self):
@@ -91,7 +92,8 @@ class AlfworldTaskSets:
 
 
 def _tasks(files, root, config: AlfworldTaskConfig) -> AlfworldTasks:
-    return AlfworldTasks(files, root, config.max_turns, config.style)
+    return AlfworldTasks(files, root, config.max_turns, config.style,
+                         command_numbers=config.command_numbers)
 
 
 def _downloaded(folder: str, num_games: int, seed: int, config) -> AlfworldTasks:

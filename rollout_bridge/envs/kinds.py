@@ -274,14 +274,19 @@ def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
         if folder is not None and not Path(folder).is_dir():
             raise UserError(f"{field}={folder!r} does not exist")
     from rollout_bridge.envs import alfworld_tasks
+    from rollout_bridge.envs.alfworld_games import TASK_TYPES
 
+    unknown = sorted(set(env.alfworld_task_types or ()) - set(TASK_TYPES))
+    if unknown:
+        raise UserError(f"env.alfworld_task_types: unknown {unknown}; choose from {list(TASK_TYPES)}")
     config = alfworld_tasks.AlfworldTaskConfig(
         game_dir=env.game_dir, heldout_dir=env.heldout_dir, data_dir=env.data_dir, num_games=env.num_games,
         game_seed=env.game_seed, heldout_games=env.heldout_games, heldout_seed=env.heldout_seed,
         warmstart_games=env.warmstart_games if with_demonstrations else 0, warmstart_seed=env.warmstart_seed,
         max_distractors=env.max_distractors, max_receptacles=env.max_receptacles, max_turns=env.max_turns,
         max_feedback_chars=env.max_feedback_chars, numbered_actions=env.numbered_actions,
-        workers=max(1, min(2, os.cpu_count() or 1)))
+        command_numbers=env.command_numbers, workers=max(1, min(2, os.cpu_count() or 1)),
+        **({} if env.alfworld_task_types is None else {"task_types": tuple(env.alfworld_task_types)}))
     log(f"ALFWorld games in {env.data_dir} (generated once, then reused)" if env.game_dir is None
         else f"ALFWorld games from {env.game_dir}")
     bars: list[_GenerationBar] = []
