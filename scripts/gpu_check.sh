@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the SPO++ stack: a few updates of a small Qwen3 with throughput numbers.
 #
-#   scripts/gpu_check.sh [jax|vllm|fleet|fleet-train|all] [extra args for scripts/gpu_check.py / train.py]
+#   scripts/gpu_check.sh [jax|vllm|fleet|fleet-train|attention|all] [extra args for scripts/gpu_check.py / train.py]
 #
 #   jax   embedded JAX engine + JAX learner on the accelerator (no vLLM needed).
 #   vllm  vLLM in-process (AsyncLLM) + JAX learner, weights by CUDA IPC after each update
@@ -16,6 +16,9 @@
 #         launches, health-checks and stops the servers; logs and servers.json under
 #         <run>/rollout_servers; per-update rollout/* metrics in <run>/metrics.jsonl). Extra
 #         args go to train.py. Needs vLLM + 2 GPUs. NOT run yet: written without a GPU machine.
+#   attention  the full forward's fused attention on the GPU: cuDNN's kernel (chosen for
+#         bfloat16) against the same call's XLA kernel and our own attention, values and
+#         gradients on real tokens, plus one timing each. NOT run yet: written without a GPU.
 #   all   jax, then vllm when `import vllm` works (default).
 #
 # JAX and vLLM share one GPU in vllm mode: JAX gets a fixed fraction of the memory
@@ -90,6 +93,46 @@ print(json.dumps({"updates": len(rows), "learner_idle_s_mean": sum(r["diag/learn
 PY
 }
 
+run_attention() {
+  echo "== gpu_check: fused attention (cudnn vs xla vs ours) ==" >&2
+  "${PYTHON}" - <<'PY'
+import json, time
+import jax, jax.numpy as jnp, numpy as np
+from spopp_jax.models.attention import (causal_block_attention, causal_query_block, fused_attention,
+                                        fused_attention_implementation)
+from spopp_jax.models.masks import sequence_layout
+batch, time_, kv, groups, dim = 4, 1024, 4, 4, 128
+rng = np.random.default_rng(0)
+q = jnp.asarray(rng.normal(size=(batch, time_, kv, groups, dim)), jnp.bfloat16)
+k, v = (jnp.asarray(rng.normal(size=(batch, time_, kv, dim)), jnp.bfloat16) for _ in range(2))
+lengths = np.array([time_, time_ - 100, time_ // 2, 17])[:batch]
+mask = np.arange(time_)[None, :] < lengths[:, None]
+layout = sequence_layout(jnp.zeros((batch, time_), jnp.int32), jnp.asarray(mask))
+real = jnp.asarray(mask, jnp.float32)[:, :, None, None, None]
+kernels = {"cudnn": lambda q, k, v: fused_attention(q, k, v, layout, "cudnn"),
+           "xla": lambda q, k, v: fused_attention(q, k, v, layout, "xla"),
+           "ours": lambda q, k, v: causal_block_attention(q, k, v, layout, causal_query_block(time_))}
+report = {"chosen": fused_attention_implementation(q.dtype, dim), "device": str(jax.devices()[0])}
+outs = {}
+for name, attend in kernels.items():
+    step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * real),
+                                      argnums=(0, 1, 2)))
+    jax.block_until_ready(step(q, k, v))
+    start = time.perf_counter()
+    for _ in range(10):
+        outs[name] = jax.block_until_ready(step(q, k, v))
+    report[f"{name}_fwd_bwd_ms"] = (time.perf_counter() - start) * 100
+for name in ("cudnn", "ours"):
+    for label, got, want in zip(("loss", "dq", "dk", "dv"), (outs[name][0], *outs[name][1]),
+                                (outs["xla"][0], *outs["xla"][1])):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        report[f"{name}_vs_xla_{label}_max_rel"] = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
+print(json.dumps(report))
+ok = report["chosen"] == "cudnn" and all(v < 2e-2 for key, v in report.items() if key.endswith("_max_rel"))
+raise SystemExit(0 if ok else 1)
+PY
+}
+
 have_vllm() { "${PYTHON}" -c "import vllm" >/dev/null 2>&1; }
 
 case "${MODE}" in
@@ -97,6 +140,7 @@ case "${MODE}" in
   vllm) run_vllm "$@" ;;
   fleet) run_fleet "$@" ;;
   fleet-train) run_fleet_train "$@" ;;
+  attention) run_attention ;;
   all)
     run_jax "$@"
     if have_vllm; then
@@ -105,5 +149,5 @@ case "${MODE}" in
       echo "== gpu_check: vllm not importable with ${PYTHON}: vllm mode skipped (pip install -e .[vllm]) ==" >&2
     fi
     ;;
-  *) echo "usage: $0 [jax|vllm|fleet|fleet-train|all] [gpu_check.py / train.py args]" >&2; exit 2 ;;
+  *) echo "usage: $0 [jax|vllm|fleet|fleet-train|attention|all] [gpu_check.py / train.py args]" >&2; exit 2 ;;
 esac

@@ -8,8 +8,9 @@ out = o_proj(attended * sigmoid(gate)); RoPE rotates only the first `config.rota
 dims of each head; q/k norms are zero-centred (`OffsetRMSNorm`).
 The same module serves the full forward (`__call__`) and cached decode (`decode`): decode
 first writes this call's k/v at their positions, then attends over the whole cache.
-The full forward of up to `chunk_size` tokens attends by causal query blocks, each
-skipping the keys after it (`causal_block_attention`); longer calls and multi-token
+The full forward of up to `chunk_size` tokens attends by cuDNN's fused kernel
+(`jax.nn.dot_product_attention(implementation="cudnn")`) on a GPU with 16-bit inputs,
+elsewhere by causal query blocks, each skipping the keys after it (`causal_block_attention`); longer calls and multi-token
 decode calls (prefill) attend chunk by chunk over all keys (`chunked_attention`); a
 one-token decode step attends with `single_query_attention`: the cache is read in place
 (no transposed copy) and only up to the longest live context, by blocks.
@@ -112,6 +113,49 @@ def chunked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           (to_chunks(query), to_chunks(query_index), to_chunks(query_segment)))
     out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk_size, *out.shape[3:])
     return out[:, :time]
+
+
+# cuDNN's fused attention (flash-attention-2 style) takes 16-bit q/k/v only, and head dims
+# up to 128 in its backward pass on Ampere (docs.nvidia.com/cudnn, "Attention" support matrix).
+FUSED_ATTENTION_DTYPES = ("bfloat16", "float16")
+FUSED_ATTENTION_MAX_HEAD_DIM = 128
+
+
+def fused_attention_implementation(dtype, head_dim: int, backend: str | None = None) -> str | None:
+    """Which `jax.nn.dot_product_attention` kernel the full forward uses: "cudnn" on a GPU
+    backend for 16-bit inputs with head_dim <= 128; None elsewhere (CPU, TPU, float32: our
+    own XLA attention, `causal_block_attention` / `chunked_attention`). Decided at trace
+    time (static); the float32 default never takes the fused path, `model.dtype bfloat16`
+    on a GPU does."""
+    backend = jax.default_backend() if backend is None else backend
+    if (backend == "gpu" and jnp.dtype(dtype).name in FUSED_ATTENTION_DTYPES
+            and head_dim <= FUSED_ATTENTION_MAX_HEAD_DIM):
+        return "cudnn"
+    return None
+
+
+def fused_attention(query: jax.Array, key: jax.Array, value: jax.Array, layout: TokenLayout,
+                    implementation: str) -> jax.Array:
+    """`grouped_query_attention` of a full forward by `jax.nn.dot_product_attention`.
+
+    query [B, T, K, G, D], key/value [B, T, K, D] -> [B, T, K, G, D]. The query heads go
+    as [B, T, K * G, D] (head h = k * G + g uses key/value head k = h // G, the grouping
+    `jax.nn.dot_product_attention` applies for K < H); the layout's whole mask
+    (`may_attend`: causal, valid keys, same segment) is passed as [B, 1, T, S], so packed
+    and left-padded rows keep their semantics. Real tokens' outputs equal
+    `causal_block_attention`'s; a padding query with no valid key is meaningless in both.
+    `implementation`: "cudnn" (GPU, 16-bit) or "xla" (any backend; the CPU tests).
+    """
+    batch, time, kv_heads, groups, head_dim = query.shape
+    if key.shape != (batch, time, kv_heads, head_dim) or value.shape != key.shape:
+        raise ValueError(f"fused attention needs a full forward: query {query.shape}, "
+                         f"key {key.shape}, value {value.shape}")
+    mask = mask_block(layout.query_index, layout.query_segment, layout.key_valid,
+                      layout.key_segment)[:, None]
+    attended = jax.nn.dot_product_attention(
+        query.reshape(batch, time, kv_heads * groups, head_dim), key, value, mask=mask,
+        implementation=implementation)
+    return attended.reshape(batch, time, kv_heads, groups, head_dim)
 
 
 class SoftmaxStats(NamedTuple):
@@ -280,11 +324,15 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, layout: TokenLayout) -> jax.Array:
         """Full forward over `layout` = `sequence_layout(...)` (query_index = t): up to
-        `chunk_size` tokens by causal query blocks (`causal_block_attention`), longer
-        calls by scanned chunks (`chunked_attention`)."""
+        `chunk_size` tokens by cuDNN's fused kernel on a GPU with 16-bit inputs
+        (`fused_attention_implementation`), else by causal query blocks
+        (`causal_block_attention`); longer calls by scanned chunks (`chunked_attention`)."""
         q, k, v, gate = self._project(x, layout.positions)
         time = q.shape[1]
-        if time <= self.chunk_size:
+        implementation = fused_attention_implementation(q.dtype, self.head_dim)
+        if implementation is not None and time <= self.chunk_size:
+            attended = fused_attention(q, k, v, layout, implementation)
+        elif time <= self.chunk_size:
             attended = causal_block_attention(q, k, v, layout, causal_query_block(time))
         else:
             attended = chunked_attention(q, k, v, layout, self.chunk_size)
