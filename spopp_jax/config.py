@@ -123,7 +123,8 @@ class EnvSection:
     free_text_commands: bool = True
     goal_every_turn: bool = True
     # numbered actions: reply "3" to a list "3 go south | ..." (number), or "go south = 3"
-    # to a list "go south = 3 | ..." (command_number: the text first, only the number is played)
+    # to a list "go south = 3 | ..." (command_number: the text first; textworld plays only
+    # the number, alfworld plays the text when it is a valid command, else the number)
     reply_format: Literal["number", "command_number"] = "number"
     warmstart_games: int = 48
     warmstart_seed: int = 100_000
@@ -137,10 +138,8 @@ class EnvSection:
     heldout_dir: Optional[str] = None
     max_distractors: int = 6
     max_receptacles: Optional[int] = None
-    # kind=alfworld only: task types generated (None = all six); actions listed and
-    # replied as "<command> = <number>" (rollout_bridge.envs.alfworld_env)
+    # kind=alfworld only: task types generated (None = all six)
     alfworld_task_types: Optional[tuple[str, ...]] = None
-    command_numbers: bool = False
 
     def __post_init__(self):
         _check_literals("env", self)

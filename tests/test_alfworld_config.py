@@ -87,6 +87,6 @@ def test_task_types_and_command_numbers_reach_the_task_sets(monkeypatch):
     monkeypatch.setattr(alfworld_tasks, "build_task_sets", fake_build)
     with pytest.raises(RuntimeError, match="stop after the config"):
         build_env(_alfworld_cfg("--env.alfworld_task_types", "[look_at_obj_in_light]",
-                                "--env.command_numbers", "true"), False)
+                                "--env.reply_format", "command_number"), False)
     assert seen["config"].task_types == ("look_at_obj_in_light",)
     assert seen["config"].command_numbers and seen["config"].style.max_feedback_chars == 240
