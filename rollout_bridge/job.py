@@ -313,14 +313,19 @@ def paired_gain(before: dict, after: dict) -> dict:
     return {"gain": float(diff.mean()), "se": float(diff.std(ddof=1) / np.sqrt(diff.size))}
 
 
+def margin_text(difference: float, se: float) -> str:
+    """'<difference / se> SE', or 'SE 0 (no spread over games)' when the SE is 0 (every
+    game agrees: a ratio would print as inf or nan)."""
+    return f"{difference / se:+.1f} SE" if se > 0 else "SE 0 (no spread over games)"
+
+
 def margin_line(name: str, estimate: dict, reference: float | None, what: str) -> str:
     """'<name> <rate> ± <se> vs <what> <reference>: margin <k> SE' (one report line)."""
     line = f"{name}: {estimate['success_rate']:.3f} ± {estimate['se']:.3f} (SE over {estimate['games']} games, " \
            f"{estimate['episodes']} episodes)"
     if reference is None:
         return line
-    margin = (estimate["success_rate"] - reference) / estimate["se"] if estimate["se"] > 0 else float("inf")
-    return f"{line} vs {what} {reference:.3f}: {margin:+.1f} SE"
+    return f"{line} vs {what} {reference:.3f}: {margin_text(estimate['success_rate'] - reference, estimate['se'])}"
 
 
 def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dict) -> Path:
@@ -399,9 +404,8 @@ def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, tra
             fields[f"{name}_gain_over_warm_start"] = gain
             lines.append(margin_line(f"{name} success of the warm start", before_estimate, blind,
                                      "prompt-blind ceiling"))
-            margin = gain["gain"] / gain["se"] if gain["se"] > 0 else float("inf")
             lines.append(f"{name} gain of RL over the warm start: {gain['gain']:+.3f} ± {gain['se']:.3f} "
-                         f"(paired by game): {margin:+.1f} SE")
+                         f"(paired by game): {margin_text(gain['gain'], gain['se'])}")
             if name != "train":
                 held_points[f"{name} before RL (warm start)"] = (0, before_estimate)
         if name != "train":

@@ -50,3 +50,12 @@ def test_report_run_writes_curve_and_margins(tmp_path):
     assert fields["heldout_after_rl_estimate"]["success_rate"] == pytest.approx(13 / 16)
     assert fields["heldout_gain_over_warm_start"]["gain"] == pytest.approx(11 / 16)
     assert fields["prompt_blind_ceiling"] == 0.1 and fields["policy_lag_histogram"] == {"1": 1.0}
+
+
+def test_margins_with_zero_spread_say_so_instead_of_inf():
+    from rollout_bridge.job import margin_line, margin_text
+
+    assert margin_text(0.1, 0.05) == "+2.0 SE"
+    assert margin_text(0.0, 0.0) == margin_text(0.2, 0.0) == "SE 0 (no spread over games)"
+    line = margin_line("held-out", {"success_rate": 0.5, "se": 0.0, "games": 4, "episodes": 16}, 0.5, "ceiling")
+    assert "inf" not in line and "nan" not in line and line.endswith("SE 0 (no spread over games)")
