@@ -18,16 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_VENV = REPO / ".venv-vllm"
-VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+from vllm_venv import VLLM_PYTHON, vllm_venv_missing_reason
+
 SERVER_START_TIMEOUT_S = 420.0
-
-
-def vllm_venv_missing_reason() -> str | None:
-    if not VLLM_PYTHON.exists():
-        return f"{VLLM_VENV} is absent: create it with scripts/setup_vllm_cpu.sh"
-    return None
 
 
 def free_port() -> int:

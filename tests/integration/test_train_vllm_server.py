@@ -30,8 +30,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+from vllm_venv import REPO, REQUIRES_VLLM_VENV, VLLM_PYTHON
 STEPS = 16
 KILL_AFTER_UPDATES = 3  # the first two updates compile the learner step (slow); kill after them
 NUM_GAMES = 4
@@ -39,8 +38,7 @@ RUN_TIMEOUT_S = 1500.0
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"{VLLM_PYTHON} is absent: create it with scripts/setup_vllm_cpu.sh"),
+    REQUIRES_VLLM_VENV,
     pytest.mark.timeout(1800),
 ]
 

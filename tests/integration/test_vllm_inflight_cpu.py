@@ -23,18 +23,15 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+from vllm_venv import REPO, REQUIRES_VLLM_VENV, VLLM_PYTHON
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"{VLLM_PYTHON} is absent: create it with scripts/setup_vllm_cpu.sh"),
+    REQUIRES_VLLM_VENV,
     pytest.mark.timeout(1200),
 ]
 

@@ -19,15 +19,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+from vllm_venv import REPO, REQUIRES_VLLM_VENV, VLLM_PYTHON
 GRACE_S = 20.0  # the launcher's stop_grace_s: SIGTERM, then SIGKILL after this
 READY_TIMEOUT_S = 600.0
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"{VLLM_PYTHON} is absent: create it with scripts/setup_vllm_cpu.sh"),
+    REQUIRES_VLLM_VENV,
     pytest.mark.timeout(1200),
 ]
 
