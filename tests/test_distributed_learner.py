@@ -36,6 +36,8 @@ if __name__ == "__main__":
 import jax
 import pytest
 
+from worker_processes import wait_all
+
 NUM_UPDATES = 3
 NUM_PROCESSES = 2
 SHARED = {"policy": "/run/warmstart_model"}
@@ -164,19 +166,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_all(procs: list, timeout_s: float) -> list[str]:
-    """The output of every process; each must exit 0 (all are killed on a time-out)."""
-    try:
-        logs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
-    return logs
 
 
 def run_workers(out, phase: str) -> list[dict]:

@@ -28,6 +28,7 @@ import pytest
 
 from spopp_jax import learner, sharding
 from test_sharding import build_case, flat_numpy
+from worker_processes import wait_all
 
 NUM_STEPS = 3
 MESH = dict(data=2, fsdp=2, tensor=2)
@@ -86,14 +87,7 @@ def spawn(out_dir, num_processes: int, devices_per_process: int) -> list[subproc
 
 
 def collect(out_dir, procs: list[subprocess.Popen]) -> dict:
-    try:
-        logs = [proc.communicate(timeout=WORKER_TIMEOUT_S)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
+    wait_all(procs, WORKER_TIMEOUT_S)
     with np.load(os.path.join(out_dir, "result.npz")) as data:
         return dict(data)
 
