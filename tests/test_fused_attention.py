@@ -14,7 +14,7 @@ from spopp_jax.models.attention import (causal_block_attention, fused_attention,
                                         fused_attention_implementation)
 from spopp_jax.models.testing import tiny_config
 from spopp_jax.models.qwen3 import init_model
-from test_attention_blocks import TOL, _inputs, _layout, _loss_and_grads
+from test_attention_blocks import _inputs, _layout, assert_same_on_real_tokens
 
 
 @pytest.mark.parametrize("backend,dtype,head_dim,expected", [
@@ -43,15 +43,7 @@ def test_fused_equals_our_attention_on_real_tokens(time, kind, jit):
     def fused(q, k, v):
         return fused_attention(q, k, v, layout, "xla")
 
-    run = jax.jit(fused) if jit else fused
-    keep = real[:, :, None, None, None]
-    np.testing.assert_allclose(run(*inputs[:3]) * keep, jax.jit(ours)(*inputs[:3]) * keep,
-                               atol=TOL, rtol=TOL)
-    (loss_fused, grads_fused) = _loss_and_grads(fused, inputs, real)
-    (loss_ours, grads_ours) = _loss_and_grads(ours, inputs, real)
-    np.testing.assert_allclose(loss_fused, loss_ours, atol=TOL, rtol=TOL)
-    for name, got, want in zip("qkv", grads_fused, grads_ours):
-        np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL, err_msg=f"d{name}")
+    assert_same_on_real_tokens(fused, ours, inputs, real, jit=jit)
 
 
 def test_fused_attention_needs_a_full_forward():
