@@ -13,19 +13,18 @@ from disjoint ranges, every key distinct, the values a permutation):
                 each pair, as the numbered list has " | " or a newline)
 
 `--queries one`: one random key is queried (the loss is on a single token per row);
-`--min-pairs`: each row has a random number of pairs. `--queries all`: every key once in random order (multi-query associative recall, the
-loss on every queried value). The loss is on the queried values only. Printed every
+`--queries all`: every key once in random order (multi-query associative recall, the loss
+on every queried value). The loss is on the queried values only. `--min-pairs`: each row
+has a random number of pairs; `--grow`: a curriculum over that number. Printed every
 `--every` steps: the mean loss, and beside it the two losses a model that does NOT recall
 reaches: `chance` (uniform over the N values) and `elimination` (uniform over the values
 not queried yet in this row, the best without recall when every key is queried).
 
-Measured 2026-12-01 (2-core EPYC, one run each, seed 0; PyTorch `transformers` Qwen3 from
-the same config gave the same picture, so this is the model and training regime, not our
-implementation):
-  one query, N=2..8, 2 layers, lr 1e-3/3e-3/1e-2, 3000-4000 steps: chance throughout
-  all queries, contiguous, N=2, 2 layers:       below 0.01 by step 1000 (elimination 0.35)
-  all queries, separated, N=2, 2 or 3 layers:   elimination (0.35) for 2000-3000 steps
-  all queries, separated, N=2, 4 layers:        leaves the plateau near step 1750 (0.16 at 2000)
+Measured 2026-12-01 (docs/RESULTS.md, "Why the agentic warm start cannot read yet"): one
+query per row stays at chance (2 pairs, 15,000 steps); every key queried, 2 pairs, leaves
+the elimination plateau after 1,000-5,500 steps (seed and layout dependent); 8 pairs, or
+2-8 mixed, stay at elimination for 15,000 steps. PyTorch `transformers` on the same config
+behaves the same: the model and the training signal, not our implementation.
 """
 
 from __future__ import annotations
@@ -87,6 +86,15 @@ def padded(rows: list[tuple[list[int], list[bool]]], width: int
     return ids, valid, mask
 
 
+def no_recall_losses(low: int, high: int, all_queries: bool) -> tuple[float, float]:
+    """`baselines` for rows of low..high pairs (uniform), weighted as the token-mean loss
+    weighs them (by their number of queries)."""
+    counts = np.arange(low, high + 1)
+    chance, elimination = np.average([baselines(n, all_queries) for n in counts], axis=0,
+                                     weights=counts if all_queries else None)
+    return float(chance), float(elimination)
+
+
 def baselines(pairs: int, all_queries: bool) -> tuple[float, float]:
     """(chance, elimination) loss per queried value for a model that does not recall."""
     chance = float(np.log(pairs))
@@ -102,6 +110,10 @@ def main(argv=None) -> None:
                         help="each row draws its number of pairs uniformly from [min-pairs, pairs]")
     parser.add_argument("--queries", choices=["one", "all"], default="all")
     parser.add_argument("--layout", choices=["contiguous", "separated"], default="contiguous")
+    parser.add_argument("--grow", action="store_true",
+                        help="curriculum: start with rows of --min-pairs pairs only and allow one more pair "
+                             "each time the last --every steps' loss is below a quarter of the no-recall "
+                             "(elimination) loss of the sizes in use")
     parser.add_argument("--key-tokens", type=int, default=1, help="tokens per key (>1: shared tokens)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
@@ -134,17 +146,16 @@ def main(argv=None) -> None:
     model_def, state = init_train_state(init_model(config, seed=args.seed), learner)
     sft_step = make_sft_step(model_def, learner)
     all_queries, separated = args.queries == "all", args.layout == "separated"
-    counts = np.arange(min_pairs, args.pairs + 1)   # the loss is a token mean: rows weigh by queries
-    chance, elimination = np.average([baselines(n, all_queries) for n in counts], axis=0,
-                                     weights=counts if all_queries else None)
+    top = min_pairs if args.grow else args.pairs
+    chance, elimination = no_recall_losses(min_pairs, top, all_queries)
     print(f"recall drill: {min_pairs}-{args.pairs} pairs of {args.key_tokens}-token keys, {args.queries} queries, {args.layout}, {args.layers} layers, "
-          f"hidden {args.hidden}, lr {args.lr}, batch {args.batch}; no-recall losses: chance {chance:.3f}, "
-          f"elimination {elimination:.3f}; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"hidden {args.hidden}, lr {args.lr}, batch {args.batch}{', growing' if args.grow else ''}; "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
     rng = np.random.default_rng(args.seed)
     width = (1 + 2 * args.pairs) * (args.key_tokens + 2) + 4   # the longest row: one compile
     losses, start = [], time.time()
     for step in range(1, args.steps + 1):
-        rows = [recall_row(rng, int(rng.integers(min_pairs, args.pairs + 1)), all_queries, separated,
+        rows = [recall_row(rng, int(rng.integers(min_pairs, top + 1)), all_queries, separated,
                            args.key_tokens) for _ in range(args.batch)]
         ids, valid, mask = padded(rows, width)
         zeros = jnp.zeros(ids.shape, jnp.float32)
@@ -152,8 +163,13 @@ def main(argv=None) -> None:
                                                     zeros, zeros))
         losses.append(float(metrics["loss"]))
         if step % args.every == 0 or step == args.steps:
-            print(f"step {step}: loss {np.mean(losses[-args.every:]):.3f} "
-                  f"({time.time() - start:.0f}s, load {os.getloadavg()[0]:.1f})", flush=True)
+            recent = float(np.mean(losses[-args.every:]))
+            print(f"step {step}: loss {recent:.3f} on {min_pairs}-{top} pairs (no recall: chance {chance:.3f}, "
+                  f"elimination {elimination:.3f}; {time.time() - start:.0f}s, load {os.getloadavg()[0]:.1f})",
+                  flush=True)
+            if args.grow and top < args.pairs and recent < 0.25 * elimination:
+                top += 1
+                chance, elimination = no_recall_losses(min_pairs, top, all_queries)
 
 
 if __name__ == "__main__":
