@@ -107,7 +107,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=2, help="key-value pairs per example (<= 32)")
     parser.add_argument("--min-pairs", type=int, default=None,
-                        help="each row draws its number of pairs uniformly from [min-pairs, pairs]")
+                        help="each row draws its number of pairs uniformly from [min-pairs, pairs] "
+                             "(default: pairs; 2 with --grow)")
     parser.add_argument("--queries", choices=["one", "all"], default="all")
     parser.add_argument("--layout", choices=["contiguous", "separated"], default="contiguous")
     parser.add_argument("--grow", action="store_true",
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 2 <= args.pairs <= len(VALUES):
         parser.error(f"--pairs must be in [2, {len(VALUES)}]")
-    min_pairs = args.pairs if args.min_pairs is None else args.min_pairs
+    min_pairs = args.min_pairs if args.min_pairs is not None else 2 if args.grow else args.pairs
     if not 2 <= min_pairs <= args.pairs:
         parser.error("--min-pairs must be in [2, --pairs]")
     if args.hidden % args.heads:
@@ -148,17 +149,17 @@ def main(argv=None) -> None:
     all_queries, separated = args.queries == "all", args.layout == "separated"
     top = min_pairs if args.grow else args.pairs
     chance, elimination = no_recall_losses(min_pairs, top, all_queries)
-    print(f"recall drill: {min_pairs}-{args.pairs} pairs of {args.key_tokens}-token keys, {args.queries} queries, {args.layout}, {args.layers} layers, "
-          f"hidden {args.hidden}, lr {args.lr}, batch {args.batch}{', growing' if args.grow else ''}; "
+    print(f"recall drill: {min_pairs}-{args.pairs} pairs of {args.key_tokens}-token keys, {args.queries} queries, "
+          f"{args.layout}, {args.layers} layers, hidden {args.hidden}, lr {args.lr}, batch {args.batch}{', growing' if args.grow else ''}; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     rng = np.random.default_rng(args.seed)
-    width = (1 + 2 * args.pairs) * (args.key_tokens + 2) + 4   # the longest row: one compile
+    width = 4 + 2 * args.pairs * (args.key_tokens + 2)   # the longest row (separated): one compile
+    zeros = jnp.zeros((args.batch, width), jnp.float32)    # rollout_logp, advantages: unused by SFT
     losses, start = [], time.time()
     for step in range(1, args.steps + 1):
         rows = [recall_row(rng, int(rng.integers(min_pairs, top + 1)), all_queries, separated,
                            args.key_tokens) for _ in range(args.batch)]
         ids, valid, mask = padded(rows, width)
-        zeros = jnp.zeros(ids.shape, jnp.float32)
         state, metrics = sft_step(state, TrainBatch(jnp.asarray(ids), jnp.asarray(valid), jnp.asarray(mask),
                                                     zeros, zeros))
         losses.append(float(metrics["loss"]))

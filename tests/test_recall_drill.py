@@ -55,3 +55,18 @@ def test_baselines():
     chance, elimination = drill.baselines(3, True)
     assert chance == pytest.approx(math.log(3))
     assert elimination == pytest.approx((math.log(3) + math.log(2) + 0.0) / 3)
+
+
+def test_the_longest_row_fits_the_compiled_width():
+    pairs, key_tokens = 8, 3
+    ids, _ = drill.recall_row(np.random.default_rng(0), pairs, True, True, key_tokens)
+    assert len(ids) == 4 + 2 * pairs * (key_tokens + 2)   # the width main() compiles for
+    padded_ids, valid, mask = drill.padded([(ids, [False] * len(ids))], len(ids) + 2)
+    assert valid.sum() == len(ids) and padded_ids[0, -1] == drill.PAD and not mask.any()
+
+
+@pytest.mark.parametrize("argv", [["--pairs", "1"], ["--pairs", "40"], ["--pairs", "4", "--min-pairs", "5"],
+                                  ["--hidden", "130"]])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit):
+        drill.main(argv)
