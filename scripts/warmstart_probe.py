@@ -12,7 +12,7 @@ same config) and prints, averaged over every reply of the first `--games` held-o
     text    the rest of the command text (copied from the list / goal with reply_format
             command_number)
     number  the number after the last "=" (command_number) or the whole reply (number):
-            what the environment plays. A policy that does not find the command's number
+            what the environment plays (none with free-text commands, numbered_actions false). A policy that does not find the command's number
             in the shuffled list is near ln(#commands shown) here (~2.1-2.4 nats).
 
 The model is loaded with transformers (PyTorch), a reference nobody here wrote.
@@ -38,10 +38,13 @@ def reply_spans(action_mask) -> list[np.ndarray]:
     return np.split(positions, np.nonzero(np.diff(positions) > 1)[0] + 1) if positions.size else []
 
 
-def split_reply(tokens: list[str]) -> tuple[slice, slice, slice]:
+def split_reply(tokens: list[str], numbered: bool = True) -> tuple[slice, slice, slice]:
     """(first, text, number) slices of one reply's tokens (the last one is the stop token):
-    the number is what follows the last token holding "=", or the whole reply without it."""
+    the number is what follows the last token holding "=", or the whole reply without it;
+    a free-text command (`numbered` False) is its first token and the rest, no number."""
     body = len(tokens) - 1
+    if not numbered:
+        return slice(0, min(1, body)), slice(min(1, body), body), slice(0, 0)
     marks = [i for i, token in enumerate(tokens[:body]) if NUMBER_MARK in token]
     if not marks:
         return slice(0, 0), slice(0, 0), slice(0, body)
@@ -72,7 +75,7 @@ def probe(cfg, games: int) -> dict[str, float]:
         nll = -logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].numpy()
         for span in reply_spans(example.action_mask):
             tokens = [chat.tokenizer.decode([int(example.token_ids[i + 1])]) for i in span]
-            for name, part in zip(parts, split_reply(tokens)):
+            for name, part in zip(parts, split_reply(tokens, cfg.env.numbered_actions)):
                 if part.stop > part.start:
                     parts[name].append(float(nll[span[part]].mean()))
     return {name: float(np.mean(values)) if values else float("nan") for name, values in parts.items()}

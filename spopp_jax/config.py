@@ -129,6 +129,11 @@ class EnvSection:
     warmstart_games: int = 48
     warmstart_seed: int = 100_000
     warmstart_orders: int = 1   # shuffled actions: each walkthrough shown in this many orders
+    # textworld: this fraction of the warm-start demonstrations name their rooms and things
+    # with fresh random words (rollout_bridge.envs.textworld_rename): names must be copied
+    warmstart_rename: float = 0.0
+    # textworld: "Actions:" then one command per line, tokenized as a reply typing it
+    actions_per_line: bool = False
     # held-out games (textworld and alfworld: generated with seeds from heldout_seed;
     # alfworld also: the first heldout_games of heldout_dir)
     heldout_games: int = 0
@@ -149,6 +154,7 @@ class EnvSection:
                ">= 1 (>= 0 with env.game_dir)", self.num_games)
         _check(self.warmstart_games >= 0, "env.warmstart_games", ">= 0", self.warmstart_games)
         _check(self.warmstart_orders >= 1, "env.warmstart_orders", ">= 1", self.warmstart_orders)
+        _check(0.0 <= self.warmstart_rename <= 1.0, "env.warmstart_rename", "in [0, 1]", self.warmstart_rename)
         _check(self.game_seed >= 0, "env.game_seed", ">= 0", self.game_seed)
         _check(self.warmstart_seed >= 0, "env.warmstart_seed", ">= 0", self.warmstart_seed)
         _check(self.heldout_games >= 0, "env.heldout_games", ">= 0", self.heldout_games)

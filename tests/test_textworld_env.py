@@ -117,6 +117,25 @@ def test_numbered_actions_accept_the_number(train_files):
     episode.close()
 
 
+def test_actions_one_per_line_are_written_as_a_reply_types_them(train_files):
+    from rollout_bridge.envs.textworld_env import format_observation
+
+    assert format_observation("win", "A room.", ["go east", "take key"], one_per_line=True) == (
+        "Goal: win\nA room.\nActions:\ngo east\ntake key")
+    assert format_observation("win", "A room.", ["go east", "take key"]) == (
+        "Goal: win\nA room.\nActions: go east | take key")
+    assert format_observation("w", "r", ["go east"], numbered=True, reply_format="command_number",
+                              one_per_line=True).endswith("Actions:\ngo east = 1")
+    tasks = TextWorldTasks(train_files, train_files[0].parent, max_turns=4,
+                           style=ObservationStyle(max_feedback_chars=80, actions_per_line=True))
+    episode = tasks.episode(0)
+    observation = episode.reset()
+    assert observation.split("\nActions:\n")[1].split("\n") == episode.admissible
+    outcome = episode.step(episode.walkthrough[0])   # free text: the command as typed
+    assert outcome.info["command"] == episode.walkthrough[0]
+    episode.close()
+
+
 def test_turn_limit_ends_episode_without_reward(tasks):
     env = TextWorldEnv(tasks)
     env.reset(0)

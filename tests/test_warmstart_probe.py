@@ -34,3 +34,11 @@ def test_split_number_only_reply():
     first, text, number = probe.split_reply(tokens)
     assert tokens[first] == [] and tokens[text] == [] and tokens[number] == ["1", "2"]
     assert np.arange(3)[number].tolist() == [0, 1]
+
+
+def test_split_free_text_reply():
+    tokens = ["take", " red", " key", "<stop>"]
+    first, text, number = probe.split_reply(tokens, numbered=False)
+    assert tokens[first] == ["take"] and tokens[text] == [" red", " key"] and tokens[number] == []
+    first, text, number = probe.split_reply(["<stop>"], numbered=False)
+    assert first.stop == first.start and text.stop == text.start and number.stop == number.start

@@ -177,7 +177,8 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
     env = cfg.env
     style = ObservationStyle(env.max_feedback_chars, env.numbered_actions, env.shuffle_actions,
                              env.free_text_commands, shuffle_seed=cfg.seed,
-                             goal_every_turn=env.goal_every_turn, reply_format=env.reply_format)
+                             goal_every_turn=env.goal_every_turn, reply_format=env.reply_format,
+                             actions_per_line=env.actions_per_line)
 
     def task_set(name: str, count: int, seed: int, exclude=(), what: str = ""):
         spec = games.GameSetSpec(name, count, seed, env.world_size, env.nb_objects, env.quest_length)
@@ -219,6 +220,10 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
 
     if warm is not None and style.shuffle_actions and env.warmstart_orders > 1:
         warm = ReorderedDemonstrations(warm, env.warmstart_orders)
+    if warm is not None and env.warmstart_rename > 0:
+        from rollout_bridge.envs.textworld_rename import RenamedDemonstrations, textworld_names_of
+
+        warm = RenamedDemonstrations(warm, textworld_names_of(warm_games.game_files), env.warmstart_rename, cfg.seed)
     extra = {} if held is None else {"heldout": (held, lambda: TextWorldEnv(held))}
     return EnvBundle(train=train, env_factory=lambda: TextWorldEnv(train), max_turns=env.max_turns,
                      corpus=corpus, warm=warm, held_out=held, extra_evals=extra, reference_success=reference)

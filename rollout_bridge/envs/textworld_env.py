@@ -109,13 +109,16 @@ def shown_number(reply: str, reply_format: str = "number") -> int | None:
 
 
 def format_observation(objective: str, feedback: str, admissible: Sequence[str],
-                       numbered: bool = False, with_goal: bool = True, reply_format: str = "number") -> str:
-    if numbered:
-        actions = " | ".join(numbered_command(command, i, reply_format) for i, command in enumerate(admissible, 1))
-    else:
-        actions = " | ".join(admissible)
+                       numbered: bool = False, with_goal: bool = True, reply_format: str = "number",
+                       one_per_line: bool = False) -> str:
+    """`one_per_line`: "Actions:" then each command on its own line, so that a command in
+    the list is tokenized as the reply that types it (a reply starts a line: "go" there,
+    " go" after " | ")."""
+    entries = ([numbered_command(command, i, reply_format) for i, command in enumerate(admissible, 1)]
+               if numbered else list(admissible))
+    actions = "".join(f"\n{entry}" for entry in entries) if one_per_line else " " + " | ".join(entries)
     goal = f"Goal: {objective.strip()}\n" if with_goal else ""
-    return f"{goal}{feedback}\nActions: {actions}"
+    return f"{goal}{feedback}\nActions:{actions}"
 
 
 def resolve_command(command: str, admissible: Sequence[str], numbered: bool, reply_format: str = "number") -> str:
@@ -207,6 +210,7 @@ class ObservationStyle:
     shuffle_seed: int = 0           # episode k of a task set shuffles with (shuffle_seed, k)
     goal_every_turn: bool = True    # False: the goal only in the first observation
     reply_format: str = "number"    # numbered: "number" ("3") | "command_number" ("go south = 3")
+    actions_per_line: bool = False  # "Actions:" then one command per line (else " | "-separated)
 
     def __post_init__(self):
         check_reply_format(self.reply_format)
@@ -250,7 +254,8 @@ class TextWorldEpisode:
         return format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
                                   self.admissible, self.style.numbered_actions,
                                   with_goal=self.style.goal_every_turn or self.turns == 0,
-                                  reply_format=self.style.reply_format)
+                                  reply_format=self.style.reply_format,
+                                  one_per_line=self.style.actions_per_line)
 
     def _show(self, admissible) -> list[str]:
         """The game's (sorted) admissible commands in the order shown this turn."""
