@@ -67,6 +67,15 @@ def test_missing_heldout_dir_is_named(tmp_path):
         build_env(_alfworld_cfg("--env.heldout_dir", str(tmp_path / "nope")), False)
 
 
+@pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"], ["--env.actions_per_line", "true"]])
+def test_textworld_only_observation_fields_are_refused(override):
+    from rollout_bridge.envs.kinds import build_env
+    from spopp_jax.run_errors import UserError
+
+    with pytest.raises(UserError, match=r"for env.kind=textworld only"):
+        build_env(_alfworld_cfg(*override), False)
+
+
 def test_unknown_alfworld_task_type_is_named():
     from rollout_bridge.envs.kinds import build_env
     from spopp_jax.run_errors import UserError

@@ -271,6 +271,9 @@ def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
     import os
 
     env = cfg.env
+    if env.warmstart_rename > 0 or env.actions_per_line:
+        raise UserError("env.warmstart_rename and env.actions_per_line are for env.kind=textworld only "
+                        "(ALFWorld observations have their own format)")
     missing = [m for m in ("alfworld", "fast_downward") if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"env.kind='alfworld' needs {', '.join(missing)}: pip install 'alfworld==0.4.2' "
