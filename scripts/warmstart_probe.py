@@ -12,8 +12,13 @@ same config) and prints, averaged over every reply of the first `--games` held-o
     text    the rest of the command text (copied from the list / goal with reply_format
             command_number)
     number  the number after the last "=" (command_number) or the whole reply (number):
-            what the environment plays (none with free-text commands, numbered_actions false). A policy that does not find the command's number
-            in the shuffled list is near ln(#commands shown) here (~2.1-2.4 nats).
+            what the environment plays (none with free-text commands, numbered_actions
+            false). A policy that does not find the command's number in the shuffled list
+            is near ln(#commands shown) here (~2.1-2.4 nats).
+
+`--renamed` first rewrites every room and thing name with fresh random words
+(`rollout_bridge.envs.textworld_rename`): no model has seen those names, so a low `text`
+NLL then means the model copies names from the observation.
 
 The model is loaded with transformers (PyTorch), a reference nobody here wrote.
 """
@@ -30,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NUMBER_MARK = "="   # command_number replies: "<command> = <k>"
+RENAME_SEED = 987_654   # --renamed: a mapping no warm start (seeded by the job's seed) reuses
 
 
 def reply_spans(action_mask) -> list[np.ndarray]:
@@ -51,7 +57,7 @@ def split_reply(tokens: list[str], numbered: bool = True) -> tuple[slice, slice,
     return slice(0, 1), slice(1, marks[-1]), slice(marks[-1] + 1, body)
 
 
-def probe(cfg, games: int) -> dict[str, float]:
+def probe(cfg, games: int, renamed: bool = False) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +70,10 @@ def probe(cfg, games: int) -> dict[str, float]:
         raise SystemExit(f"{folder} does not exist: run `python train.py --stage warmstart` with this config first")
     env = build_env(cfg, False, lambda _: None, False)
     tasks = env.held_out if env.held_out is not None else env.train
+    if renamed:   # names no model has seen: only copying them from the row predicts them
+        from rollout_bridge.envs.textworld_rename import RenamedDemonstrations, textworld_names_of
+
+        tasks = RenamedDemonstrations(tasks, textworld_names_of(tasks.game_files), 1.0, seed=RENAME_SEED)
     chat = build.load_chat(folder)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     parts: dict[str, list[float]] = {"first": [], "text": [], "number": []}
@@ -86,10 +96,13 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--games", type=int, default=8, help="held-out games whose walkthroughs are scored")
+    parser.add_argument("--renamed", action="store_true",
+                        help="rewrite the games' names with fresh random words first (textworld): "
+                             "then the text part measures copying, not memory")
     args, rest = parser.parse_known_args(argv)
     cfg = train.parse_config(rest)
-    result = probe(cfg, args.games)
-    print(f"warm start {cfg.output_dir}: mean NLL per reply part (nats) " +
+    result = probe(cfg, args.games, args.renamed)
+    print(f"warm start {cfg.output_dir}{' (names renamed)' if args.renamed else ''}: mean NLL per reply part (nats) " +
           ", ".join(f"{name} {value:.2f}" for name, value in result.items()) + f" (load {os.getloadavg()[0]:.1f})")
 
 
