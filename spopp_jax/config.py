@@ -134,6 +134,9 @@ class EnvSection:
     warmstart_rename: float = 0.0
     # textworld: "Actions:" then one command per line, tokenized as a reply typing it
     actions_per_line: bool = False
+    # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
+    # control, trained and evaluated like the agent (issue #15 item 3 with free-text commands)
+    blind_observations: bool = False
     # held-out games (textworld and alfworld: generated with seeds from heldout_seed;
     # alfworld also: the first heldout_games of heldout_dir)
     heldout_games: int = 0

@@ -136,6 +136,24 @@ def test_actions_one_per_line_are_written_as_a_reply_types_them(train_files):
     episode.close()
 
 
+def test_blind_style_hides_every_observation_but_plays_the_same_game(train_files):
+    from rollout_bridge.envs.textworld_env import BLIND_OBSERVATION
+
+    blind = TextWorldTasks(train_files, train_files[0].parent, max_turns=4,
+                           style=ObservationStyle(max_feedback_chars=80, blind=True))
+    sighted = TextWorldTasks(train_files, train_files[0].parent, max_turns=4,
+                             style=ObservationStyle(max_feedback_chars=80))
+    demo, seen = blind.demonstration(0), sighted.demonstration(0)
+    assert [reply for _, reply in demo] == [reply for _, reply in seen]   # the same walkthrough commands
+    assert all(obs == BLIND_OBSERVATION for obs, _ in demo)
+    assert all(obs != BLIND_OBSERVATION for obs, _ in seen)
+    episode = blind.episode(0)
+    assert episode.reset() == BLIND_OBSERVATION
+    outcome = episode.step("look")
+    assert outcome.observation == BLIND_OBSERVATION and not outcome.won
+    episode.close()
+
+
 def test_turn_limit_ends_episode_without_reward(tasks):
     env = TextWorldEnv(tasks)
     env.reset(0)

@@ -178,7 +178,7 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
     style = ObservationStyle(env.max_feedback_chars, env.numbered_actions, env.shuffle_actions,
                              env.free_text_commands, shuffle_seed=cfg.seed,
                              goal_every_turn=env.goal_every_turn, reply_format=env.reply_format,
-                             actions_per_line=env.actions_per_line)
+                             actions_per_line=env.actions_per_line, blind=env.blind_observations)
 
     def task_set(name: str, count: int, seed: int, exclude=(), what: str = ""):
         spec = games.GameSetSpec(name, count, seed, env.world_size, env.nb_objects, env.quest_length)
@@ -204,18 +204,24 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
         warm = task_set("warmstart", env.warmstart_games, env.warmstart_seed, games.set_signatures(generated),
                         "warm-start games (disjoint from the training and held-out games)")
     reference = {}
-    if style.shuffle_actions and not style.free_text and env.game_dir is None:
+    if style.shuffle_actions and not style.free_text and not style.blind and env.game_dir is None:
         reference["prompt_blind_ceiling"] = _blind_ceiling(train, log, progress, "training games")
         if held is not None:
             reference["heldout_prompt_blind_ceiling"] = _blind_ceiling(held, log, progress, "held-out games")
 
     warm_games = warm
 
-    def corpus() -> list[str]:   # the tokenizer's texts: each walkthrough once
-        texts = [train.episode(t).reset() for t in range(train.num_tasks)]
+    def corpus() -> list[str]:   # the tokenizer's texts: each walkthrough once, as a sighted agent sees them
+        def sighted(tasks):   # blind: the same tokenizer as the sighted agent's
+            if not style.blind:
+                return tasks
+            return TextWorldTasks(tasks.game_files, tasks.root, env.max_turns, dataclasses.replace(style, blind=False))
+
+        seen = sighted(train)
+        texts = [seen.episode(t).reset() for t in range(seen.num_tasks)]
         if warm_games is not None:
-            texts += [f"{obs}\n{reply}" for t in range(warm_games.num_tasks)
-                      for obs, reply in warm_games.demonstration(t)]
+            shown = sighted(warm_games)
+            texts += [f"{obs}\n{reply}" for t in range(shown.num_tasks) for obs, reply in shown.demonstration(t)]
         return texts
 
     if warm is not None and style.shuffle_actions and env.warmstart_orders > 1:
@@ -271,8 +277,9 @@ def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
     import os
 
     env = cfg.env
-    if env.warmstart_rename > 0 or env.actions_per_line:
-        raise UserError("env.warmstart_rename and env.actions_per_line are for env.kind=textworld only "
+    if env.warmstart_rename > 0 or env.actions_per_line or env.blind_observations:
+        raise UserError("env.warmstart_rename, env.actions_per_line and env.blind_observations are for "
+                        "env.kind=textworld only "
                         "(ALFWorld observations have their own format)")
     missing = [m for m in ("alfworld", "fast_downward") if importlib.util.find_spec(m) is None]
     if missing:

@@ -58,6 +58,7 @@ from rollout_bridge.envs.textworld_games import list_game_files, task_name_for
 MAX_COMMAND_CHARS = 120
 MAX_FEEDBACK_CHARS = 600
 NOT_A_NUMBER_FEEDBACK = "Reply with the number of one of the actions."
+BLIND_OBSERVATION = "(hidden)"   # style.blind: every observation, so a policy cannot read
 REPLY_FORMATS = ("number", "command_number")
 NUMBER_SEPARATOR = " = "   # command_number: "<command> = <number>"
 _PROMPT_TAIL = re.compile(r"\n\s*>[^\n]*$", re.S)   # "\n>   -= Room =-0/1" status line
@@ -211,6 +212,7 @@ class ObservationStyle:
     goal_every_turn: bool = True    # False: the goal only in the first observation
     reply_format: str = "number"    # numbered: "number" ("3") | "command_number" ("go south = 3")
     actions_per_line: bool = False  # "Actions:" then one command per line (else " | "-separated)
+    blind: bool = False             # every observation is BLIND_OBSERVATION: the prompt-blind control
 
     def __post_init__(self):
         check_reply_format(self.reply_format)
@@ -251,6 +253,8 @@ class TextWorldEpisode:
         self.won = False
 
     def _observation(self, feedback: str) -> str:
+        if self.style.blind:
+            return BLIND_OBSERVATION
         return format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
                                   self.admissible, self.style.numbered_actions,
                                   with_goal=self.style.goal_every_turn or self.turns == 0,
