@@ -91,6 +91,56 @@ def probe(cfg, games: int, renamed: bool = False) -> dict[str, float]:
     return {name: float(np.mean(values)) if values else float("nan") for name, values in parts.items()}
 
 
+def play(cfg, episodes: int, show: int = 0) -> dict[str, float]:
+    """Play every held-out game (the training games when there are none) `episodes` times
+    with the warm start, sampling replies as the rollouts do (temperature
+    `rollout.temperature`, at most `rollout.max_new_tokens` tokens); the success rate, its
+    standard error, and the fraction of replies that played a shown command. Prints the
+    first `show` episodes' replies."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_bridge import components as build
+    from rollout_bridge.envs.kinds import build_env
+
+    folder = Path(cfg.output_dir) / "warmstart_model"
+    if not folder.is_dir():
+        raise SystemExit(f"{folder} does not exist: run `python train.py --stage warmstart` with this config first")
+    env = build_env(cfg, False, lambda _: None, False)
+    tasks = env.held_out if env.held_out is not None else env.train
+    chat = build.load_chat(folder)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    stops = list(dict.fromkeys([*chat.stop_token_ids, *(chat.turn_close_ids or [])[:1]]))
+    torch.manual_seed(cfg.seed)
+    wins, replies, shown_commands = [], 0, 0
+    for round_ in range(episodes):
+        for task in range(tasks.num_tasks):
+            episode = tasks.episode(task)
+            ids = chat.prompt_ids(episode.reset())
+            trace = []
+            while not episode.done:
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([ids]), do_sample=True, temperature=cfg.rollout.temperature,
+                                         top_k=0, max_new_tokens=cfg.rollout.max_new_tokens, eos_token_id=stops,
+                                         pad_token_id=chat.tokenizer.pad_token_id)[0, len(ids):].tolist()
+                reply = chat.action_text([i for i in out if i not in stops]).strip()
+                listed = list(episode.admissible)
+                outcome = episode.step(reply)
+                replies += 1
+                shown_commands += outcome.info["command"] in listed and not outcome.info.get("not_a_number")
+                trace.append(f"{'+' if outcome.info['command'] in listed else '-'} {reply!r}")
+                ids = ids + out + chat.close_ids(out) + (chat.observation_turn_ids(outcome.observation)
+                                                         if not episode.done else [])
+            wins.append(float(episode.won))
+            episode.close()
+            if round_ * tasks.num_tasks + task < show:
+                print(f"game {task} ({'won' if episode.won else 'lost'}; walkthrough {episode.walkthrough}): "
+                      + " | ".join(trace))
+    rate = float(np.mean(wins))
+    return {"success": rate, "se": float(np.sqrt(rate * (1 - rate) / len(wins))), "episodes": len(wins),
+            "shown_command_rate": shown_commands / max(replies, 1)}
+
+
 def main(argv=None) -> None:
     import train
 
@@ -99,8 +149,16 @@ def main(argv=None) -> None:
     parser.add_argument("--renamed", action="store_true",
                         help="rewrite the games' names with fresh random words first (textworld): "
                              "then the text part measures copying, not memory")
+    parser.add_argument("--play", type=int, default=0, metavar="K",
+                        help="also play every held-out game K times, sampling like the rollouts (success +- SE)")
+    parser.add_argument("--show", type=int, default=0, help="with --play: print the first N episodes' replies")
     args, rest = parser.parse_known_args(argv)
     cfg = train.parse_config(rest)
+    if args.play:
+        result = play(cfg, args.play, args.show)
+        print(f"warm start {cfg.output_dir}: success {result['success']:.3f} +- {result['se']:.3f} over "
+              f"{result['episodes']} episodes; {result['shown_command_rate']:.2f} of the replies played a shown "
+              f"command (load {os.getloadavg()[0]:.1f})")
     result = probe(cfg, args.games, args.renamed)
     print(f"warm start {cfg.output_dir}{' (names renamed)' if args.renamed else ''}: mean NLL per reply part (nats) " +
           ", ".join(f"{name} {value:.2f}" for name, value in result.items()) + f" (load {os.getloadavg()[0]:.1f})")
