@@ -57,25 +57,34 @@ def split_reply(tokens: list[str], numbered: bool = True) -> tuple[slice, slice,
     return slice(0, 1), slice(1, marks[-1]), slice(marks[-1] + 1, body)
 
 
-def probe(cfg, games: int, renamed: bool = False) -> dict[str, float]:
+def load_warm_start(cfg):
+    """(held-out task set, or the training one when there are none; chat; the warm start
+    as a transformers model) of `<output_dir>/warmstart_model`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from rollout_bridge import components as build
     from rollout_bridge.envs.kinds import build_env
-    from rollout_bridge.warmstart import demonstration_example
 
     folder = Path(cfg.output_dir) / "warmstart_model"
     if not folder.is_dir():
         raise SystemExit(f"{folder} does not exist: run `python train.py --stage warmstart` with this config first")
     env = build_env(cfg, False, lambda _: None, False)
     tasks = env.held_out if env.held_out is not None else env.train
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return tasks, build.load_chat(folder), model
+
+
+def probe(cfg, games: int, renamed: bool = False) -> dict[str, float]:
+    import torch
+
+    from rollout_bridge.warmstart import demonstration_example
+
+    tasks, chat, model = load_warm_start(cfg)
     if renamed:   # names no model has seen: only copying them from the row predicts them
         from rollout_bridge.envs.textworld_rename import RenamedDemonstrations, textworld_names_of
 
         tasks = RenamedDemonstrations(tasks, textworld_names_of(tasks.game_files), 1.0, seed=RENAME_SEED)
-    chat = build.load_chat(folder)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     parts: dict[str, list[float]] = {"first": [], "text": [], "number": []}
     for task in range(min(games, tasks.num_tasks)):
         example = demonstration_example(chat, tasks.demonstration(task))
@@ -98,18 +107,8 @@ def play(cfg, episodes: int, show: int = 0) -> dict[str, float]:
     standard error, and the fraction of replies that played a shown command. Prints the
     first `show` episodes' replies."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from rollout_bridge import components as build
-    from rollout_bridge.envs.kinds import build_env
-
-    folder = Path(cfg.output_dir) / "warmstart_model"
-    if not folder.is_dir():
-        raise SystemExit(f"{folder} does not exist: run `python train.py --stage warmstart` with this config first")
-    env = build_env(cfg, False, lambda _: None, False)
-    tasks = env.held_out if env.held_out is not None else env.train
-    chat = build.load_chat(folder)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tasks, chat, model = load_warm_start(cfg)
     stops = list(dict.fromkeys([*chat.stop_token_ids, *(chat.turn_close_ids or [])[:1]]))
     torch.manual_seed(cfg.seed)
     wins, replies, shown_commands = [], 0, 0
@@ -126,9 +125,9 @@ def play(cfg, episodes: int, show: int = 0) -> dict[str, float]:
                 reply = chat.action_text([i for i in out if i not in stops]).strip()
                 listed = list(episode.admissible)
                 outcome = episode.step(reply)
-                replies += 1
-                shown_commands += outcome.info["command"] in listed and not outcome.info.get("not_a_number")
-                trace.append(f"{'+' if outcome.info['command'] in listed else '-'} {reply!r}")
+                played = outcome.info["command"] in listed and not outcome.info.get("not_a_number")
+                replies, shown_commands = replies + 1, shown_commands + played
+                trace.append(f"{'+' if played else '-'} {reply!r}")
                 ids = ids + out + chat.close_ids(out) + (chat.observation_turn_ids(outcome.observation)
                                                          if not episode.done else [])
             wins.append(float(episode.won))

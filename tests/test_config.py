@@ -90,6 +90,8 @@ def test_resume_flag_forms():
      "rollout.max_new_tokens"),
     (["--rollout.max_inflight", "64", "--env.num_games", "16"], "rollout.max_inflight"),
     (["--env.max_turns", "0"], "env.max_turns"),
+    (["--env.warmstart_rename", "1.5"], "env.warmstart_rename"),
+    (["--env.warmstart_rename=-0.1"], "env.warmstart_rename"),
     (["--prior.mass", "-8"], "prior.mass"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),

@@ -65,16 +65,21 @@ def random_names(names: Sequence[str], rng: np.random.Generator) -> dict[str, st
     return mapping
 
 
-def rename_text(text: str, mapping: dict[str, str]) -> str:
-    """Every whole-word, case-insensitive occurrence of a name in `mapping` replaced by its
-    new name; longer names first ("bedchamber" is not "chamber", "Canadian style box" is
-    not "box")."""
+def renamer(mapping: dict[str, str]) -> Callable[[str], str]:
+    """text -> text with every whole-word, case-insensitive occurrence of a name in
+    `mapping` replaced by its new name; longer names first ("bedchamber" is not "chamber",
+    "Canadian style box" is not "box"). The pattern is compiled once per mapping."""
     if not mapping:
-        return text
+        return lambda text: text
     lowered = {name.lower(): new for name, new in mapping.items()}
     pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in sorted(lowered, key=len, reverse=True)) + r")\b",
                          re.IGNORECASE)
-    return pattern.sub(lambda match: lowered[match.group(0).lower()], text)
+    return lambda text: pattern.sub(lambda match: lowered[match.group(0).lower()], text)
+
+
+def rename_text(text: str, mapping: dict[str, str]) -> str:
+    """`text` with the names in `mapping` rewritten (:func:`renamer`)."""
+    return renamer(mapping)(text)
 
 
 class RenamedDemonstrations:
@@ -97,8 +102,8 @@ class RenamedDemonstrations:
         rng = np.random.default_rng((self.seed, index))
         if rng.random() >= self.fraction:
             return pairs
-        mapping = random_names(self.names_of(index), rng)
-        return [(rename_text(observation, mapping), rename_text(reply, mapping)) for observation, reply in pairs]
+        rename = renamer(random_names(self.names_of(index), rng))
+        return [(rename(observation), rename(reply)) for observation, reply in pairs]
 
 
 def textworld_names_of(game_files: Sequence[str]) -> Callable[[int], tuple[str, ...]]:
