@@ -67,7 +67,8 @@ def test_missing_heldout_dir_is_named(tmp_path):
         build_env(_alfworld_cfg("--env.heldout_dir", str(tmp_path / "nope")), False)
 
 
-@pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"], ["--env.actions_per_line", "true"]])
+@pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"], ["--env.actions_per_line", "true"],
+                                      ["--env.blind_observations", "true"]])
 def test_textworld_only_observation_fields_are_refused(override):
     from rollout_bridge.envs.kinds import build_env
     from spopp_jax.run_errors import UserError
