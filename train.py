@@ -193,7 +193,9 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     summary = {"success_before_rl": before, "success_after_rl": after,
                "success_per_step": [r.get("success_rate") for r in rows], "rl_wall_s": time.time() - start}
     summary.update(report_run(paths, f"SPO++ ({job.cfg.method}) on {job.cfg.env.kind}", rows, prior, after_record,
-                              before_extra, after_extra, job.env.reference_success))
+                              before_extra, after_extra, job.env.reference_success, job.env.reference_se))
+    if job.env.tasks_record:
+        summary["env"] = dict(job.env.tasks_record)
     for name in after_extra:  # e.g. heldout_before_rl / heldout_after_rl (ALFWorld), no_tool_* (Math-TIR)
         summary[f"{name}_before_rl"] = before_extra.get(name)
         summary[f"{name}_after_rl"] = after_extra[name]

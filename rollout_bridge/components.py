@@ -50,10 +50,10 @@ ORCHESTRATOR_KNOBS = {
     "rho": "tracker.rho", "spo_d_half": "tracker.spo_d_half", "spo_rho_min": "tracker.spo_rho_min",
     "spo_rho_max": "tracker.spo_rho_max", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
     "task_sampler": "sampler.impl",
+    "pad_to_multiple": "rollout.pad_to_multiple",  # null: agent.max_total_tokens, every batch [B, max_seq_len]
 }
 ORCHESTRATOR_DERIVED = {
     "z0": "0: the prior's coordinate (SPEC 2)",
-    "pad_to_multiple": "agent.max_total_tokens: every batch [B, max_seq_len], one compile",
     "keep_history": "False: bounded memory, records stream to the metric sinks",
     "tune_gc": "True (the default): train.py is the whole process, so the process-wide collector tuning is its to make",
     "seed": "the job seed",
@@ -155,8 +155,9 @@ def build_agent_config(cfg, max_turns: int) -> AgentConfig:
 
 
 def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> OrchestratorConfig:
-    return OrchestratorConfig(z0=0.0, pad_to_multiple=agent.max_total_tokens, keep_history=False, seed=seed,
-                              **knobs(cfg, ORCHESTRATOR_KNOBS))
+    values = knobs(cfg, ORCHESTRATOR_KNOBS)
+    values["pad_to_multiple"] = values["pad_to_multiple"] or agent.max_total_tokens  # null: one width, one compile
+    return OrchestratorConfig(z0=0.0, keep_history=False, seed=seed, **values)
 
 
 def check_engine_choice(cfg) -> None:

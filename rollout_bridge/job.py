@@ -319,13 +319,19 @@ def margin_text(difference: float, se: float) -> str:
     return f"{difference / se:+.1f} SE" if se > 0 else "SE 0 (no spread over games)"
 
 
-def margin_line(name: str, estimate: dict, reference: float | None, what: str) -> str:
-    """'<name> <rate> ± <se> vs <what> <reference>: margin <k> SE' (one report line)."""
+def margin_line(name: str, estimate: dict, reference: float | None, what: str, reference_se: float | None = None) -> str:
+    """'<name> <rate> ± <se> vs <what> <reference>: margin <k> SE' (one report line). A
+    measured reference (``reference_se``, independent of the estimate) widens the SE of
+    the difference to sqrt(se² + reference_se²)."""
     line = f"{name}: {estimate['success_rate']:.3f} ± {estimate['se']:.3f} (SE over {estimate['games']} games, " \
            f"{estimate['episodes']} episodes)"
     if reference is None:
         return line
-    return f"{line} vs {what} {reference:.3f}: {margin_text(estimate['success_rate'] - reference, estimate['se'])}"
+    if reference_se is None:
+        return f"{line} vs {what} {reference:.3f}: {margin_text(estimate['success_rate'] - reference, estimate['se'])}"
+    se = float(np.hypot(estimate["se"], reference_se))
+    return (f"{line} vs {what} {reference:.3f} ± {reference_se:.3f} (measured): "
+            f"{margin_text(estimate['success_rate'] - reference, se)}")
 
 
 def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dict) -> Path:
@@ -379,31 +385,33 @@ def lag_histogram(rows) -> dict[str, float]:
 
 
 def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, train_after: dict,
-               extra_before: dict, extra_after: dict, references: dict) -> dict:
+               extra_before: dict, extra_after: dict, references: dict, reference_se: dict | None = None) -> dict:
     """The end-of-job report: summary fields (success with SEs over games, the held-out
     gain over the warm start paired by game, the reference successes such as the exact
     prompt-blind ceiling and the margins to them, the policy-lag histogram), the log lines
     and ``learning_curve.png``. ``train_*``/``extra_*`` are evaluation records with per-game
-    ``successes`` / ``trials``; ``references`` name -> success (``EnvBundle.reference_success``)."""
+    ``successes`` / ``trials``; ``references`` name -> success (``EnvBundle.reference_success``),
+    ``reference_se`` name -> SE of a measured one (``EnvBundle.reference_se``)."""
+    reference_se = dict(reference_se or {})
     fields: dict[str, Any] = dict(references)
+    fields.update({f"{name}_se": se for name, se in reference_se.items()})
     lines = []
     last_update = max((r["step"] for r in rows), default=0)
     held_points = {}
-    train_ref = references.get("prompt_blind_ceiling")
-    for name, before, after, blind in (
-            ("train", train_before, train_after, train_ref),
-            *((name, extra_before.get(name), extra_after[name], references.get(f"{name}_prompt_blind_ceiling"))
-              for name in extra_after)):
+    for name, before, after in (("train", train_before, train_after),
+                                *((name, extra_before.get(name), extra_after[name]) for name in extra_after)):
+        ceiling = "prompt_blind_ceiling" if name == "train" else f"{name}_prompt_blind_ceiling"
+        blind, blind_se = references.get(ceiling), reference_se.get(ceiling)
         after_estimate = success_estimate(after["successes"], after["trials"])
         fields[f"{name}_after_rl_estimate"] = after_estimate
-        lines.append(margin_line(f"{name} success after RL", after_estimate, blind, "prompt-blind ceiling"))
+        lines.append(margin_line(f"{name} success after RL", after_estimate, blind, "prompt-blind ceiling", blind_se))
         if before is not None:
             before_estimate = success_estimate(before["successes"], before["trials"])
             gain = paired_gain(before, after)
             fields[f"{name}_before_rl_estimate"] = before_estimate
             fields[f"{name}_gain_over_warm_start"] = gain
             lines.append(margin_line(f"{name} success of the warm start", before_estimate, blind,
-                                     "prompt-blind ceiling"))
+                                     "prompt-blind ceiling", blind_se))
             lines.append(f"{name} gain of RL over the warm start: {gain['gain']:+.3f} ± {gain['se']:.3f} "
                          f"(paired by game): {margin_text(gain['gain'], gain['se'])}")
             if name != "train":

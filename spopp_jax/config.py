@@ -137,6 +137,10 @@ class EnvSection:
     # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
     # control, trained and evaluated like the agent (issue #15 item 3 with free-text commands)
     blind_observations: bool = False
+    # textworld, free-text commands: the folder of a finished run of this recipe with
+    # blind_observations=true on the same games; its success after RL is printed beside the
+    # agent's as the prompt-blind reference (rollout_bridge/envs/blind_control.py)
+    blind_control: Optional[str] = None
     # held-out games (textworld and alfworld: generated with seeds from heldout_seed;
     # alfworld also: the first heldout_games of heldout_dir)
     heldout_games: int = 0
@@ -368,8 +372,11 @@ class RolloutSection:
     episodes (env error / time-out, R = 0) are training samples, `env_timeout_s` bounds
     each environment call (null: none), `max_consecutive_failures` stops a run whose
     env/engine is broken. `engine_steps_per_call`: decode steps per JAX engine call (at
-    most max_new_tokens). `server_urls`: comma-separated vLLM server URLs
-    (engine=vllm_server only; or `servers.launch.count` local ones, never both)."""
+    most max_new_tokens). `pad_to_multiple` (a divisor of max_seq_len): learner batches are
+    [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len always, one compile; a
+    smaller multiple trains short batches faster at the cost of one compile per width).
+    `server_urls`: comma-separated vLLM server URLs (engine=vllm_server only; or
+    `servers.launch.count` local ones, never both)."""
 
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
     batch_size: int = 16
@@ -390,6 +397,7 @@ class RolloutSection:
     max_new_tokens: int = 16
     max_seq_len: int = 320
     engine_steps_per_call: int = 8
+    pad_to_multiple: Optional[int] = None
     server_urls: Optional[str] = None
     servers: ServersSection = field(default_factory=ServersSection)
 
@@ -400,6 +408,10 @@ class RolloutSection:
                   "temperature", "max_new_tokens", "max_seq_len", "engine_steps_per_call")
         if self.env_timeout_s is not None:
             _positive("rollout", self, "env_timeout_s")
+        if self.pad_to_multiple is not None:
+            _check(self.pad_to_multiple > 0 and self.max_seq_len % self.pad_to_multiple == 0,
+                   "rollout.pad_to_multiple", f"null or a divisor of rollout.max_seq_len={self.max_seq_len}",
+                   self.pad_to_multiple)
         _check(self.max_policy_lag >= 0, "rollout.max_policy_lag", ">= 0", self.max_policy_lag)
         _check(self.server_urls is None or self.engine == "vllm_server", "rollout.server_urls",
                "null unless rollout.engine=vllm_server", self.server_urls)

@@ -68,7 +68,7 @@ def test_missing_heldout_dir_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"], ["--env.actions_per_line", "true"],
-                                      ["--env.blind_observations", "true"]])
+                                      ["--env.blind_observations", "true"], ["--env.blind_control", "runs/x"]])
 def test_textworld_only_observation_fields_are_refused(override):
     from rollout_bridge.envs.kinds import build_env
     from spopp_jax.run_errors import UserError

@@ -89,6 +89,8 @@ def test_resume_flag_forms():
     (["--rollout.max_new_tokens", "600", "--rollout.max_seq_len", "512"],
      "rollout.max_new_tokens"),
     (["--rollout.max_inflight", "64", "--env.num_games", "16"], "rollout.max_inflight"),
+    (["--rollout.pad_to_multiple", "0"], "rollout.pad_to_multiple"),
+    (["--rollout.pad_to_multiple", "100", "--rollout.max_seq_len", "320"], "rollout.pad_to_multiple"),
     (["--env.max_turns", "0"], "env.max_turns"),
     (["--env.warmstart_rename", "1.5"], "env.warmstart_rename"),
     (["--env.warmstart_rename=-0.1"], "env.warmstart_rename"),
@@ -139,6 +141,16 @@ def test_train_py_reports_bad_value_and_exits_2():
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
     assert "config error: tracker.rho must be in (0, 1), got 2.0" in result.stderr
+
+
+def test_pad_to_multiple_reaches_the_orchestrator_and_defaults_to_one_width():
+    from rollout_bridge.agent import AgentConfig
+    from rollout_bridge.components import build_orchestrator_config
+
+    agent = AgentConfig(max_turns=2, max_total_tokens=320)
+    assert build_orchestrator_config(TrainConfig(), agent, 0).pad_to_multiple == 320
+    cfg = load_config(["--rollout.pad_to_multiple", "64"])
+    assert build_orchestrator_config(cfg, agent, 0).pad_to_multiple == 64
 
 
 def test_mini_batches_reach_the_learner_config():

@@ -59,3 +59,17 @@ def test_margins_with_zero_spread_say_so_instead_of_inf():
     assert margin_text(0.0, 0.0) == margin_text(0.2, 0.0) == "SE 0 (no spread over games)"
     line = margin_line("held-out", {"success_rate": 0.5, "se": 0.0, "games": 4, "episodes": 16}, 0.5, "ceiling")
     assert "inf" not in line and "nan" not in line and line.endswith("SE 0 (no spread over games)")
+
+
+def test_a_measured_reference_widens_the_margin_by_its_own_se(tmp_path, caplog):
+    from rollout_bridge.job import margin_line
+
+    estimate = {"success_rate": 0.5, "se": 0.03, "games": 4, "episodes": 16}
+    line = margin_line("held-out", estimate, 0.1, "prompt-blind ceiling", 0.04)
+    # (0.5 - 0.1) / sqrt(0.03^2 + 0.04^2) = 0.4 / 0.05 = 8.0
+    assert line.endswith("vs prompt-blind ceiling 0.100 ± 0.040 (measured): +8.0 SE"), line
+    assert margin_line("held-out", estimate, 0.1, "ceiling").endswith(f"{0.4 / 0.03:+.1f} SE")
+    before = {"successes": [0, 1, 0, 1], "trials": [4, 4, 4, 4]}
+    fields = report_run(RunPaths(tmp_path), "t", [{"step": 1, "success_rate": 0.1}], before, before, {}, {},
+                        {"prompt_blind_ceiling": 0.02}, {"prompt_blind_ceiling": 0.01})
+    assert fields["prompt_blind_ceiling"] == 0.02 and fields["prompt_blind_ceiling_se"] == 0.01

@@ -35,6 +35,8 @@ class EnvBundle:
     evaluations of the policy before and after RL (e.g. ALFWorld's held-out games, Math-TIR
     with the tool disabled); reference_success: name -> success of a reference policy
     on these tasks (e.g. the exact prompt-blind ceiling), reported beside the agent's;
+    reference_se: name -> the standard error of a measured reference (absent: exact);
+    tasks_record: what the job's summary.json records about its tasks (``env``);
     close: releases what the kind started (sandbox workers, verifier processes).
     """
 
@@ -47,6 +49,8 @@ class EnvBundle:
     chat_tools: Sequence[Mapping[str, Any]] | None = None
     extra_evals: Mapping[str, tuple[Any, EnvFactory]] = dataclasses.field(default_factory=dict)
     reference_success: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    reference_se: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    tasks_record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     close: Callable[[], None] = lambda: None
 
     @property
@@ -172,6 +176,7 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
     from both. With shuffled, number-only actions the exact prompt-blind ceiling of the
     training and held-out sets is computed (``reference_success``)."""
     from rollout_bridge.envs import textworld_games as games
+    from rollout_bridge.envs.blind_control import describe_tasks, load_blind_control
     from rollout_bridge.envs.textworld_env import ObservationStyle, TextWorldEnv, TextWorldTasks
 
     env = cfg.env
@@ -203,8 +208,16 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
                             "TextWorld games; set warmstart.enabled=false for your own games")
         warm = task_set("warmstart", env.warmstart_games, env.warmstart_seed, games.set_signatures(generated),
                         "warm-start games (disjoint from the training and held-out games)")
-    reference = {}
-    if style.shuffle_actions and not style.free_text and not style.blind and env.game_dir is None:
+    reference, reference_se = {}, {}
+    tasks_record = describe_tasks(train.root.name, None if held is None else held.root.name, style.blind)
+    exact_ceiling = style.shuffle_actions and not style.free_text and not style.blind and env.game_dir is None
+    if env.blind_control is not None:
+        if exact_ceiling:
+            raise UserError("env.blind_control is for free-text commands: with shuffled numbered actions the "
+                            "exact prompt-blind ceiling is computed instead (set env.blind_control=null)")
+        reference, reference_se = load_blind_control(env.blind_control, tasks_record)
+        log(f"prompt-blind control: {env.blind_control} (training games {reference['prompt_blind_ceiling']:.3f})")
+    elif exact_ceiling:
         reference["prompt_blind_ceiling"] = _blind_ceiling(train, log, progress, "training games")
         if held is not None:
             reference["heldout_prompt_blind_ceiling"] = _blind_ceiling(held, log, progress, "held-out games")
@@ -232,7 +245,8 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
         warm = RenamedDemonstrations(warm, textworld_names_of(warm_games.game_files), env.warmstart_rename, cfg.seed)
     extra = {} if held is None else {"heldout": (held, lambda: TextWorldEnv(held))}
     return EnvBundle(train=train, env_factory=lambda: TextWorldEnv(train), max_turns=env.max_turns,
-                     corpus=corpus, warm=warm, held_out=held, extra_evals=extra, reference_success=reference)
+                     corpus=corpus, warm=warm, held_out=held, extra_evals=extra, reference_success=reference,
+                     reference_se=reference_se, tasks_record=tasks_record)
 
 
 def math_tir_evaluations(setup) -> dict:
@@ -277,9 +291,9 @@ def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
     import os
 
     env = cfg.env
-    if env.warmstart_rename > 0 or env.actions_per_line or env.blind_observations:
-        raise UserError("env.warmstart_rename, env.actions_per_line and env.blind_observations are for "
-                        "env.kind=textworld only "
+    if env.warmstart_rename > 0 or env.actions_per_line or env.blind_observations or env.blind_control:
+        raise UserError("env.warmstart_rename, env.actions_per_line, env.blind_observations and env.blind_control "
+                        "are for env.kind=textworld only "
                         "(ALFWorld observations have their own format)")
     missing = [m for m in ("alfworld", "fast_downward") if importlib.util.find_spec(m) is None]
     if missing:
