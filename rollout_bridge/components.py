@@ -72,6 +72,7 @@ ENGINE_DERIVED = {
     "policy_event": "the orchestrator's policy event", "seed": "the job seed",
     "max_stop_tokens": "JaxEngine default", "min_prefill_len": "JaxEngine default",
     "cache_dtype": "JaxEngine default",
+    "prefix_reuse": "JaxEngine default (on: a turn prefills only its new tokens; attention-only caches)",
 }
 ENGINE_SELECT = ("rollout.engine", "rollout.server_urls")  # which engine; the servers' URLs
 

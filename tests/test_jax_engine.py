@@ -502,3 +502,62 @@ def test_generate_validates_its_inputs(model_a):
         return True
 
     assert run(with_engine(model_a, body))
+
+
+# --------------------------------------------------------------------------- prefix reuse
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=6)
+
+
+async def _conversations(engine, openings, turns: int, observation=(5, 6, 7)):
+    """Each conversation: prompt, reply, prompt + reply + observation, reply, ... (the
+    agent loop's token stream), all conversations at once. Returns per conversation the
+    (prompt, result) of every turn."""
+    async def talk(index, opening):
+        prompt, history = list(opening), []
+        for turn in range(turns):
+            result = await engine.generate(prompt, SAMPLED, seed=100 * index + turn)
+            history.append((list(prompt), result))
+            prompt = prompt + list(result.token_ids) + list(observation)
+        return history
+
+    return await asyncio.gather(*[talk(i, o) for i, o in enumerate(openings)])
+
+
+def test_next_turn_prefills_only_its_new_tokens_and_samples_as_a_full_prefill(model_a):
+    """4 conversations x 3 turns over 4 slots: turns 2 and 3 read the previous turn's rows
+    (counted), and every turn's tokens and log-probs are those of the full forward and of
+    an engine that prefills everything."""
+    openings = [[3, 1], [9, 9, 2], [4], [8, 7, 6, 5]]
+
+    async def body(engine):
+        return await _conversations(engine, openings, turns=3), engine.prefix_stats
+
+    reused, stats = run(with_engine(model_a, body, max_len=128))
+    full, full_stats = run(with_engine(model_a, body, max_len=128, prefix_reuse=False))
+    assert full_stats.reused_tokens == 0
+    assert stats.reused_requests == 8  # every later turn of every conversation
+    kept = sum(len(prompt) + len(result.token_ids) - 1 for history in reused for prompt, result in history[:-1])
+    assert stats.reused_tokens == kept and stats.prefilled_tokens == full_stats.prefilled_tokens - kept
+    for history, history_full in zip(reused, full):
+        for (prompt, result), (prompt_full, result_full) in zip(history, history_full):
+            assert prompt == prompt_full and result.token_ids == result_full.token_ids
+            _, logps, _ = replay(model_a, prompt, result.token_ids)
+            np.testing.assert_allclose(result.logprobs, logps, atol=LOGP_ATOL)
+            np.testing.assert_allclose(result.logprobs, result_full.logprobs, atol=LOGP_ATOL)
+
+
+def test_a_publish_forgets_kept_rows_and_another_conversation_never_reads_them(model_a, model_b):
+    async def body(engine):
+        first = await engine.generate([3, 1, 4], SAMPLED, seed=1)
+        await engine.publish(nnx.state(model_b), policy_event=1)
+        follow_up = [3, 1, 4, *first.token_ids, 5]
+        second = await engine.generate(follow_up, SAMPLED, seed=2)   # rows of the old weights: not read
+        after_publish = engine.prefix_stats.reused_tokens
+        other = await engine.generate([2, 7, 1, 8], SAMPLED, seed=3)   # not an extension: not read
+        return follow_up, second, after_publish, other, engine.prefix_stats
+
+    follow_up, second, after_publish, other, stats = run(with_engine(model_a, body, num_slots=1))
+    assert after_publish == 0 and stats.reused_tokens == 0 and stats.reused_requests == 0
+    for prompt, result in ((follow_up, second), ([2, 7, 1, 8], other)):
+        _, logps, _ = replay(model_b, prompt, result.token_ids)
+        np.testing.assert_allclose(result.logprobs, logps, atol=LOGP_ATOL)

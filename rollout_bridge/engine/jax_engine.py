@@ -12,6 +12,16 @@ of ``slot_decode``:
   computing, so the asyncio event loop of the callers stays responsive.
 * Prefill shapes are bucketed (powers of two in rows and prefix length, at least
   ``min_prefill_len``), bounding recompiles to O(log S * log max_len).
+* Prefix reuse (multi-turn agents): a finished request leaves its slot's cache rows
+  holding its prompt and all its tokens but the last. A later request whose prompt
+  extends that whole sequence (the next turn of the same conversation: history, reply,
+  observation) is admitted into that slot and prefills only the new tokens. A turn then
+  costs its own tokens instead of the whole history again. Reuse only happens when the
+  kept rows were computed entirely by the weights installed now (any publish forgets
+  them), so the sampled tokens and log-probs are those of a full prefill up to float
+  rounding. It is on for attention-only caches (``prefix_reuse``; a hybrid model's
+  recurrent layers always prefill in full). ``prefix_stats`` counts prefilled and reused
+  tokens.
 * Log-probs are ``log_softmax(logits / temperature)[token]`` in float32, from the logits
   that sampled the token, before top-k / top-p.
 * Determinism: request r's i-th token uses ``fold_in(PRNGKey(seed_r), i)``, so a request's
@@ -55,6 +65,7 @@ from flax import nnx
 
 from rollout_bridge.engine import slot_decode
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
+from spopp_jax.models.cache import AttentionCache
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,6 +80,8 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     token_events: list[int] = dataclasses.field(default_factory=list)  # policy event per token
     cancelled: bool = False
+    start: int = 0  # prompt tokens read from the slot's kept cache rows (prefix reuse)
+    admit_event: int = -1  # policy event of the weights at admission
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,6 +91,17 @@ class _Publish:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     inflight: bool = False  # install between decode chunks instead of after a drain
+
+
+@dataclasses.dataclass
+class PrefixStats:
+    """Prefill counters: ``prefilled_tokens`` went through the model at admission,
+    ``reused_tokens`` were read from a slot's kept cache rows instead (prefix reuse), over
+    ``reused_requests`` requests."""
+
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    reused_requests: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -180,6 +204,8 @@ class JaxEngine(RolloutEngine):
       max_stop_tokens: capacity of a request's ``stop_token_ids``.
       min_prefill_len: smallest prefill bucket.
       cache_dtype: KV-cache dtype.
+      prefix_reuse: prefill a conversation's next turn on top of the cache rows its
+        previous request left (attention-only caches; see the module docstring).
     """
 
     supports_inflight_publish = True
@@ -196,8 +222,10 @@ class JaxEngine(RolloutEngine):
         max_stop_tokens: int = 8,
         min_prefill_len: int = 16,
         cache_dtype: Any = jnp.float32,
+        prefix_reuse: bool = True,
     ):
         self.publish_stats = PublishStats()
+        self.prefix_stats = PrefixStats()
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         graphdef, params = nnx.split(model)
@@ -217,11 +245,17 @@ class JaxEngine(RolloutEngine):
 
         # Distinct buffers per leaf: the jitted transitions donate the whole state.
         self._state = _copy_tree(slot_decode.init_slot_state(model, num_slots, max_len, max_stop_tokens, cache_dtype))
+        self._prefix_reuse = bool(prefix_reuse) and all(
+            isinstance(layer, AttentionCache) for layer in self._state.cache)
         self._transitions = _transitions_for(graphdef, self._param_treedef)
         self._release = _RELEASE
 
         # Scheduler-thread state (touched only by that thread after start).
         self._slots: list[_Request | None] = [None] * self._num_slots
+        # what a free slot's cache rows hold at positions 0.. (prefix reuse), and when
+        self._kept: list[tuple[int, ...] | None] = [None] * self._num_slots
+        self._kept_at: list[int] = [0] * self._num_slots
+        self._finished_count = 0
         self._pending: collections.deque[_Request] = collections.deque()
         self._publishes: collections.deque[_Publish] = collections.deque()
         self._last_publish_submitted: asyncio.Future | None = None  # event-loop side
@@ -431,6 +465,7 @@ class JaxEngine(RolloutEngine):
         self._state = self._release(self._state, jnp.asarray(mask))
         for i in slots:
             self._slots[i] = None
+            self._kept[i] = None  # aborted mid-chunk: the rows hold an unknown tail
 
     def _install_publishes(self) -> None:
         """Install queued publishes in order: an in-flight one at once (we are between
@@ -445,6 +480,7 @@ class JaxEngine(RolloutEngine):
                 self.publish_stats.drained_publishes += 1
             self._param_leaves = command.params
             self.policy_event = command.policy_event
+            self._kept = [None] * self._num_slots  # rows computed by the old weights: never reused
             _notify(command.loop, command.future)
 
     def _admit_pending(self) -> None:
@@ -453,15 +489,36 @@ class JaxEngine(RolloutEngine):
         free = [i for i, r in enumerate(self._slots) if r is None]
         admitted: list[tuple[int, _Request]] = []
         while free and self._pending:
-            admitted.append((free.pop(0), self._pending.popleft()))
+            request = self._pending.popleft()
+            slot, request.start = self._pick_slot(free, request.prompt_ids)
+            free.remove(slot)
+            admitted.append((slot, request))
         if not admitted:
             return
         rows = _bucket(len(admitted), 1, self._num_slots)
-        width = _bucket(max(len(r.prompt_ids) - 1 for _, r in admitted), self._min_prefill_len, self._max_len)
+        width = _bucket(max(len(r.prompt_ids) - 1 - r.start for _, r in admitted), self._min_prefill_len,
+                        self._max_len)
         batch = _requests_batch(admitted, rows, width, self._num_slots, self._max_stop_tokens)
         self._state = self._transitions.admit(self._param_leaves, self._state, batch)
         for slot, request in admitted:
             self._slots[slot] = request
+            self._kept[slot] = None
+            request.admit_event = self.policy_event
+            self.prefix_stats.prefilled_tokens += len(request.prompt_ids) - 1 - request.start
+            self.prefix_stats.reused_tokens += request.start
+            self.prefix_stats.reused_requests += request.start > 0
+
+    def _pick_slot(self, free: list[int], prompt: tuple[int, ...]) -> tuple[int, int]:
+        """(slot, start): the free slot whose kept rows are the longest prefix of
+        ``prompt[:-1]`` (start = its length), else the free slot kept longest ago (start 0)."""
+        best, start = None, 0
+        for slot in free:
+            kept = self._kept[slot]
+            if kept and start < len(kept) < len(prompt) and prompt[:len(kept)] == kept:
+                best, start = slot, len(kept)
+        if best is None:
+            best = min(free, key=lambda slot: (self._kept[slot] is not None, self._kept_at[slot]))
+        return best, start
 
     def _decode_round(self) -> None:
         """Decode chunks until a command arrives or the pipeline should stop.
@@ -510,7 +567,16 @@ class JaxEngine(RolloutEngine):
             reasons = finish[mask, slot]
             if reasons[-1] != slot_decode.FINISH_NONE:
                 self._slots[slot] = None
+                self._keep_rows(slot, request)
                 self._finish(request, _FINISH_NAMES[int(reasons[-1])])
+
+    def _keep_rows(self, slot: int, request: _Request) -> None:
+        """Remember what the finished request left in its slot's rows: its prompt and its
+        tokens but the last (sampled, never fed), all computed by the current weights."""
+        if self._prefix_reuse and request.admit_event == self.policy_event:
+            self._finished_count += 1
+            self._kept[slot] = request.prompt_ids + tuple(request.token_ids[:-1])
+            self._kept_at[slot] = self._finished_count
 
     def _finish(self, request: _Request, reason: str) -> None:
         self._ended[reason] += 1
@@ -558,6 +624,7 @@ def _requests_batch(
     slot = np.full((rows,), num_slots, np.int32)
     prefix_ids = np.zeros((rows, width), np.int32)
     prefix_len = np.zeros((rows,), np.int32)
+    start = np.zeros((rows,), np.int32)
     last_token = np.zeros((rows,), np.int32)
     max_new = np.ones((rows,), np.int32)
     temperature = np.ones((rows,), np.float32)
@@ -568,8 +635,9 @@ def _requests_batch(
     for row, (slot_index, request) in enumerate(admitted):
         prompt, params = request.prompt_ids, request.params
         slot[row] = slot_index
-        prefix_ids[row, : len(prompt) - 1] = prompt[:-1]
+        prefix_ids[row, : len(prompt) - 1 - request.start] = prompt[request.start:-1]
         prefix_len[row] = len(prompt) - 1
+        start[row] = request.start
         last_token[row] = prompt[-1]
         max_new[row] = request.max_new_tokens
         temperature[row] = params.temperature
@@ -581,6 +649,7 @@ def _requests_batch(
         slot=slot,
         prefix_ids=prefix_ids,
         prefix_len=prefix_len,
+        start=start,
         last_token=last_token,
         max_new_tokens=max_new,
         temperature=temperature,

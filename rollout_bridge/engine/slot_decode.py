@@ -5,9 +5,11 @@ in one slot from admission to finish; slots join and leave between decode chunks
 row keeps its own position, so there is no padding to the longest request.
 
 Token timeline of a request with prompt ``p[0..L-1]`` (cache length ``max_len``):
-  * ``admit``: the prefix ``p[0..L-2]`` is written to cache indices ``0..L-2`` of its slot
-    (one batched prefill over the admitted rows only), ``last_token = p[L-1]``,
-    ``position = L-1``.
+  * ``admit``: the prefix ``p[start..L-2]`` is written to cache indices ``start..L-2`` of
+    its slot (one batched prefill over the admitted rows only), ``last_token = p[L-1]``,
+    ``position = L-1``. ``start`` is 0, or the length of a prefix ``p[0..start-1]`` the
+    slot's cache rows already hold (prefix reuse across the turns of one conversation:
+    the previous request's prompt and tokens; ``JaxEngine`` decides when it may).
   * each decode step feeds ``last_token`` at ``position`` (written, then attended with
     indices ``<= position``), samples token ``g`` from the resulting logits
     (``sampling_ops.sample_with_uniforms``; the uniform of the request's i-th token is
@@ -58,8 +60,9 @@ class SlotRequests:
     """P requests to admit (rows with ``slot == num_slots`` are padding and dropped)."""
 
     slot: jax.Array  # [P] int32
-    prefix_ids: jax.Array  # [P, T] int32, prompt[:-1] left-aligned, padded with 0
+    prefix_ids: jax.Array  # [P, T] int32, prompt[start:-1] left-aligned, padded with 0
     prefix_len: jax.Array  # [P] int32, len(prompt) - 1
+    start: jax.Array  # [P] int32, cache positions 0..start-1 already hold prompt[:start]
     last_token: jax.Array  # [P] int32, prompt[-1]
     max_new_tokens: jax.Array  # [P] int32
     temperature: jax.Array  # [P] float32
@@ -126,7 +129,10 @@ def admit(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, requests:
 
     Only the P admitted rows go through the model (gathered from, then scattered back into,
     the S-row cache); padding rows (``slot == S``) are clipped on gather and dropped on
-    scatter, and their positions are -1 so the model writes nothing for them.
+    scatter, and their positions are -1 so the model writes nothing for them. Row p's
+    token t is written at position ``start[p] + t`` and attends to the cache indices up to
+    it, so a reused prefix (``start > 0``) is read from the row, not recomputed; entries
+    beyond the new tokens are never attended (indices > position are masked).
     """
     num_slots = state.active.shape[0]
     prefix_width = requests.prefix_ids.shape[1]
@@ -138,7 +144,8 @@ def admit(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, requests:
     model = nnx.merge(graphdef, params)
     index = jnp.arange(prefix_width, dtype=jnp.int32)[None, :]
     real = requests.slot < num_slots
-    positions = jnp.where((index < requests.prefix_len[:, None]) & real[:, None], index, -1)
+    new_tokens = requests.prefix_len - requests.start
+    positions = jnp.where((index < new_tokens[:, None]) & real[:, None], requests.start[:, None] + index, -1)
     rows_cache = _take_rows(state.cache, requests.slot)
     _, rows_cache = model.forward_cached(requests.prefix_ids, positions, rows_cache)
     rows = requests.slot

@@ -1,0 +1,120 @@
+"""Multi-turn rollouts with and without the JAX engine's prefix reuse (issue #15's budget).
+
+A turn of an agent conversation prompts the engine with the whole history again. Without
+prefix reuse every turn prefills that history from scratch; with it, a turn prefills only
+its new tokens (the reply's last token and the observation) on top of the rows its previous
+turn left in the slot (``JaxEngine(prefix_reuse=...)``, rollout_bridge/engine/jax_engine.py).
+
+This plays every held-out game of a recipe ``--episodes`` times with each engine, in
+interleaved rounds (benchmarks/_protocol.py), with the same engine seed, and prints the
+wall time, episodes/s, the prefilled and reused tokens and the success rate of each. The
+requests' seeds follow the order in which episodes reach the engine, which the timing
+decides, so the two engines sample different episodes: their success rates agree only
+within sampling noise (the exact equivalence is tests/test_jax_engine.py's).
+
+    python benchmarks/multiturn_rollout.py --config configs/textworld_agentic_text.yaml \\
+        --model runs/textworld_agentic_text/warmstart_model --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _protocol import DEFAULT_MAX_LOAD_EXCESS, headline, interleaved_rounds, pin_threads  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/textworld_agentic_text.yaml")
+    parser.add_argument("--model", required=True, help="an HF model folder with its tokenizer (e.g. a warm start)")
+    parser.add_argument("--episodes", type=int, default=2, help="episodes per held-out game per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-load-excess", type=float, default=DEFAULT_MAX_LOAD_EXCESS)
+    parser.add_argument("--allow-busy", action="store_true", help="keep rounds taken on a busy machine")
+    return parser.parse_args(argv)
+
+
+def build(args):
+    """(held-out task view, chat, agent config, engine kwargs, model) of the recipe."""
+    import dataclasses
+
+    from rollout_bridge import components
+    from rollout_bridge.envs.kinds import build_env
+    from spopp_jax.config import load_config
+
+    cfg = load_config(["--config_path", args.config, "--model.path", args.model, "--progress", "false"])
+    env = build_env(cfg, False, log=lambda line: print(line, flush=True))
+    if not env.extra_evals:
+        raise SystemExit(f"{args.config}: the recipe has no held-out games (env.heldout_games = 0)")
+    tasks, factory = env.extra_evals["heldout"]
+    view = dataclasses.replace(env, train=tasks, env_factory=factory)
+    agent = components.build_agent_config(cfg, env.max_turns)
+    orchestrator = components.build_orchestrator_config(cfg, agent, args.seed)
+    chat = components.load_chat(Path(args.model), env.chat_tools)
+    model = components.load_policy(Path(args.model), cfg.model)
+    engine_kwargs = dict(num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
+                         steps_per_call=cfg.rollout.engine_steps_per_call, seed=args.seed)
+    return view, chat, agent, engine_kwargs, model
+
+
+def play(view, chat, agent, engine_kwargs, model, episodes: int, prefix_reuse: bool) -> dict:
+    from rollout_bridge.engine.jax_engine import JaxEngine
+    from rollout_bridge.job import success_rollouts
+
+    async def run():
+        engine = JaxEngine(model, prefix_reuse=prefix_reuse, **engine_kwargs)
+        try:
+            start = time.perf_counter()
+            successes, trials = await success_rollouts(engine, view, chat, agent, engine_kwargs["num_slots"],
+                                                       episodes, "play", False)
+            return time.perf_counter() - start, successes, trials, engine.prefix_stats
+        finally:
+            await engine.close()
+
+    seconds, successes, trials, stats = asyncio.run(run())
+    return {"seconds": seconds, "success": float(successes.sum() / trials.sum()), "episodes": int(trials.sum()),
+            "prefilled": stats.prefilled_tokens, "reused": stats.reused_tokens}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    pin_threads(args.threads)
+    view, chat, agent, engine_kwargs, model = build(args)
+    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{args.threads} threads; load {os.getloadavg()[0]:.2f}", flush=True)
+    results: dict[str, list[dict]] = {"prefix_reuse": [], "full_prefill": []}
+
+    def system(name: str, reuse: bool):
+        def call():
+            record = play(view, chat, agent, engine_kwargs, model, args.episodes, reuse)
+            results[name].append(record)
+            return record["seconds"]
+        return call
+
+    for name, reuse in (("prefix_reuse", True), ("full_prefill", False)):  # compile every shape once
+        print(f"warm-up {name}: {play(view, chat, agent, engine_kwargs, model, 1, reuse)}", flush=True)
+    timings = interleaved_rounds({"prefix_reuse": system("prefix_reuse", True),
+                                  "full_prefill": system("full_prefill", False)},
+                                 args.rounds, max_load_excess=args.max_load_excess, self_timed=True)
+    for name, records in results.items():
+        episodes = records[0]["episodes"]
+        median, low, high = timings.summary(name, args.allow_busy)
+        print(f"{name:13s} {median:7.1f} s [{low:.1f}, {high:.1f}]  {episodes / median:6.2f} episodes/s  "
+              f"prefilled {records[0]['prefilled']} tokens, reused {records[0]['reused']}  "
+              f"success per round {[round(r['success'], 3) for r in records]}", flush=True)
+    print(headline(timings, "prefix_reuse", "full_prefill", args.allow_busy), flush=True)
+
+
+if __name__ == "__main__":
+    main()
