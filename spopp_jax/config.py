@@ -132,7 +132,7 @@ class EnvSection:
     # textworld: this fraction of the warm-start demonstrations name their rooms and things
     # with fresh random words (rollout_bridge.envs.textworld_rename): names must be copied
     warmstart_rename: float = 0.0
-    # textworld: "Actions:" then one command per line, tokenized as a reply typing it
+    # textworld and alfworld: "Actions:" then one command per line, tokenized as a reply typing it
     actions_per_line: bool = False
     # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
     # control, trained and evaluated like the agent (issue #15 item 3 with free-text commands)

@@ -67,7 +67,7 @@ def test_missing_heldout_dir_is_named(tmp_path):
         build_env(_alfworld_cfg("--env.heldout_dir", str(tmp_path / "nope")), False)
 
 
-@pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"], ["--env.actions_per_line", "true"],
+@pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"],
                                       ["--env.blind_observations", "true"], ["--env.blind_control", "runs/x"]])
 def test_textworld_only_observation_fields_are_refused(override):
     from rollout_bridge.envs.kinds import build_env
@@ -97,6 +97,7 @@ def test_task_types_and_command_numbers_reach_the_task_sets(monkeypatch):
     monkeypatch.setattr(alfworld_tasks, "build_task_sets", fake_build)
     with pytest.raises(RuntimeError, match="stop after the config"):
         build_env(_alfworld_cfg("--env.alfworld_task_types", "[look_at_obj_in_light]",
-                                "--env.reply_format", "command_number"), False)
+                                "--env.reply_format", "command_number", "--env.actions_per_line", "true"), False)
     assert seen["config"].task_types == ("look_at_obj_in_light",)
     assert seen["config"].command_numbers and seen["config"].style.max_feedback_chars == 240
+    assert seen["config"].style.actions_per_line

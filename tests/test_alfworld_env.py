@@ -294,3 +294,16 @@ def test_command_numbers_list_commands_then_numbers_and_demonstrate(released_lay
     pairs = tasks.demonstration(0)
     assert [reply.rsplit(" = ", 1)[0] for _, reply in pairs] == HAND_WALKTHROUGH
     assert all(reply.rsplit(" = ", 1)[1].isdigit() for _, reply in pairs)
+
+
+def test_actions_per_line_list_one_command_per_line_and_play_the_typed_text(released_layout):
+    tasks = AlfworldTasks.from_folder(released_layout, style=ObservationStyle(2000, actions_per_line=True))
+    env = AlfworldEnv(tasks)
+    observation = env.reset(0)
+    episode = env.last_episode
+    assert observation.endswith("Actions:\n" + "\n".join(episode.admissible))
+    assert env.step("go to countertop 1").observation.split("\n")[1].startswith("You arrive at countertop 1.")
+    env.close()
+    pairs = tasks.demonstration(0)
+    assert [reply for _, reply in pairs] == HAND_WALKTHROUGH and "Actions:\n" in pairs[0][0]
+    tasks.close()

@@ -261,10 +261,10 @@ class AlfworldEpisode:
     def _observation(self, feedback: str) -> str:
         feedback = clean_feedback(feedback, self.style.max_feedback_chars)
         if self.command_numbers:
-            return format_observation(self.objective, feedback,
-                                      command_number_list(self.admissible), numbered=False)
+            return format_observation(self.objective, feedback, command_number_list(self.admissible),
+                                      numbered=False, one_per_line=self.style.actions_per_line)
         return format_observation(self.objective, feedback, self.admissible,
-                                  self.style.numbered_actions)
+                                  self.style.numbered_actions, one_per_line=self.style.actions_per_line)
 
     def reset(self) -> str:
         state = self.player.load(self.path)

@@ -55,6 +55,7 @@ class AlfworldTaskConfig:
     max_feedback_chars: int = 2000
     numbered_actions: bool = False
     command_numbers: bool = False   # actions listed and replied as "<command> = <number>"
+    actions_per_line: bool = False  # "Actions:" then one command per line
     workers: int = 2
 
     def __post_init__(self):
@@ -70,7 +71,8 @@ class AlfworldTaskConfig:
 
     @property
     def style(self) -> ObservationStyle:
-        return ObservationStyle(self.max_feedback_chars, self.numbered_actions)
+        return ObservationStyle(self.max_feedback_chars, self.numbered_actions,
+                                actions_per_line=self.actions_per_line)
 
     def spec(self, name: str, num_games: int, base_seed: int,
              exclude: frozenset = frozenset()) -> games.AlfworldSetSpec:
