@@ -327,11 +327,9 @@ def margin_line(name: str, estimate: dict, reference: float | None, what: str, r
            f"{estimate['episodes']} episodes)"
     if reference is None:
         return line
-    if reference_se is None:
-        return f"{line} vs {what} {reference:.3f}: {margin_text(estimate['success_rate'] - reference, estimate['se'])}"
-    se = float(np.hypot(estimate["se"], reference_se))
-    return (f"{line} vs {what} {reference:.3f} ± {reference_se:.3f} (measured): "
-            f"{margin_text(estimate['success_rate'] - reference, se)}")
+    shown = f"{reference:.3f}" if reference_se is None else f"{reference:.3f} ± {reference_se:.3f} (measured)"
+    se = float(np.hypot(estimate["se"], reference_se or 0.0))
+    return f"{line} vs {what} {shown}: {margin_text(estimate['success_rate'] - reference, se)}"
 
 
 def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dict) -> Path:

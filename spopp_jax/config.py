@@ -373,8 +373,9 @@ class RolloutSection:
     each environment call (null: none), `max_consecutive_failures` stops a run whose
     env/engine is broken. `engine_steps_per_call`: decode steps per JAX engine call (at
     most max_new_tokens). `pad_to_multiple` (a divisor of max_seq_len): learner batches are
-    [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len always, one compile; a
-    smaller multiple trains short batches faster at the cost of one compile per width).
+    [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len
+    always, one compile; a smaller multiple trains short batches faster at the cost of one
+    compile per width).
     `server_urls`: comma-separated vLLM server URLs (engine=vllm_server only; or
     `servers.launch.count` local ones, never both)."""
 

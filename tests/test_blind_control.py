@@ -51,6 +51,12 @@ def test_a_missing_or_unreadable_control_is_named(tmp_path):
         load_blind_control(tmp_path, AGENT)
 
 
+def test_a_control_without_results_after_rl_is_named(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"env": {**AGENT, "prompt_blind": True}}))
+    with pytest.raises(UserError, match="no train_after_rl_estimate"):
+        load_blind_control(tmp_path, AGENT)
+
+
 def test_a_blind_job_cannot_take_a_blind_control(tmp_path):
     with pytest.raises(UserError, match="set on a blind run"):
         load_blind_control(_control_run(tmp_path), {**AGENT, "prompt_blind": True})

@@ -314,7 +314,8 @@ def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
         warmstart_games=env.warmstart_games if with_demonstrations else 0, warmstart_seed=env.warmstart_seed,
         max_distractors=env.max_distractors, max_receptacles=env.max_receptacles, max_turns=env.max_turns,
         max_feedback_chars=env.max_feedback_chars, numbered_actions=env.numbered_actions,
-        command_numbers=env.reply_format == "command_number", actions_per_line=env.actions_per_line, workers=max(1, min(2, os.cpu_count() or 1)),
+        command_numbers=env.reply_format == "command_number", actions_per_line=env.actions_per_line,
+        workers=max(1, min(2, os.cpu_count() or 1)),
         **({} if env.alfworld_task_types is None else {"task_types": tuple(env.alfworld_task_types)}))
     log(f"ALFWorld games in {env.data_dir} (generated once, then reused)" if env.game_dir is None
         else f"ALFWorld games from {env.game_dir}")
