@@ -382,6 +382,17 @@ def lag_histogram(rows) -> dict[str, float]:
     return {str(k): counts[k] / total for k in sorted(counts)} if total else {}
 
 
+def event_order(rows) -> dict[str, float] | None:
+    """Results received out of event order over the run (a result is, when one of a newer
+    policy event was received before it): the last update's cumulative
+    ``diag/out_of_event_order_total`` over ``diag/received_total``. None without them."""
+    last = next((r for r in reversed(rows) if "diag/received_total" in r), None)
+    if last is None or not last["diag/received_total"]:
+        return None
+    received, late = float(last["diag/received_total"]), float(last["diag/out_of_event_order_total"])
+    return {"received": received, "out_of_event_order": late, "fraction": late / received}
+
+
 def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, train_after: dict,
                extra_before: dict, extra_after: dict, references: dict, reference_se: dict | None = None) -> dict:
     """The end-of-job report: summary fields (success with SEs over games, the held-out
@@ -419,6 +430,11 @@ def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, tra
     histogram = lag_histogram(rows)
     fields["policy_lag_histogram"] = histogram
     lines.append("policy lag of trained trajectories: " + ", ".join(f"{k}: {v:.0%}" for k, v in histogram.items()))
+    order = event_order(rows)
+    if order is not None:
+        fields["event_order"] = order
+        lines.append(f"results received out of event order: {order['out_of_event_order']:.0f} of "
+                     f"{order['received']:.0f} ({order['fraction']:.1%})")
     curve_refs = {"train success before RL (warm start)": None if train_before is None else
                   success_estimate(train_before["successes"], train_before["trials"])["success_rate"]}
     curve_refs.update({f"{name.replace('_', ' ')}": value for name, value in references.items()})

@@ -131,7 +131,8 @@ METHODS = methods.names()
 DRAINS = ("finish", "abort", "none")
 MEASURES = ("token", "trajectory")
 _COUNTERS = ("policy_event", "updates", "dispatched", "consumed", "failed", "aborted",
-             "dropped_groups", "dropped_group_trajectories", "lag_aborted")
+             "dropped_groups", "dropped_group_trajectories", "lag_aborted", "received",
+             "out_of_event_order", "newest_received_event")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +252,10 @@ class Orchestrator:
         self.updates = self.dispatched = self.consumed = self.failed = self.aborted = 0
         self.dropped_groups = self.dropped_group_trajectories = 0  # group methods; diagnostics only
         self.lag_aborted = 0  # requests aborted by max_policy_lag (also counted in ``aborted``)
+        # receipt order vs event order: a finished result is out of event order when a result
+        # of a NEWER policy event was received before it (``event_order_diagnostics``)
+        self.received = self.out_of_event_order = 0
+        self.newest_received_event = -1
         self.events: list[tuple[str, Any]] = []
         self.records: list[UpdateRecord] = []
         self._busy = np.zeros(num_tasks, dtype=np.int64)
@@ -437,6 +442,7 @@ class Orchestrator:
             self.aborted += 1
             self._take(self.method.receive(stamp, None, "aborted"))
             return
+        self._count_event_order(stamp.policy_event)
         self._failure_streak = self._failure_streak + 1 if traj.failed else 0
         if self._failure_streak >= self.config.max_consecutive_failures:
             raise RuntimeError(
@@ -448,6 +454,12 @@ class Orchestrator:
                 self._take(self.method.receive(stamp, None, "failed"))
                 return
         self._take(self.method.receive(stamp, traj, None))
+
+    def _count_event_order(self, policy_event: int) -> None:
+        self.received += 1
+        if policy_event < self.newest_received_event:
+            self.out_of_event_order += 1
+        self.newest_received_event = max(self.newest_received_event, policy_event)
 
     def _take(self, receipt: Receipt) -> None:
         """Trainable trajectories join the ready buffer; a dropped group is counted."""
@@ -518,6 +530,8 @@ class Orchestrator:
             dropped_groups_total=float(self.dropped_groups),
             dropped_group_trajectories_total=float(self.dropped_group_trajectories),
             lag_aborted_total=float(self.lag_aborted),
+            received_total=float(self.received),
+            out_of_event_order_total=float(self.out_of_event_order),
             **learner_wait_diagnostics(self._last_update_end, self._publish_wait_since, start),
         )
         self._publish_wait_since = None

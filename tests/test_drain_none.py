@@ -89,6 +89,29 @@ def test_drain_finish_records_single_event_spans(chat):
     assert all(t.event_span == (t.policy_event, t.policy_event) for r in orch.records for t in r.trajectories)
 
 
+def replayed_event_order(events) -> tuple[int, int]:
+    """(received, out of event order) recounted from the log: a finished result is out of
+    event order when a result of a newer policy event was received before it."""
+    received = [t.stamp.policy_event for kind, t in events if kind == "receive" and not t.aborted]
+    late = sum(event < max(received[:i], default=-1) for i, event in enumerate(received))
+    return len(received), late
+
+
+@pytest.mark.parametrize("drain", ["none", "finish"])
+def test_results_out_of_event_order_are_counted(chat, drain):
+    world = World(chat, 4, reward_table(4), slow_task0)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=4, drain=drain, max_policy_lag=100, pad_to_multiple=8)
+    orch = run_orchestrator(world, config, 6)
+    received, late = replayed_event_order(orch.events)
+    assert (orch.received, orch.out_of_event_order) == (received, late)
+    if drain == "none":  # task 0's slow event-0 result comes back after newer events' results
+        assert late >= 1
+    else:  # a drained publish receives every old-policy result before any newer one
+        assert late == 0
+    counted = [(r.diagnostics["received_total"], r.diagnostics["out_of_event_order_total"]) for r in orch.records]
+    assert counted == sorted(counted) and counted[-1][0] <= received
+
+
 def test_max_policy_lag_aborts_stale_requests_and_frees_their_tasks(chat):
     world = World(chat, 4, reward_table(4), lambda task, visit: 500.0 if (task, visit) == (0, 0) else 1.0 + task)
     config = OrchestratorConfig(batch_size=3, max_in_flight=4, drain="none", max_policy_lag=1, pad_to_multiple=8)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from rollout_bridge.job import RunPaths, lag_histogram, paired_gain, report_run, success_estimate
+from rollout_bridge.job import RunPaths, event_order, lag_histogram, paired_gain, report_run, success_estimate
 
 
 def test_success_estimate_by_hand():
@@ -38,6 +38,14 @@ def test_lag_histogram_sums_counts_over_updates():
             {"diag/policy_lag_count_0": 1.0, "diag/policy_lag_count_2": 3.0}, {"success_rate": 1.0}]
     assert lag_histogram(rows) == {"0": 0.5, "1": 0.125, "2": 0.375}
     assert lag_histogram([]) == {}
+
+
+def test_event_order_reads_the_last_cumulative_counts():
+    rows = [{"diag/received_total": 10.0, "diag/out_of_event_order_total": 1.0},
+            {"diag/received_total": 40.0, "diag/out_of_event_order_total": 6.0}, {"success_rate": 1.0}]
+    assert event_order(rows) == {"received": 40.0, "out_of_event_order": 6.0, "fraction": 0.15}
+    assert event_order([{"success_rate": 1.0}]) is None
+    assert event_order([{"diag/received_total": 0.0, "diag/out_of_event_order_total": 0.0}]) is None
 
 
 def test_report_run_writes_curve_and_margins(tmp_path):
