@@ -261,7 +261,8 @@ def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
     if cfg.stage == "prior":
         return {"prior": prior}
     summary = run_rl(job, policy, chat, alpha0, beta0, prior)
-    summary["total_wall_s"] = time.time() - start
+    summary["total_wall_s"] = time.time() - start  # the whole job: games, warm start, prior, RL
+    write_json_atomic(paths.summary, summary)
     log(f"done in {summary['total_wall_s']:.0f}s: success before RL {summary['success_before_rl']}, "
         f"after RL {summary['success_after_rl']:.3f}; curve {paths.curve}")
     return summary

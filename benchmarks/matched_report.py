@@ -8,6 +8,7 @@ Reads `<root>/<arm>/seed<k>/{metrics.jsonl,summary.json}` and prints markdown:
  3. Per-batch Cov_n(L, A), the loss-weighted centre trajectory whitening leaves
     (sum L A~ / sum L), length quantiles, and whether the centre's size predicts the
     token-measure gain (paired by tracker and seed).
+ 4. The regime: policy-lag shares, results received out of event order, held-out success.
 A plotted step is `updates_per_step` consecutive updates (8 x 16 = 128 trajectories).
 """
 
@@ -378,6 +379,39 @@ def scatter(pairs, path: Path, score: str) -> None:
 # ----------------------------------------------------------------------------- entry
 
 
+# ----------------------------------------------------------------------------- 4. regime
+
+
+def _mean_std(values) -> str:
+    values = [v for v in values if v is not None]
+    return pm(values, scale=100.0, digits=1) if values else "n/a"
+
+
+def regime_section(runs) -> list[str]:
+    """Per arm, over seeds: the policy lag of trained trajectories (share per lag), the
+    share of results received out of event order (a newer event's result came first), and
+    held-out success before and after RL where the recipe has held-out games."""
+    lags = sorted({int(k) for by_seed in runs.values() for r in by_seed.values()
+                   for k in r.summary.get("policy_lag_histogram", {})})
+    if not lags:
+        return ["(these runs predate the policy-lag and event-order records)"]
+    lines = ["Percent, mean ± std over seeds. A result is out of event order when a result of a "
+             "newer policy event was received before it (receipt order ≠ event order); "
+             "'held-out' is the final policy on games never trained on.", "",
+             "| arm | runs | " + " | ".join(f"lag {k}" for k in lags)
+             + " | out of event order | held-out before RL | held-out after RL |",
+             "|---|---|" + "---|" * (len(lags) + 3)]
+    for arm in present(runs):
+        rs = list(runs[arm].values())
+        cells = [_mean_std([r.summary.get("policy_lag_histogram", {}).get(str(k), 0.0) for r in rs]) for k in lags]
+        order = _mean_std([r.summary.get("event_order", {}).get("fraction") for r in rs])
+        held = [_mean_std([(r.summary.get(f"heldout_{when}_rl") or {}).get("success_rate") for r in rs])
+                for when in ("before", "after")]
+        lines.append(f"| {LABELS.get(arm, arm)} | {len(rs)} | " + " | ".join(cells) + f" | {order} | "
+                     + " | ".join(held) + " |")
+    return lines
+
+
 def report(args) -> str:
     import jax
     from _hardware import cpu_model
@@ -397,7 +431,8 @@ def report(args) -> str:
              "", "### Collapsed runs", "", *collapse_section(runs, ups),
              "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups),
              "", "### Length-advantage covariance and the loss-weighted centre", "",
-             *covariance_section(runs, ups, args.figures)]
+             *covariance_section(runs, ups, args.figures),
+             "", "### Policy lag, event order and held-out success", "", *regime_section(runs)]
     text = "\n".join(lines) + "\n"
     figures = args.figures.resolve()
     if args.out is not None:

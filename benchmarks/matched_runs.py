@@ -11,6 +11,14 @@ prior, decoding, budget, optimizer and runtime).
     python benchmarks/matched_runs.py report            # tables + figures from what is there
     python benchmarks/matched_runs.py run --config configs/textworld_agentic.yaml --root runs/matched_agentic
         # the published (issue #7) runs were on the tiny 2-turn default job
+    python benchmarks/matched_runs.py run --config configs/textworld_agentic_text.yaml \
+        --warm-start runs/textworld_agentic_text/warmstart_model --drain config --steps 40 \
+        --root runs/matched_text      # evidence v2 (issue #15): in-flight publishing, lag > 1
+
+`--warm-start` makes a finished warm start the shared one (no SFT is run; the shared stage
+only computes the offline prior from it). `--drain finish` (the default) pins the drain of
+the published v1 runs; `--drain config` keeps the recipe's own (in-flight publishing, drain
+`none`, where policy lag exceeds 1 and results come back out of event order).
 
 `--config` (default configs/default.yaml, the tiny 2-turn job) is passed to every
 train.py call as `--config_path`.
@@ -72,6 +80,10 @@ def parse_args(argv=None):
     run.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
     run.add_argument("--config", type=Path, default=REPO / "configs" / "default.yaml",
                      help="the recipe every train.py call starts from (--config_path)")
+    run.add_argument("--warm-start", type=Path, default=None,
+                     help="a finished warm-start model folder shared by every run (no SFT is run)")
+    run.add_argument("--drain", choices=("finish", "config"), default="finish",
+                     help="finish: the published v1 runs' drain; config: the recipe's own (v2: none)")
     run.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                      help="flags passed to every train.py call (after --extra)")
     report = sub.add_parser("report", help="tables and figures from the finished runs")
@@ -88,20 +100,33 @@ def python() -> str:
     return sys.executable
 
 
-def shared_stage(root: Path, extra: list[str]) -> tuple[Path, Path]:
-    """Warm start + offline prior, once: (model folder, prior.json) every run starts from."""
+def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -> tuple[Path, Path]:
+    """Warm start + offline prior, once: (model folder, prior.json) every run starts from.
+    With ``warm_start`` (a finished warm-start model folder) only the prior is computed."""
     shared = root / "shared"
     model, prior = shared / "warmstart_model", shared / "prior.json"
+    given: list[str] = []
+    if warm_start is not None:
+        if not (warm_start / "config.json").is_file():
+            raise SystemExit(f"--warm-start {warm_start}: not a model folder (no config.json)")
+        model = warm_start.resolve()
+        given = ["--model.path", str(model), "--warmstart.enabled", "false"]
+        recorded = shared / "warm_start.txt"
+        if recorded.is_file() and recorded.read_text().strip() != str(model):
+            raise SystemExit(f"{root} was started from the warm start {recorded.read_text().strip()}, "
+                             f"not {model}: use another --root")
     if not (model.is_dir() and prior.is_file()):
         command = [python(), str(REPO / "train.py"), "--stage", "prior", "--output_dir",
-                   str(shared), "--progress", "false", "--tensorboard", "false", *extra]
+                   str(shared), "--progress", "false", "--tensorboard", "false", *extra, *given]
         print("shared stage:", " ".join(command), flush=True)
         subprocess.run(command, cwd=REPO, check=True)
+        if warm_start is not None:
+            (shared / "warm_start.txt").write_text(f"{model}\n")
     return model, prior
 
 
 def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Path,
-            extra: list[str]) -> float | None:
+            extra: list[str], drain: list[str] = MEASURED_DRAIN) -> float | None:
     """Train one run unless it is done; returns its wall time (None when skipped)."""
     out = root / arm / f"seed{seed}"
     if (out / "summary.json").is_file():
@@ -112,7 +137,7 @@ def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Pat
     command = [python(), str(REPO / "train.py"), "--stage", "rl", "--output_dir", str(out),
                "--model.path", str(model), "--warmstart.enabled", "false",
                "--prior.path", str(prior), "--seed", str(seed), "--steps", str(steps),
-               "--progress", "false", "--tensorboard", "false", *MEASURED_DRAIN, *ARMS[arm], *extra]
+               "--progress", "false", "--tensorboard", "false", *drain, *ARMS[arm], *extra]
     (out / "command.json").write_text(json.dumps(command, indent=1))
     start = time.time()
     with open(out / "train.log", "w") as log:
@@ -130,10 +155,11 @@ def run(args) -> None:
     if not args.config.is_file():
         raise SystemExit(f"--config {args.config}: no such file")
     extra = ["--config_path", str(args.config.resolve()), *args.extra]
-    model, prior = shared_stage(args.root, extra)
+    model, prior = shared_stage(args.root, extra, args.warm_start)
+    drain = MEASURED_DRAIN if args.drain == "finish" else []
     todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
     for i, (arm, seed) in enumerate(todo, 1):
-        wall = run_one(arm, seed, args.steps, args.root, model, prior, extra)
+        wall = run_one(arm, seed, args.steps, args.root, model, prior, extra, drain)
         state = "done already" if wall is None else f"{wall:.0f} s"
         summary = json.loads((args.root / arm / f"seed{seed}" / "summary.json").read_text())
         print(f"[{i}/{len(todo)}] {arm} seed {seed}: {state}; success after RL "

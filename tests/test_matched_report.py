@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import matched_report
 
 
-def write_run(root, arm, seed, success, centre=-0.1, after=None):
+def write_run(root, arm, seed, success, centre=-0.1, after=None, regime=None):
     folder = root / arm / f"seed{seed}"
     folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as f:
@@ -27,7 +27,7 @@ def write_run(root, arm, seed, success, centre=-0.1, after=None):
     (folder / "summary.json").write_text(json.dumps({
         "success_before_rl": 0.2,
         "success_after_rl": float(np.mean(success[-8:])) if after is None else after,
-        "rl_wall_s": 10.0}))
+        "rl_wall_s": 10.0, **(regime or {})}))
 
 
 def args_for(root, tmp_path):
@@ -81,3 +81,36 @@ def test_collapse_is_counted_with_its_onset(tmp_path):
     write_run(root, "spopp", 2, [0.25] * 16 + [0.0] * 4, after=0.2)
     text = matched_report.report(args_for(root, tmp_path))
     assert "| SPO++ | 3 | 1 | 0 (9) |" in text
+
+
+def test_regime_table_means_over_seeds(tmp_path):
+    root = tmp_path / "runs"
+    for seed, (late, held) in enumerate([(0.1, 0.25), (0.3, 0.5)]):
+        write_run(root, "spopp", seed, [0.2] * 4, regime={
+            "policy_lag_histogram": {"1": 0.25, "2": 0.75}, "event_order": {"fraction": late},
+            "heldout_before_rl": {"success_rate": 0.25}, "heldout_after_rl": {"success_rate": held}})
+    write_run(root, "spo", 0, [0.2] * 4)  # an older run without the records
+    text = matched_report.report(args_for(root, tmp_path))
+    # lag shares 25 / 75 %, out of event order mean 20.0 std 14.1, held-out after 37.5 ± 17.7
+    assert "| SPO++ | 2 | 25.0 ± 0.0 | 75.0 ± 0.0 | 20.0 ± 14.1 | 25.0 ± 0.0 | 37.5 ± 17.7 |" in text
+    assert "| SPO | 1 | 0.0 | 0.0 | n/a | n/a | n/a |" in text
+
+
+def test_shared_warm_start_must_be_a_model_folder_and_stay_the_same(tmp_path):
+    import pytest
+
+    import matched_runs
+
+    with pytest.raises(SystemExit, match="not a model folder"):
+        matched_runs.shared_stage(tmp_path / "root", [], warm_start=tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    shared = tmp_path / "root" / "shared"
+    shared.mkdir(parents=True)
+    (shared / "prior.json").write_text("{}")
+    (shared / "warm_start.txt").write_text(f"{model}\n")
+    assert matched_runs.shared_stage(tmp_path / "root", [], warm_start=model) == (model.resolve(), shared / "prior.json")
+    (shared / "warm_start.txt").write_text("/elsewhere\n")
+    with pytest.raises(SystemExit, match="use another --root"):
+        matched_runs.shared_stage(tmp_path / "root", [], warm_start=model)

@@ -120,6 +120,8 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["success_after_rl"] <= 1.0
     assert len(summary["success_per_step"]) == 3
+    assert summary["total_wall_s"] >= summary["rl_wall_s"] > 0
+    assert 0.0 <= summary["event_order"]["fraction"] <= 1.0 and summary["event_order"]["received"] > 0
     assert summary["env"]["prompt_blind"] is False and summary["env"]["train_games"]  # what env.blind_control checks
     assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert np.isfinite([r["learner/loss"] for r in rows]).all()
