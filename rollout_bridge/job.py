@@ -177,6 +177,33 @@ def warmstart_key(cfg, base: Path) -> dict:
     return key
 
 
+class SFTProgress:
+    """The warm start's progress: a bar with the running loss (``progress``) and, in any
+    case, one log line per tenth of the steps (loss mean since the last line, s/step)."""
+
+    def __init__(self, total_steps: int, epochs: int, progress: bool):
+        from tqdm import tqdm
+
+        self.total, self.epochs, self.start = total_steps, epochs, time.time()
+        self.every = max(1, total_steps // 10)
+        self.window: list[float] = []
+        self.bar = tqdm(total=total_steps, desc="warm start (SFT)", disable=not progress, dynamic_ncols=True)
+
+    def step(self, step: int, metrics: dict) -> None:
+        self.window.append(metrics["loss"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        done = step + 1
+        if done % self.every == 0 or done == self.total:
+            elapsed = time.time() - self.start
+            log(f"warm start: step {done}/{self.total} (epoch {-(-done * self.epochs // self.total)}/{self.epochs}), "
+                f"loss {np.mean(self.window):.3f}, {elapsed / done:.2f} s/step, {elapsed:.0f}s")
+            self.window = []
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_config) -> Path:
     """SFT on the warm-start walkthroughs (``warmstart.*``); the initial RL policy's folder."""
     from rollout_bridge.warmstart import run_sft, sft_examples
@@ -200,8 +227,13 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
                             logprob_chunk_size=learner_config.logprob_chunk_size)
     model_def, state = init_train_state(load_policy(base, cfg.model), sft_cfg)
     start = time.time()
-    state, losses = run_sft(make_sft_step(model_def, sft_cfg), state, examples, epochs=ws.epochs,
-                            batch_size=ws.batch_size, pad_id=chat.tokenizer.pad_token_id, seed=cfg.seed)
+    progress = SFTProgress(ws.epochs * -(-len(examples) // ws.batch_size), ws.epochs, cfg.progress)
+    try:
+        state, losses = run_sft(make_sft_step(model_def, sft_cfg), state, examples, epochs=ws.epochs,
+                                batch_size=ws.batch_size, pad_id=chat.tokenizer.pad_token_id, seed=cfg.seed,
+                                on_step=progress.step)
+    finally:
+        progress.close()
     folder = paths.warmstart_model
     folder.mkdir(parents=True, exist_ok=True)
     save_pretrained(model_def.merge(state.params), str(folder))

@@ -81,3 +81,17 @@ def test_a_measured_reference_widens_the_margin_by_its_own_se(tmp_path, caplog):
     fields = report_run(RunPaths(tmp_path), "t", [{"step": 1, "success_rate": 0.1}], before, before, {}, {},
                         {"prompt_blind_ceiling": 0.02}, {"prompt_blind_ceiling": 0.01})
     assert fields["prompt_blind_ceiling"] == 0.02 and fields["prompt_blind_ceiling_se"] == 0.01
+
+
+def test_sft_progress_logs_each_tenth_with_the_window_mean(capsys):
+    from rollout_bridge.job import SFTProgress
+
+    progress = SFTProgress(total_steps=20, epochs=2, progress=False)
+    for step in range(20):
+        progress.step(step, {"loss": float(step)})
+    progress.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "warm start: step" in line]
+    assert len(lines) == 10
+    assert "step 2/20 (epoch 1/2), loss 0.500," in lines[0]   # mean of steps 0 and 1
+    assert "step 12/20 (epoch 2/2), loss 10.500," in lines[5]
+    assert "step 20/20 (epoch 2/2), loss 18.500," in lines[-1]
