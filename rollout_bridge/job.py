@@ -29,6 +29,7 @@ class RunPaths:
 
     warmstart_model = property(lambda self: self.root / "warmstart_model")
     warmstart_record = property(lambda self: self.root / "warmstart_model" / "warmstart.json")  # WARMSTART_RECORD_NAME
+    warmstart_checkpoints = property(lambda self: self.root / "warmstart_checkpoints")  # SFT in progress
     prior = property(lambda self: self.root / "prior.json")
     checkpoints = property(lambda self: self.root / "checkpoints")
     eval_after = property(lambda self: self.root / "eval_after.json")
@@ -177,17 +178,86 @@ def warmstart_key(cfg, base: Path) -> dict:
     return key
 
 
+class SFTCheckpoints:
+    """The warm start's SFT, checkpointed at epoch ends (at most one save per ``every_s``
+    seconds, the newest kept) so that a crash loses at most that much: a rerun of the job
+    with the same warm-start settings (``key``) resumes at the last saved epoch; a
+    checkpoint of other settings is removed with a log line. Removed once SFT finished."""
+
+    def __init__(self, directory: Path, key: str, every_s: float = 60.0):
+        self.directory, self.key, self.every_s = Path(directory), key, every_s
+        self.last_save = time.time()
+        self._checkpointer = None
+
+    def _open(self):
+        from spopp_jax.checkpoint import Checkpointer
+
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self.directory, max_to_keep=1)
+        return self._checkpointer
+
+    def restore(self, state, epochs: int):
+        """(state, losses, epochs done): from the newest checkpoint of this warm start, or
+        the given state with nothing done."""
+        import shutil
+
+        from spopp_jax.checkpoint import CheckpointMismatchError
+
+        if not self.directory.is_dir():
+            return state, [], 0
+        checkpointer = self._open()
+        if checkpointer.latest_step() is None:
+            return state, [], 0
+        try:
+            restored = checkpointer.restore(state, expected_config={"key": self.key})
+        except CheckpointMismatchError as error:
+            log(f"warm start: {self.directory} holds the SFT of other settings; starting afresh "
+                f"({str(error).splitlines()[0]})")
+            self.close()
+            shutil.rmtree(self.directory)
+            return state, [], 0
+        epochs_done = min(int(restored.step), epochs)
+        losses = [float(x) for x in np.asarray(restored.extras["losses"]).ravel()]
+        log(f"warm start: resuming SFT after epoch {epochs_done}/{epochs} ({len(losses)} steps done, "
+            f"from {self.directory})")
+        return restored.train_state, losses, epochs_done
+
+    def maybe_save(self, epochs_done: int, state, losses: list[float]) -> None:
+        if time.time() - self.last_save < self.every_s:
+            return
+        checkpointer = self._open()
+        for step in checkpointer.all_steps():
+            if step >= epochs_done:  # a stale later epoch cannot be overwritten: never here
+                return
+        checkpointer.save(epochs_done, state, extras={"losses": np.asarray(losses, np.float32)},
+                          config={"key": self.key})
+        self.last_save = time.time()
+
+    def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
+
+    def remove(self) -> None:
+        import shutil
+
+        self.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class SFTProgress:
     """The warm start's progress: a bar with the running loss (``progress``) and, in any
     case, one log line per tenth of the steps (loss mean since the last line, s/step)."""
 
-    def __init__(self, total_steps: int, epochs: int, progress: bool):
+    def __init__(self, total_steps: int, epochs: int, progress: bool, done_steps: int = 0):
         from tqdm import tqdm
 
         self.total, self.epochs, self.start = total_steps, epochs, time.time()
+        self.done_steps = done_steps  # resumed: steps done before this run
         self.every = max(1, total_steps // 10)
         self.window: list[float] = []
-        self.bar = tqdm(total=total_steps, desc="warm start (SFT)", disable=not progress, dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=done_steps, desc="warm start (SFT)", disable=not progress,
+                        dynamic_ncols=True)
 
     def step(self, step: int, metrics: dict) -> None:
         self.window.append(metrics["loss"])
@@ -197,7 +267,7 @@ class SFTProgress:
         if done % self.every == 0 or done == self.total:
             elapsed = time.time() - self.start
             log(f"warm start: step {done}/{self.total} (epoch {-(-done * self.epochs // self.total)}/{self.epochs}), "
-                f"loss {np.mean(self.window):.3f}, {elapsed / done:.2f} s/step, {elapsed:.0f}s")
+                f"loss {np.mean(self.window):.3f}, {elapsed / (done - self.done_steps):.2f} s/step, {elapsed:.0f}s")
             self.window = []
 
     def close(self) -> None:
@@ -227,19 +297,25 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
                             logprob_chunk_size=learner_config.logprob_chunk_size)
     model_def, state = init_train_state(load_policy(base, cfg.model), sft_cfg)
     start = time.time()
-    progress = SFTProgress(ws.epochs * -(-len(examples) // ws.batch_size), ws.epochs, cfg.progress)
+    saved = SFTCheckpoints(paths.warmstart_checkpoints, key)
+    state, done_losses, start_epoch = saved.restore(state, ws.epochs)
+    progress = SFTProgress(ws.epochs * -(-len(examples) // ws.batch_size), ws.epochs, cfg.progress,
+                           done_steps=len(done_losses))
     try:
         state, losses = run_sft(make_sft_step(model_def, sft_cfg), state, examples, epochs=ws.epochs,
                                 batch_size=ws.batch_size, pad_id=chat.tokenizer.pad_token_id, seed=cfg.seed,
-                                on_step=progress.step)
+                                on_step=progress.step, start_epoch=start_epoch, losses=done_losses,
+                                on_epoch=saved.maybe_save)
     finally:
         progress.close()
+        saved.close()
     folder = paths.warmstart_model
     folder.mkdir(parents=True, exist_ok=True)
     save_pretrained(model_def.merge(state.params), str(folder))
     chat.tokenizer.save_pretrained(str(folder))
     write_json_atomic(paths.warmstart_record, {"key": key, "losses": losses, "examples": len(examples),
                                                "wall_s": time.time() - start})
+    saved.remove()  # the finished model is saved: the SFT checkpoints are not needed any more
     log(f"warm start: {len(losses)} steps in {time.time() - start:.0f}s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return folder
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -128,17 +128,30 @@ def epoch_batches(examples: Sequence[SFTExample], batch_size: int, rng: np.rando
 
 def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs: int,
             batch_size: int, pad_id: int, seed: int = 0,
-            on_step: Callable[[int, dict], None] | None = None):
+            on_step: Callable[[int, dict], None] | None = None,
+            start_epoch: int = 0, losses: Sequence[float] = (),
+            on_epoch: Callable[[int, Any, list[float]], None] | None = None):
     """`epochs` shuffled passes of `sft_step(state, TrainBatch)`; returns (state, losses).
-    Every batch is padded to the longest example of the data set: one compiled shape."""
+    Every batch is padded to the longest example of the data set: one compiled shape.
+
+    Resuming: `start_epoch` epochs are already in `state` (their `losses` given); their
+    shuffles are drawn and skipped, so the run continues exactly as if uninterrupted.
+    `on_epoch(epochs_done, state, losses)` is called after each epoch (to checkpoint)."""
     from spopp_jax.learner import TrainBatch
 
+    if not 0 <= start_epoch <= epochs:
+        raise ValueError(f"start_epoch must be in [0, {epochs}], got {start_epoch}")
     rng = np.random.default_rng(seed)
     width = -(-max(len(e.token_ids) for e in examples) // 32) * 32
-    losses = []
-    step = 0
-    for _ in range(epochs):
-        for rows in epoch_batches(examples, batch_size, rng):
+    losses = list(losses)
+    step = len(losses)
+    for epoch in range(epochs):
+        batches = epoch_batches(examples, batch_size, rng)
+        if epoch < start_epoch:
+            for _ in batches:  # draw this epoch's shuffle: later epochs see the same ones
+                pass
+            continue
+        for rows in batches:
             batch = TrainBatch(**pack_sft_batch(rows, pad_id, width))
             state, metrics = sft_step(state, batch)
             loss = float(metrics["loss"])
@@ -146,4 +159,6 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
             if on_step is not None:
                 on_step(step, {k: float(v) for k, v in metrics.items()})
             step += 1
+        if on_epoch is not None:
+            on_epoch(epoch + 1, state, losses)
     return state, losses

@@ -193,3 +193,72 @@ def test_metrics_writer_resume_drops_rows_after_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         plot_learning_curve([{"step": 1}], tmp_path / "x.png")
     json.dumps(rows)
+
+
+def test_run_sft_resumed_after_an_epoch_continues_exactly(tasks, chat):
+    """A toy step whose state depends on the order of the rows: resuming after epoch 2
+    with that epoch's state and losses gives the uninterrupted run's state and losses."""
+    examples = sft_examples(tasks, chat) * 3  # 6 examples, batches of 4: shuffles matter
+
+    def step(state, batch):
+        first = float(np.asarray(batch.input_ids)[:, :8].sum())
+        return 0.5 * state + first, {"loss": state}
+
+    kwargs = dict(epochs=4, batch_size=4, pad_id=chat.tokenizer.pad_token_id, seed=3)
+    saved = {}
+    full_state, full_losses = run_sft(step, 0.0, examples, **kwargs,
+                                      on_epoch=lambda e, s, ls: saved.setdefault(e, (s, list(ls))))
+    state2, losses2 = saved[2]
+    resumed_state, resumed_losses = run_sft(step, state2, examples, **kwargs, start_epoch=2, losses=losses2)
+    assert resumed_losses == full_losses and resumed_state == full_state
+    assert len(full_losses) == 4 * 2
+    wrong_state, _ = run_sft(step, state2, examples, **kwargs, start_epoch=0, losses=losses2)
+    assert wrong_state != full_state  # the check can fail: restarting the shuffles differs
+    with pytest.raises(ValueError, match="start_epoch"):
+        run_sft(step, 0.0, examples, **kwargs, start_epoch=5)
+
+
+def test_sft_checkpoints_restore_the_saved_epoch_and_drop_other_settings(tasks, chat, tmp_path):
+    import jax
+
+    from rollout_bridge.job import SFTCheckpoints
+    from spopp_jax.learner import LearnerConfig, init_train_state, make_sft_step
+    from spopp_jax.models import ModelConfig, init_model
+
+    config = ModelConfig(vocab_size=len(chat.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, tie_word_embeddings=True)
+    learner_config = LearnerConfig(learning_rate=1e-2, weight_decay=0.0)
+    model_def, _ = init_train_state(init_model(config, seed=0), learner_config)
+
+    def fresh_state():  # the SFT step donates its input state
+        return init_train_state(init_model(config, seed=0), learner_config)[1]
+
+    sft_step = make_sft_step(model_def, learner_config)
+    examples = sft_examples(tasks, chat)
+    kwargs = dict(epochs=3, batch_size=1, pad_id=chat.tokenizer.pad_token_id)
+    full_state, full_losses = run_sft(sft_step, fresh_state(), examples, **kwargs)
+
+    saved = SFTCheckpoints(tmp_path / "ckpt", "key-a", every_s=0.0)
+    assert saved.restore(fresh_state(), 3)[1:] == ([], 0)  # nothing saved yet
+
+    def crash_after_epoch_2(epochs_done, state, losses):
+        saved.maybe_save(epochs_done, state, losses)
+        if epochs_done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(sft_step, fresh_state(), examples, **kwargs, on_epoch=crash_after_epoch_2)
+    saved.close()
+    again = SFTCheckpoints(tmp_path / "ckpt", "key-a")
+    state, losses, done = again.restore(fresh_state(), 3)
+    assert done == 2 and losses == pytest.approx(full_losses[:4])
+    state, losses = run_sft(sft_step, state, examples, **kwargs, start_epoch=done, losses=losses)
+    again.close()
+    assert losses == pytest.approx(full_losses)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(full_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+    other = SFTCheckpoints(tmp_path / "ckpt", "key-b")  # other warm-start settings
+    assert other.restore(fresh_state(), 3)[1:] == ([], 0)
+    assert not (tmp_path / "ckpt").exists()
