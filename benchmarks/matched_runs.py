@@ -29,11 +29,19 @@ redone from scratch (its folder is removed first). Runs go in the order seed-maj
 Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
 
 `report` (see `matched_report.py`) reads the runs' `metrics.jsonl` and prints markdown.
+
+`archive --root R --to D` copies what the report reads (each run's `summary.json`,
+`metrics.jsonl`, `command.json`, and the shared prior and warm-start record) into D, e.g.
+under docs/results, so that a campaign spread over several sessions keeps its finished
+runs (`report --root D`); `run --root R --archive D` skips the runs D already holds and
+refuses a warm start whose weights differ from the archived one (sha256 of its
+safetensors), so runs added later stay matched.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import shutil
@@ -86,6 +94,11 @@ def parse_args(argv=None):
                      help="finish: the published v1 runs' drain; config: the recipe's own (v2: none)")
     run.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                      help="flags passed to every train.py call (after --extra)")
+    run.add_argument("--archive", type=Path, default=None,
+                     help="an archive of finished runs (see `archive`): those runs are skipped")
+    keep = sub.add_parser("archive", help="copy the finished runs' report inputs elsewhere")
+    keep.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
+    keep.add_argument("--to", type=Path, required=True)
     report = sub.add_parser("report", help="tables and figures from the finished runs")
     report.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
     report.add_argument("--updates-per-step", type=int, default=8,
@@ -112,8 +125,9 @@ def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -
         model = warm_start.resolve()
         given = ["--model.path", str(model), "--warmstart.enabled", "false"]
         recorded = shared / "warm_start.txt"
-        if recorded.is_file() and recorded.read_text().strip() != str(model):
-            raise SystemExit(f"{root} was started from the warm start {recorded.read_text().strip()}, "
+        first = recorded.read_text().splitlines()[0] if recorded.is_file() else None
+        if first is not None and first != str(model):
+            raise SystemExit(f"{root} was started from the warm start {first}, "
                              f"not {model}: use another --root")
     if not (model.is_dir() and prior.is_file()):
         command = [python(), str(REPO / "train.py"), "--stage", "prior", "--output_dir",
@@ -121,15 +135,67 @@ def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -
         print("shared stage:", " ".join(command), flush=True)
         subprocess.run(command, cwd=REPO, check=True)
         if warm_start is not None:
-            (shared / "warm_start.txt").write_text(f"{model}\n")
+            (shared / "warm_start.txt").write_text(f"{model}\nsha256 {weights_digest(model)}\n")
     return model, prior
 
 
+RUN_FILES = ("summary.json", "metrics.jsonl", "command.json")
+
+
+def weights_digest(model: Path) -> str:
+    """sha256 over the model folder's safetensors files (name and bytes, sorted by name)."""
+    digest = hashlib.sha256()
+    files = sorted(model.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"{model}: no *.safetensors weights")
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def archive(root: Path, to: Path) -> int:
+    """Copy the finished runs' report inputs (and the shared prior / warm-start record)
+    from root to `to`; returns the number of runs copied."""
+    copied = 0
+    for summary in sorted(root.glob("*/seed*/summary.json")):
+        folder = summary.parent
+        if folder.parent.name == "shared":
+            continue
+        target = to / folder.parent.name / folder.name
+        target.mkdir(parents=True, exist_ok=True)
+        for name in RUN_FILES:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, target / name)
+        copied += 1
+    shared = root / "shared"
+    for name in ("prior.json", "warm_start.txt"):
+        if (shared / name).is_file():
+            (to / "shared").mkdir(parents=True, exist_ok=True)
+            shutil.copy2(shared / name, to / "shared" / name)
+    return copied
+
+
+def check_archived_warm_start(archive_root: Path, model: Path) -> None:
+    """The archive's runs started from these very weights, or refuse."""
+    record = archive_root / "shared" / "warm_start.txt"
+    if not record.is_file():
+        return
+    fields = dict(line.split(" ", 1) for line in record.read_text().splitlines()[1:] if " " in line)
+    archived = fields.get("sha256")
+    if archived and archived != weights_digest(model):
+        raise SystemExit(f"the warm start {model} is not the one the runs in {archive_root} started from "
+                         f"(sha256 {archived[:12]}...): rebuild it with the same recipe or use another archive")
+
+
 def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Path,
-            extra: list[str], drain: list[str] = MEASURED_DRAIN) -> float | None:
-    """Train one run unless it is done; returns its wall time (None when skipped)."""
+            extra: list[str], drain: list[str] = MEASURED_DRAIN, archived: Path | None = None) -> float | None:
+    """Train one run unless it is done (here or in the archive); returns its wall time
+    (None when skipped)."""
     out = root / arm / f"seed{seed}"
     if (out / "summary.json").is_file():
+        return None
+    if archived is not None and (archived / arm / f"seed{seed}" / "summary.json").is_file():
         return None
     if out.exists():
         shutil.rmtree(out)  # an interrupted run: redo it from scratch (no partial curves)
@@ -156,12 +222,17 @@ def run(args) -> None:
         raise SystemExit(f"--config {args.config}: no such file")
     extra = ["--config_path", str(args.config.resolve()), *args.extra]
     model, prior = shared_stage(args.root, extra, args.warm_start)
+    if args.archive is not None:
+        check_archived_warm_start(args.archive, model)
     drain = MEASURED_DRAIN if args.drain == "finish" else []
     todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
     for i, (arm, seed) in enumerate(todo, 1):
-        wall = run_one(arm, seed, args.steps, args.root, model, prior, extra, drain)
+        wall = run_one(arm, seed, args.steps, args.root, model, prior, extra, drain, args.archive)
         state = "done already" if wall is None else f"{wall:.0f} s"
-        summary = json.loads((args.root / arm / f"seed{seed}" / "summary.json").read_text())
+        folder = args.root / arm / f"seed{seed}"
+        if not (folder / "summary.json").is_file():
+            folder = args.archive / arm / f"seed{seed}"
+        summary = json.loads((folder / "summary.json").read_text())
         print(f"[{i}/{len(todo)}] {arm} seed {seed}: {state}; success after RL "
               f"{summary['success_after_rl']:.3f}", flush=True)
 
@@ -170,6 +241,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.command == "run":
         run(args)
+    elif args.command == "archive":
+        print(f"archived {archive(args.root, args.to)} runs from {args.root} in {args.to}")
     else:
         from matched_report import report
 

@@ -114,3 +114,26 @@ def test_shared_warm_start_must_be_a_model_folder_and_stay_the_same(tmp_path):
     (shared / "warm_start.txt").write_text("/elsewhere\n")
     with pytest.raises(SystemExit, match="use another --root"):
         matched_runs.shared_stage(tmp_path / "root", [], warm_start=model)
+
+
+def test_archive_keeps_report_inputs_and_pins_the_warm_start_weights(tmp_path):
+    import pytest
+
+    import matched_runs
+
+    root, kept = tmp_path / "runs", tmp_path / "kept"
+    write_run(root, "spopp", 0, [0.2] * 4)
+    (root / "spopp" / "seed0" / "train.log").write_text("not archived")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (root / "shared").mkdir()
+    (root / "shared" / "warm_start.txt").write_text(f"{model}\nsha256 {matched_runs.weights_digest(model)}\n")
+    assert matched_runs.archive(root, kept) == 1
+    assert sorted(p.name for p in (kept / "spopp" / "seed0").iterdir()) == ["metrics.jsonl", "summary.json"]
+    assert matched_report.load_runs(kept)["spopp"][0].summary["rl_wall_s"] == 10.0
+    matched_runs.check_archived_warm_start(kept, model)  # same weights: accepted
+    assert matched_runs.run_one("spopp", 0, 4, tmp_path / "new", model, tmp_path / "p", [], archived=kept) is None
+    (model / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(SystemExit, match="not the one the runs"):
+        matched_runs.check_archived_warm_start(kept, model)
