@@ -20,7 +20,7 @@ only computes the offline prior from it). `--drain finish` (the default) pins th
 the published v1 runs; `--drain config` keeps the recipe's own (in-flight publishing, drain
 `none`, where policy lag exceeds 1 and results come back out of event order).
 
-`--config` (default configs/default.yaml, the tiny 2-turn job) is passed to every
+`--config` (default configs/smoke.yaml, the tiny 2-turn job of the published v1 runs) is passed to every
 train.py call as `--config_path`.
 
 `run` is resumable: a run whose `summary.json` exists is skipped, a run that crashed is
@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-# Arm -> train.py flags on top of the shared recipe (--config, default configs/default.yaml).
+# Arm -> train.py flags on top of the shared recipe (--config, default configs/smoke.yaml).
 # SPO++: event-time tracker (fixed rho 0.875), action-token measure, dual-clip c = 2.
 # SPO:   receipt-order tracker with KL-adaptive retention clip(2^(-D/0.06), 0.875, 0.96),
 #        trajectory measure, dual-clip c = 10 (SPEC 2 baseline, SPEC 5, the paper's recipe).
@@ -86,7 +86,7 @@ def parse_args(argv=None):
     run.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     run.add_argument("--steps", type=int, default=160, help="learner updates per run")
     run.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
-    run.add_argument("--config", type=Path, default=REPO / "configs" / "default.yaml",
+    run.add_argument("--config", type=Path, default=REPO / "configs" / "smoke.yaml",
                      help="the recipe every train.py call starts from (--config_path)")
     run.add_argument("--warm-start", type=Path, default=None,
                      help="a finished warm-start model folder shared by every run (no SFT is run)")

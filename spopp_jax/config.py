@@ -1,7 +1,8 @@
 """Typed configuration of a training job: pure data, validated on construction.
 
-`TrainConfig()` with no arguments IS the embedded CPU TextWorld job that `python train.py`
-runs (mirrored, field for field, by `configs/default.yaml`). Recipes are YAML files
+`TrainConfig()` with no arguments IS the tiny 2-turn TextWorld smoke job (mirrored, field
+for field, by `configs/smoke.yaml`); `python train.py` with no --config_path runs
+`configs/default.yaml`, the agentic TextWorld job. Recipes are YAML files
 (`configs/*.yaml`) loaded with draccus; any field is overridable on the command line as
 `--section.field value` (e.g. `--rollout.batch_size 32 --tracker.rho 0.9`).
 
@@ -279,7 +280,7 @@ class LossSection:
 @dataclass
 class OptimSection:
     """AdamW (SPEC 5). The paper's lr 1e-6 is for 0.8B-2B models; the tiny CPU model of the
-    default job needs a much larger one (see configs/default.yaml)."""
+    smoke job needs a much larger one (see configs/smoke.yaml)."""
 
     learning_rate: float = 1e-3
     weight_decay: float = 0.1
@@ -448,7 +449,8 @@ class MeshSection:
 
 @dataclass
 class TrainConfig:
-    """One training job. Defaults = the embedded CPU TextWorld job (configs/default.yaml).
+    """One training job. Defaults = the tiny 2-turn smoke job (configs/smoke.yaml); `python
+    train.py` without --config_path runs configs/default.yaml (the agentic TextWorld job).
 
     `method`: spopp (event-time tracker, frozen baselines), spo (receipt-order tracker),
     grpo (groups of rollout.group_size) or rloo (grpo's groups, leave-one-out baseline). `stage`: all = warm start, prior, RL (each stage
@@ -466,7 +468,7 @@ class TrainConfig:
     stage: Literal["all", "warmstart", "prior", "rl"] = "all"
     seed: int = 0
     steps: int = 160
-    output_dir: str = "runs/default"
+    output_dir: str = "runs/smoke"
     resume: bool = False
     checkpoint_every: int = 10
     keep_checkpoints: int = 2

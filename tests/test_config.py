@@ -22,8 +22,8 @@ def _error(args) -> str:
     return format_config_error(info.value)
 
 
-def test_default_yaml_is_the_embedded_default():
-    assert load_config(config_path=CONFIGS / "default.yaml") == TrainConfig()
+def test_smoke_yaml_is_the_embedded_default():
+    assert load_config(config_path=CONFIGS / "smoke.yaml") == TrainConfig()
 
 
 @pytest.mark.parametrize("name", ["alfworld_qwen35_0p8b", "alfworld_qwen35_2b",

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _tiny_job(tmp: Path, steps: int) -> list[str]:
     return [
-        sys.executable, str(ROOT / "train.py"), "--config_path", str(ROOT / "configs" / "default.yaml"),
+        sys.executable, str(ROOT / "train.py"), "--config_path", str(ROOT / "configs" / "smoke.yaml"),
         "--output_dir", str(tmp / "run"), "--steps", str(steps), "--checkpoint_every", "2",
         "--progress", "false", "--tensorboard", "false", "--seed", "3",
         "--env.data_dir", str(tmp / "games"), "--env.num_games", "4",

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 NUM_TASKS = 5
-SMOKE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"   # the tiny 2-turn job
+SMOKE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"   # the tiny 2-turn job
 PARAM_NOISE = 0.05
 TOKENIZER_TEXTS = ["open the door", "take the key", "go north", "you win"] * 4
 TOKENIZER_VOCAB = 300
@@ -101,7 +101,7 @@ def write_step(root: Path, model, step: int, seed: int) -> tuple[dict, dict]:
 
 
 def tiny_train_args(tmp: Path, steps: int = 2) -> list[str]:
-    """`python train.py` flags of the smallest real job (configs/default.yaml cut to 4
+    """`python train.py` flags of the smallest real job (configs/smoke.yaml cut to 4
     one-room games, a 1-layer 32-wide model, one checkpoint every 2 updates), everything
     under `tmp`."""
     return [

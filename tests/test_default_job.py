@@ -1,0 +1,52 @@
+"""The main job's config (configs/default.yaml, what `python train.py` runs) and the warm
+start it ships (assets/textworld_text_warmstart): the file is the agentic recipe, the
+shipped weights are the ones its README records, and they load and read a game's text."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET = ROOT / "assets" / "textworld_text_warmstart"
+
+
+def test_python_train_py_without_config_path_runs_default_yaml():
+    import train
+    from spopp_jax.config import load_config
+
+    cfg = train.parse_config([])
+    assert cfg == load_config(config_path=ROOT / "configs" / "default.yaml")
+    assert train.parse_config(["--steps", "3"]).steps == 3
+    assert train.parse_config(["--config_path", str(ROOT / "configs" / "smoke.yaml")]).env.max_turns == 2
+
+
+def test_default_job_is_the_agentic_recipe_from_the_shipped_warm_start():
+    import train
+
+    cfg = train.parse_config([])
+    env = cfg.env
+    assert env.kind == "textworld" and env.world_size >= 3 and env.quest_length >= 3 and env.max_turns >= 12
+    assert env.heldout_games * cfg.prior.rollouts_per_task >= 128   # held-out episodes per evaluation
+    assert env.max_feedback_chars >= 600 and env.free_text_commands
+    assert cfg.rollout.drain == "none" and cfg.rollout.max_buffered_batches >= 2
+    assert (ROOT / cfg.model.path).resolve() == ASSET.resolve() and not cfg.warmstart.enabled
+
+
+def test_shipped_warm_start_is_the_recorded_one_and_loads():
+    from rollout_bridge import components
+    from spopp_jax.config import load_config
+
+    record = json.loads((ASSET / "warmstart.json").read_text())
+    digest = hashlib.sha256((ASSET / "model.safetensors").read_bytes()).hexdigest()
+    assert (ASSET / "model.safetensors.sha256").read_text().split()[0] == digest
+    assert len(record["losses"]) == 6144 and record["losses"][-1] < 0.5 * record["losses"][0]
+    cfg = load_config(config_path=ROOT / "configs" / "default.yaml")
+    chat = components.load_chat(ASSET)
+    model = components.load_policy(ASSET, cfg.model)
+    ids = np.asarray([chat.encode("You are in a kitchen. Actions:\nopen fridge\ngo east\n")], np.int32)
+    logits = np.asarray(model(ids))
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and np.isfinite(logits).all()
