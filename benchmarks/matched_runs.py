@@ -160,8 +160,6 @@ def archive(root: Path, to: Path) -> int:
     copied = 0
     for summary in sorted(root.glob("*/seed*/summary.json")):
         folder = summary.parent
-        if folder.parent.name == "shared":
-            continue
         target = to / folder.parent.name / folder.name
         target.mkdir(parents=True, exist_ok=True)
         for name in RUN_FILES:

@@ -184,7 +184,7 @@ class SFTCheckpoints:
     with the same warm-start settings (``key``) resumes at the last saved epoch; a
     checkpoint of other settings is removed with a log line. Removed once SFT finished."""
 
-    def __init__(self, directory: Path, key: str, every_s: float = 60.0):
+    def __init__(self, directory: Path, key: dict, every_s: float = 60.0):
         self.directory, self.key, self.every_s = Path(directory), key, every_s
         self.last_save = time.time()
         self._checkpointer = None
@@ -225,11 +225,7 @@ class SFTCheckpoints:
     def maybe_save(self, epochs_done: int, state, losses: list[float]) -> None:
         if time.time() - self.last_save < self.every_s:
             return
-        checkpointer = self._open()
-        for step in checkpointer.all_steps():
-            if step >= epochs_done:  # a stale later epoch cannot be overwritten: never here
-                return
-        checkpointer.save(epochs_done, state, extras={"losses": np.asarray(losses, np.float32)},
+        self._open().save(epochs_done, state, extras={"losses": np.asarray(losses, np.float32)},
                           config={"key": self.key})
         self.last_save = time.time()
 

@@ -253,7 +253,7 @@ class Orchestrator:
         self.dropped_groups = self.dropped_group_trajectories = 0  # group methods; diagnostics only
         self.lag_aborted = 0  # requests aborted by max_policy_lag (also counted in ``aborted``)
         # receipt order vs event order: a finished result is out of event order when a result
-        # of a NEWER policy event was received before it (``event_order_diagnostics``)
+        # of a NEWER policy event was received before it (``_count_event_order``)
         self.received = self.out_of_event_order = 0
         self.newest_received_event = -1
         self.events: list[tuple[str, Any]] = []
