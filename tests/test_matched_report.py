@@ -134,6 +134,8 @@ def test_archive_keeps_report_inputs_and_pins_the_warm_start_weights(tmp_path):
     assert matched_report.load_runs(kept)["spopp"][0].summary["rl_wall_s"] == 10.0
     matched_runs.check_archived_warm_start(kept, model)  # same weights: accepted
     assert matched_runs.run_one("spopp", 0, 4, tmp_path / "new", model, tmp_path / "p", [], archived=kept) is None
+    with pytest.raises(SystemExit, match="no \\*.safetensors"):
+        matched_runs.weights_digest(root)  # a folder without weights
     (model / "model.safetensors").write_bytes(b"other weights")
     with pytest.raises(SystemExit, match="not the one the runs"):
         matched_runs.check_archived_warm_start(kept, model)
