@@ -264,6 +264,7 @@ def run_once(spec: RunSpec, chat: ChatFormat) -> dict:
         s_per_update_late=(update_ends[spec.updates - 1] - update_ends[half - 1]) / max(spec.updates - half, 1),
         aborted_share=aborted_s / busy_s if busy_s > 0 else 0.0,
         lag_mean=float(lags.mean()), lag_max=int(lags.max()),
+        out_of_event_order=orch.out_of_event_order / max(orch.received, 1),
         drain_share=_latency.drain_wait(update_ends, [t for t, _ in timeline.publishes]) / wall,
         barrier_wait=float(np.mean([group_done[t.stamp.group_id] - t.finish_time if t.stamp.group_id >= 0 else 0.0
                                     for t, _ in consumed])),
@@ -322,6 +323,7 @@ def summarize(results: list[dict], tails: list[float]) -> str:
             ("group-barrier wait per consumed trajectory (s)", lambda r: r["barrier_wait"]),
             ("finish -> training start per consumed trajectory (s)", lambda r: r["finish_to_train"]),
             ("mean policy lag (events)", lambda r: r["lag_mean"]),
+            ("results received out of event order (share of received)", lambda r: r["out_of_event_order"]),
             ("aborted trajectories", lambda r: r["aborted"]),
             ("  of which aborted for max_policy_lag", lambda r: r["lag_aborted"]),
             ("trained trajectories with tokens of > 1 policy event", lambda r: r["mixed_policy"]),

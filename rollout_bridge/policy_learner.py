@@ -101,7 +101,7 @@ class PolicyLearner:
         self.state, metrics = self.train_step(self.state, batch)
         metrics = {k: float(v) for k, v in to_host(metrics).items()}
         if metrics.get("skipped_updates"):
-            print(f"learner: non-finite loss/gradient, update skipped (loss {metrics['loss']}, grad_norm "
+            print(f"[{time.strftime('%H:%M:%S')}] learner: non-finite loss/gradient, update skipped (loss {metrics['loss']}, grad_norm "
                   f"{metrics['grad_norm']}); parameters unchanged", flush=True)
         self.skip_guard.observe(metrics)
         if learner_input.previous is None:
