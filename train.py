@@ -163,7 +163,7 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
         successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
                                                    n, "eval", cfg.progress)
         extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight, n,
-                                        "after", cfg.progress)
+                                        "after RL", cfg.progress)
     finally:
         await engine.close()
     learner.stop()
@@ -179,7 +179,7 @@ async def evaluate_before_rl(job: Job, policy: Path, chat) -> dict:
     engine = job.engine(build.load_policy(policy, job.cfg.model), seed=job.cfg.seed + EXTRA_EVAL_SEED_OFFSET)
     try:
         return await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                       job.cfg.prior.rollouts_per_task, "before", job.cfg.progress)
+                                       job.cfg.prior.rollouts_per_task, "before RL", job.cfg.progress)
     finally:
         await engine.close()
 

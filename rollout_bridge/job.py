@@ -333,15 +333,15 @@ async def extra_evaluations(engine, env, chat, agent, concurrency: int, n: int, 
                             progress: bool) -> dict:
     """The env kind's additional evaluations (``env.extra_evals``: ALFWorld's held-out
     games, Math-TIR with the tool disabled): name -> {success_rate, successes, trials}
-    (per task) of ``n`` rollouts per task."""
+    (per task) of ``n`` rollouts per task; ``when`` names it in the log ("before RL", ...)."""
     results = {}
     for name, (tasks, factory) in env.extra_evals.items():
         view = dataclasses.replace(env, train=tasks, env_factory=factory)
-        log(f"evaluation {when} RL ({name}): {n} rollouts x {view.num_tasks} tasks")
+        log(f"evaluation {when} ({name}): {n} rollouts x {view.num_tasks} tasks")
         successes, trials = await success_rollouts(engine, view, chat, agent, concurrency, n, name, progress)
         results[name] = {"success_rate": float(successes.sum() / max(trials.sum(), 1)),
                          "successes": successes.tolist(), "trials": trials.tolist()}
-        log(f"evaluation {when} RL ({name}): success {results[name]['success_rate']:.3f}")
+        log(f"evaluation {when} ({name}): success {results[name]['success_rate']:.3f}")
     return results
 
 
