@@ -172,21 +172,23 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
     return successes, trials, extra
 
 
-async def evaluate_before_rl(job: Job, policy: Path, chat) -> dict:
-    """The env kind's extra evaluations of the initial policy (empty when it has none)."""
+async def evaluate_policy(job: Job, policy: Path, chat, rollouts: int | None = None, when: str = "before RL") -> dict:
+    """The env kind's extra evaluations of ``policy`` (an HF folder) on a fresh engine seeded
+    ``seed + EXTRA_EVAL_SEED_OFFSET``, ``rollouts`` per task (default
+    ``prior.rollouts_per_task``); empty when the env kind has none."""
     if not job.env.extra_evals:
         return {}
     engine = job.engine(build.load_policy(policy, job.cfg.model), seed=job.cfg.seed + EXTRA_EVAL_SEED_OFFSET)
     try:
         return await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                       job.cfg.prior.rollouts_per_task, "before RL", job.cfg.progress)
+                                       rollouts or job.cfg.prior.rollouts_per_task, when, job.cfg.progress)
     finally:
         await engine.close()
 
 
 def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> dict:
     start = time.time()
-    before_extra = asyncio.run(evaluate_before_rl(job, policy, chat))
+    before_extra = asyncio.run(evaluate_policy(job, policy, chat))
     successes, trials, after_extra = asyncio.run(rl_loop(job, policy, chat, alpha0, beta0))
     after = float(successes.sum() / max(trials.sum(), 1))
     paths = job.paths

@@ -101,8 +101,8 @@ class PolicyLearner:
         self.state, metrics = self.train_step(self.state, batch)
         metrics = {k: float(v) for k, v in to_host(metrics).items()}
         if metrics.get("skipped_updates"):
-            print(f"[{time.strftime('%H:%M:%S')}] learner: non-finite loss/gradient, update skipped (loss {metrics['loss']}, grad_norm "
-                  f"{metrics['grad_norm']}); parameters unchanged", flush=True)
+            print(f"[{time.strftime('%H:%M:%S')}] learner: non-finite loss/gradient, update skipped "
+                  f"(loss {metrics['loss']}, grad_norm {metrics['grad_norm']}); parameters unchanged", flush=True)
         self.skip_guard.observe(metrics)
         if learner_input.previous is None:
             return LearnerOutput(self._timed_weights(metrics), metrics)

@@ -11,7 +11,7 @@ episodes per game (4). Its paired SE then mostly measures binomial noise inside 
 (4 episodes of a game with success p carry variance p(1 - p)/4 per side), not how much the
 games differ. More episodes per game shrink that part. Everything else is the job's:
 `configs/default.yaml` plus the flags given (so the same held-out games, the same agent
-loop, the same engine settings and evaluation seed, `EXTRA_EVAL_SEED_OFFSET`), each policy
+loop, the same engine settings and evaluation seed: `train.evaluate_policy`), each policy
 on a fresh engine. The first `--policy` is the reference (e.g. the warm start); the gain of
 each later one is mean_g(after_g - before_g) with SE std_g / sqrt(G) over the G held-out
 games (`rollout_bridge.job.paired_gain`, the job's formula).
@@ -47,18 +47,6 @@ def parse_args(argv=None):
     return args, rest
 
 
-async def evaluate(job, policy: str, chat, rollouts: int, seed: int) -> dict:
-    from rollout_bridge import components as build
-    from rollout_bridge.job import extra_evaluations
-
-    engine = job.engine(build.load_policy(Path(policy), job.cfg.model), seed=seed)
-    try:
-        return await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                       rollouts, f"of {policy}", job.cfg.progress)
-    finally:
-        await engine.close()
-
-
 def main(argv=None) -> list[dict]:
     args, rest = parse_args(argv)
     import train
@@ -74,13 +62,13 @@ def main(argv=None) -> list[dict]:
         agent = build.build_agent_config(cfg, env.max_turns)
         job = train.Job(cfg, RunPaths(Path(cfg.output_dir)), env, agent,
                         build.build_orchestrator_config(cfg, agent, cfg.seed), build.build_learner_config(cfg))
-        chat = build.load_chat(Path(args.policy[0]), env.chat_tools)
         load = os.getloadavg()[0]
         records = []
         for policy in args.policy:
             start = time.time()
-            record = asyncio.run(evaluate(job, policy, chat, args.rollouts,
-                                          cfg.seed + train.EXTRA_EVAL_SEED_OFFSET))["heldout"]
+            chat = build.load_chat(Path(policy), env.chat_tools)   # each policy with its own tokenizer
+            record = asyncio.run(train.evaluate_policy(job, Path(policy), chat, args.rollouts,
+                                                       f"of {policy}"))["heldout"]
             records.append({"policy": policy, **record, "wall_s": time.time() - start})
     finally:
         env.close()

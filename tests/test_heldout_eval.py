@@ -71,3 +71,13 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     assert saved["rollouts"] == 3 and [r["policy"] for r in saved["policies"]] == [policy, str(same)]
     printed = capsys.readouterr().out
     assert printed.count("2 games, 6 episodes") == 2 and "paired by game" in printed
+
+
+def test_a_job_without_held_out_games_is_refused(tmp_path):
+    policy = _policy_folder(tmp_path, "a")
+    flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(tmp_path / "games"),
+             "--env.num_games", "2", "--env.heldout_games", "0", "--env.warmstart_games", "0",
+             "--rollout.max_inflight", "2",
+             "--output_dir", str(tmp_path / "run"), "--progress", "false"]
+    with pytest.raises(SystemExit, match="has no held-out games"):
+        heldout_eval.main(["--policy", policy, "--policy", policy, *flags])
