@@ -52,9 +52,9 @@ from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
 from rollout_bridge.distributed_learner import LeaderLearner
 from rollout_bridge.envs.kinds import build_env
-from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, extra_evaluations, latest_checkpoint_step,
-                                log, refuse_overwrite, report_run, run_prior, run_warmstart, state_digest,
-                                success_rollouts)
+from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, evaluation_seed, extra_evaluations,
+                                latest_checkpoint_step, log, refuse_overwrite, report_run, run_prior, run_warmstart,
+                                state_digest, success_rollouts)
 from rollout_bridge.metrics import MetricsWriter, read_metrics
 from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, follow_process_0, start_distributed
 from rollout_bridge.orchestrator import Orchestrator
@@ -161,9 +161,9 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
         n = cfg.prior.rollouts_per_task
         log(f"evaluation: {n} rollouts x {job.env.num_tasks} tasks with the final policy")
         successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                                   n, "eval", cfg.progress)
+                                                   n, "eval", cfg.progress, evaluation_seed(cfg.seed, "train"))
         extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight, n,
-                                        "after RL", cfg.progress)
+                                        "after RL", cfg.progress, cfg.seed)
     finally:
         await engine.close()
     learner.stop()
@@ -181,7 +181,8 @@ async def evaluate_policy(job: Job, policy: Path, chat, rollouts: int | None = N
     engine = job.engine(build.load_policy(policy, job.cfg.model), seed=job.cfg.seed + EXTRA_EVAL_SEED_OFFSET)
     try:
         return await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                       rollouts or job.cfg.prior.rollouts_per_task, when, job.cfg.progress)
+                                       rollouts or job.cfg.prior.rollouts_per_task, when, job.cfg.progress,
+                                       job.cfg.seed)
     finally:
         await engine.close()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import zlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -203,14 +204,28 @@ async def _timed_env_call(awaitable, timeout_s: float | None, loop, latencies: l
         latencies.append(loop.time() - start)
 
 
+def derived_seed(*parts: int | str) -> int:
+    """A 63-bit seed determined by ``parts`` (ints >= 0 and strings), independent of the
+    process (numpy's SeedSequence hashing; strings enter as their CRC-32)."""
+    entropy = [zlib.crc32(part.encode()) if isinstance(part, str) else int(part) for part in parts]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
 async def run_episode(
     engine: RolloutEngine,
     env: AnyEnvironment,
     chat: ChatFormat,
     stamp: DispatchStamp,
     config: AgentConfig = AgentConfig(),
+    episode_seed: int | None = None,
 ) -> Trajectory:
     """Play task ``stamp.task_id`` to the end; return its :class:`Trajectory`.
+
+    ``episode_seed`` (evaluations) fixes every random number of the episode: the
+    environment's (``set_episode_seed``) and turn t's samples (``derived_seed(episode_seed,
+    t)``), whatever the engine's own seed, its other requests or the order of episodes.
+    Two policies played with the same episode seeds see common random numbers, so the
+    noise of their paired difference shrinks; None: the engine and env draw their own.
 
     Environment exceptions and time-outs end the episode as ``failed`` (reward 0, error
     text recorded); an engine abort ends it as ``aborted``; hitting ``max_turns`` or
@@ -225,6 +240,8 @@ async def run_episode(
     outcome = dict(reward=0.0, truncated=False, failed=False, aborted=False, error=None)
     timeout_s = config.env_timeout_s
     try:
+        if episode_seed is not None:
+            env.set_episode_seed(derived_seed(episode_seed, "env"))
         reset = env.reset(stamp.task_id)
         observation = _observation_text(await _timed_env_call(reset, timeout_s, loop, env_latencies))
         history = _History(_fitting_prompt(chat.prompt_ids(observation), config.max_total_tokens))
@@ -234,6 +251,8 @@ async def run_episode(
                 outcome["truncated"] = True
                 break
             params = _turn_params(config.sampling, chat.stop_token_ids, budget)
+            if episode_seed is not None:
+                params = dataclasses.replace(params, seed=derived_seed(episode_seed, turn))
             start = loop.time()
             result = await engine.generate(list(history.token_ids), params)
             turns.append((loop.time() - start, result.policy_event, result.event_span[1], result.finish_reason))

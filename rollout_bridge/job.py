@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from rollout_bridge.agent import derived_seed
 from rollout_bridge.components import load_policy
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
@@ -317,28 +318,39 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
 
 
 # ------------------------------------------------------------------ stage: prior / evaluation
-async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, what: str, progress: bool):
-    """(successes, trials) per task of ``n`` rollouts of every task with ``engine``."""
+def evaluation_seed(seed: int, task_set: str) -> int:
+    """The common-random-numbers seed of the job's evaluations of ``task_set`` ("train",
+    "heldout", ...): the prior and the evaluations before and after RL of one job (and
+    ``scripts/heldout_eval.py``) give every policy the same random numbers per episode."""
+    return derived_seed(seed, "evaluation", task_set)
+
+
+async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, what: str, progress: bool,
+                           crn_seed: int | None = None):
+    """(successes, trials) per task of ``n`` rollouts of every task with ``engine``;
+    ``crn_seed``: common random numbers (``rollout_successes``)."""
     from tqdm import tqdm
 
     bar = tqdm(total=env.num_tasks * n, desc=what, disable=not progress, leave=False)
     try:
         return await rollout_successes(engine, env.env_factory, chat, env.num_tasks, n, agent, concurrency,
-                                       on_done=lambda _: bar.update(1))
+                                       on_done=lambda _: bar.update(1), crn_seed=crn_seed)
     finally:
         bar.close()
 
 
 async def extra_evaluations(engine, env, chat, agent, concurrency: int, n: int, when: str,
-                            progress: bool) -> dict:
+                            progress: bool, seed: int) -> dict:
     """The env kind's additional evaluations (``env.extra_evals``: ALFWorld's held-out
     games, Math-TIR with the tool disabled): name -> {success_rate, successes, trials}
-    (per task) of ``n`` rollouts per task; ``when`` names it in the log ("before RL", ...)."""
+    (per task) of ``n`` rollouts per task; ``when`` names it in the log ("before RL", ...).
+    Each set plays with common random numbers ``evaluation_seed(seed, name)``."""
     results = {}
     for name, (tasks, factory) in env.extra_evals.items():
         view = dataclasses.replace(env, train=tasks, env_factory=factory)
         log(f"evaluation {when} ({name}): {n} rollouts x {view.num_tasks} tasks")
-        successes, trials = await success_rollouts(engine, view, chat, agent, concurrency, n, name, progress)
+        successes, trials = await success_rollouts(engine, view, chat, agent, concurrency, n, name, progress,
+                                                   evaluation_seed(seed, name))
         results[name] = {"success_rate": float(successes.sum() / max(trials.sum(), 1)),
                          "successes": successes.tolist(), "trials": trials.tolist()}
         log(f"evaluation {when} ({name}): success {results[name]['success_rate']:.3f}")
@@ -357,7 +369,8 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
         half = np.full(env.num_tasks, 0.5, np.float32)
         return half, half.copy(), None
     key = stage_key(cfg, "model", "env", "warmstart", "prior", "rollout")
-    key.update(rho=rho, seed=cfg.seed, policy=folder_digest(policy))   # the policy's content, not its path
+    key.update(rho=rho, seed=cfg.seed, policy=folder_digest(policy),    # the policy's content, not its path
+               episodes="common random numbers")                          # not the engine's own draws (before 12/2026)
     if paths.prior.exists():
         record = json.loads(paths.prior.read_text())
         if record.get("key") == key:
@@ -371,7 +384,8 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
     async def rollouts():
         engine = make_engine(load_policy(policy, cfg.model), cfg.seed + PRIOR_SEED_OFFSET)
         try:
-            return await success_rollouts(engine, env, chat, agent, concurrency, n, "prior", cfg.progress)
+            return await success_rollouts(engine, env, chat, agent, concurrency, n, "prior", cfg.progress,
+                                          evaluation_seed(cfg.seed, "train"))
         finally:
             await engine.close()
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
+from rollout_bridge.agent import AgentConfig, ChatFormat, derived_seed, run_episode
 from rollout_bridge.engine.base import RolloutEngine
 from rollout_bridge.envs.base import EnvFactory
 from rollout_bridge.trajectory import DispatchStamp
@@ -30,11 +30,16 @@ from rollout_bridge.trajectory import DispatchStamp
 async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat: ChatFormat,
                             num_tasks: int, rollouts_per_task: int,
                             agent_config: AgentConfig, max_concurrency: int = 16,
-                            on_done: Callable[[int], None] | None = None
-                            ) -> tuple[np.ndarray, np.ndarray]:
+                            on_done: Callable[[int], None] | None = None,
+                            crn_seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(successes, trials) per task, [num_tasks] int64 each, from `rollouts_per_task`
     episodes of every task with the engine's current policy. Failed or aborted episodes
-    are not counted as trials (no evidence either way)."""
+    are not counted as trials (no evidence either way).
+
+    `crn_seed`: episode r of task t plays with episode seed ``derived_seed(crn_seed, t, r)``
+    (`run_episode`), so every policy evaluated with the same `crn_seed` meets the same
+    random numbers (common random numbers: the per-task paired difference of two policies
+    loses the noise they share). None: the engine's and the env's own draws."""
     if num_tasks < 1 or rollouts_per_task < 1 or max_concurrency < 1:
         raise ValueError(f"num_tasks, rollouts_per_task and max_concurrency must be >= 1, got "
                          f"{num_tasks}, {rollouts_per_task}, {max_concurrency}")
@@ -44,13 +49,14 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
     event = int(engine.policy_event)
     finished = 0
 
-    async def one(request_id: int, task_id: int) -> None:
+    async def one(request_id: int, task_id: int, round_index: int) -> None:
         nonlocal finished
+        seed = None if crn_seed is None else derived_seed(crn_seed, task_id, round_index)
         async with semaphore:
             env = env_factory()
             stamp = DispatchStamp(request_id, task_id, event, 0.0, float("nan"), 0.0)
             try:
-                trajectory = await run_episode(engine, env, chat, stamp, agent_config)
+                trajectory = await run_episode(engine, env, chat, stamp, agent_config, seed)
             finally:
                 close = getattr(env, "close", None)
                 if close is not None:
@@ -65,8 +71,8 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
             on_done(finished)
 
     # interleave tasks (round r of every task, then round r+1) so progress is even
-    jobs = [(r * num_tasks + t, t) for r in range(rollouts_per_task) for t in range(num_tasks)]
-    await asyncio.gather(*(one(i, t) for i, t in jobs))
+    jobs = [(r * num_tasks + t, t, r) for r in range(rollouts_per_task) for t in range(num_tasks)]
+    await asyncio.gather(*(one(i, t, r) for i, t, r in jobs))
     return successes, trials
 
 

@@ -79,6 +79,17 @@ def test_completion_body_maps_sampling_exactly():
     assert (body["repetition_penalty"], body["presence_penalty"], body["frequency_penalty"], body["min_p"]) == (
         1.0, 0.0, 0.0, 0.0)
     assert body["request_id"] == "req-1" and body["n"] == 1
+    assert "seed" not in body  # unseeded: the server draws
+
+
+def test_a_seeded_request_passes_its_seed_to_vllm():
+    params = SamplingParams(seed=2**40 + 3)
+    assert completion_body([1], params, "m", "r")["seed"] == 2**40 + 3
+    assert vllm_sampling_kwargs(params)["seed"] == 2**40 + 3
+    assert vllm_sampling_kwargs(SamplingParams())["seed"] is None
+    for bad in (-1, 2**63, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=bad)
 
 
 def test_vllm_sampling_kwargs_match_the_http_mapping():

@@ -19,7 +19,10 @@ class SamplingParams:
     """Decoding parameters of one request (SPEC 6: temperature 1, top-p 1, top-k -1).
 
     ``top_k = -1`` disables top-k. ``stop_token_ids``: generation ends right after one
-    of these is sampled (the stop token is part of the output).
+    of these is sampled (the stop token is part of the output). ``seed``: fixes this
+    request's random numbers (an int in [0, 2**63)); None lets the engine draw them.
+    Evaluations seed every turn so that two policies see the same random numbers
+    (common random numbers: their paired difference has less sampling noise).
     """
 
     temperature: float = 1.0
@@ -27,6 +30,7 @@ class SamplingParams:
     top_k: int = -1
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
 
     def __post_init__(self):
         if not (self.temperature > 0.0 and math.isfinite(self.temperature)):
@@ -37,6 +41,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed
+                                      or not 0 <= int(self.seed) < 1 << 63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 

@@ -291,9 +291,12 @@ class JaxEngine(RolloutEngine):
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None
     ) -> GenerationResult:
-        """Decode a continuation of ``prompt_ids``; ``seed`` fixes this request's samples."""
+        """Decode a continuation of ``prompt_ids``; ``seed`` (else ``params.seed``) fixes this
+        request's samples."""
         prompt = tuple(int(t) for t in prompt_ids)
         self._validate(prompt, params)
+        if seed is None:
+            seed = params.seed
         if seed is None:
             self._request_counter += 1
             seed = hash((self._seed, self._request_counter)) & ((1 << 63) - 1)

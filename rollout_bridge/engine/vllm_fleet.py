@@ -190,7 +190,7 @@ def completion_body(prompt_ids: Sequence[int], params: SamplingParams, model: st
         "n": 1,
         "stream": False,
         "request_id": request_id,
-    }
+    } | ({} if params.seed is None else {"seed": int(params.seed)})
 
 
 def parse_completion(payload: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...], str]:

@@ -104,6 +104,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict:
         logprobs=0,
         skip_special_tokens=False,
         detokenize=False,
+        seed=params.seed,
     )
 
 

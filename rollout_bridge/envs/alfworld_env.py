@@ -341,9 +341,11 @@ class AlfworldTasks(TextWorldTasks):
                     expert: str | None = None, command_numbers: bool = False) -> "AlfworldTasks":
         return cls(list_alfworld_games(folder), folder, max_turns, style, expert, command_numbers)
 
-    def episode(self, task_id: int, player: AlfredPddlGame | None = None) -> AlfworldEpisode:
+    def episode(self, task_id: int, player: AlfredPddlGame | None = None,
+                seed: int | None = None) -> AlfworldEpisode:
         """An episode of task `task_id`; without `player` it borrows one from the pool and
-        gives it back on `close()`."""
+        gives it back on `close()`. `seed` is accepted and unused: ALFWorld episodes
+        draw no random numbers (the commands are listed in the game's order)."""
         task_id = check_task_id(task_id, self.num_tasks)
         path = self.game_files[task_id]
         if player is not None:

@@ -40,6 +40,10 @@ class Environment(abc.ABC):
     def step(self, action_text: str) -> StepResult:
         """Apply the agent's reply; return the next observation, reward and done flag."""
 
+    def set_episode_seed(self, seed: int | None) -> None:
+        """Fix the random numbers of the next ``reset``'s episode (evaluations give every
+        policy the same ones); default: the environment draws none, nothing to fix."""
+
     def close(self) -> None:
         """Release resources (default: none)."""
 
@@ -57,6 +61,9 @@ class AsyncEnvironment(abc.ABC):
     async def step(self, action_text: str) -> StepResult:
         """Apply the agent's reply; return the next observation, reward and done flag."""
 
+    def set_episode_seed(self, seed: int | None) -> None:
+        """As :meth:`Environment.set_episode_seed` (default: nothing to fix)."""
+
     async def close(self) -> None:
         """Release resources (default: none)."""
 
@@ -67,6 +74,9 @@ class ThreadedEnvironment(AsyncEnvironment):
     def __init__(self, env: Environment):
         self.env = env
         self.num_tasks = env.num_tasks
+
+    def set_episode_seed(self, seed: int | None) -> None:
+        self.env.set_episode_seed(seed)
 
     async def reset(self, task_id: int) -> str:
         return await asyncio.to_thread(self.env.reset, task_id)

@@ -376,12 +376,15 @@ class TextWorldTasks:
         """Every playable game under `folder` (generated sets, ALFWorld's game.tw-pddl)."""
         return cls(list_game_files(folder), folder, max_turns, style)
 
-    def episode(self, task_id: int) -> TextWorldEpisode:
-        """A fresh episode of task `task_id`; with shuffled actions the k-th episode made
-        by this task set shuffles with seed (style.shuffle_seed, k)."""
+    def episode(self, task_id: int, seed: int | None = None) -> TextWorldEpisode:
+        """A fresh episode of task `task_id`. With shuffled actions it shuffles with seed
+        (style.shuffle_seed, k) when it is the k-th unseeded episode made by this task set,
+        or with (style.shuffle_seed, seed, 1) when `seed` is given (evaluations: the same
+        orders for every policy)."""
         task_id = check_task_id(task_id, self.num_tasks)
-        seed = (self.style.shuffle_seed, next(self._episode_counter))
-        return TextWorldEpisode(self.game_files[task_id], self.max_turns, self.style, seed)
+        shuffle = ((self.style.shuffle_seed, next(self._episode_counter)) if seed is None
+                   else (self.style.shuffle_seed, int(seed), 1))
+        return TextWorldEpisode(self.game_files[task_id], self.max_turns, self.style, shuffle)
 
     def demonstration(self, task_id: int) -> list[tuple[str, str]]:
         """Teacher demonstration: (observation, reply) per turn of the walkthrough, to a
@@ -413,10 +416,16 @@ class TextWorldEnv(Environment):
         self.tasks = tasks
         self.num_tasks = tasks.num_tasks
         self._episode: TextWorldEpisode | None = None
+        self._next_seed: int | None = None
+
+    def set_episode_seed(self, seed: int | None) -> None:
+        """The next `reset`'s episode draws its action orders from `seed`."""
+        self._next_seed = seed
 
     def reset(self, task_id: int) -> str:
         self.close()
-        self._episode = self.tasks.episode(task_id)
+        seed, self._next_seed = self._next_seed, None
+        self._episode = self.tasks.episode(task_id) if seed is None else self.tasks.episode(task_id, seed=seed)
         return self._episode.reset()
 
     def step(self, action_text: str) -> StepResult:
