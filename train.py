@@ -52,9 +52,10 @@ from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
 from rollout_bridge.distributed_learner import LeaderLearner
 from rollout_bridge.envs.kinds import build_env
+from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
 from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, evaluation_seed, extra_evaluations,
-                                latest_checkpoint_step, log, refuse_overwrite, report_run, run_prior, run_warmstart,
-                                state_digest, success_rollouts)
+                                folder_digest, latest_checkpoint_step, log, refuse_overwrite, report_run, run_prior,
+                                run_warmstart, stage_key, state_digest, success_rollouts)
 from rollout_bridge.metrics import MetricsWriter, read_metrics
 from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, follow_process_0, start_distributed
 from rollout_bridge.orchestrator import Orchestrator
@@ -175,16 +176,29 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
 async def evaluate_policy(job: Job, policy: Path, chat, rollouts: int | None = None, when: str = "before RL") -> dict:
     """The env kind's extra evaluations of ``policy`` (an HF folder) on a fresh engine seeded
     ``seed + EXTRA_EVAL_SEED_OFFSET``, ``rollouts`` per task (default
-    ``prior.rollouts_per_task``); empty when the env kind has none."""
+    ``prior.rollouts_per_task``), with common random numbers; empty when the env kind has
+    none. Read from ``prior.cache_dir`` when an earlier run made the same evaluation."""
     if not job.env.extra_evals:
         return {}
-    engine = job.engine(build.load_policy(policy, job.cfg.model), seed=job.cfg.seed + EXTRA_EVAL_SEED_OFFSET)
+    cfg = job.cfg
+    rollouts = rollouts or cfg.prior.rollouts_per_task
+    key = stage_key(cfg, "model", "env", "warmstart", "rollout")
+    key.update(seed=cfg.seed, policy=folder_digest(policy), rollouts=rollouts, sets=sorted(job.env.extra_evals),
+               episodes=EVALUATION_SCHEME)
+    cached = read_cached(cfg.prior.cache_dir, "evaluation", key)
+    if cached is not None:
+        for name, record in cached.items():
+            log(f"evaluation {when} ({name}): reusing {cache_file(cfg.prior.cache_dir, 'evaluation', key)} "
+                f"from an earlier run: success {record['success_rate']:.3f}")
+        return cached
+    engine = job.engine(build.load_policy(policy, cfg.model), seed=cfg.seed + EXTRA_EVAL_SEED_OFFSET)
     try:
-        return await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                       rollouts or job.cfg.prior.rollouts_per_task, when, job.cfg.progress,
-                                       job.cfg.seed)
+        results = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
+                                          rollouts, when, cfg.progress, cfg.seed)
     finally:
         await engine.close()
+    write_cached(cfg.prior.cache_dir, "evaluation", key, results)
+    return results
 
 
 def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> dict:

@@ -61,7 +61,8 @@ ORCHESTRATOR_DERIVED = {
 
 SAMPLING_KNOBS = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k",
                   "max_new_tokens": "rollout.max_new_tokens"}
-SAMPLING_DERIVED = {"stop_token_ids": "set per request by the agent from the chat format"}
+SAMPLING_DERIVED = {"stop_token_ids": "set per request by the agent from the chat format",
+                    "seed": "evaluations only: set per turn by the agent from the episode seed (common random numbers)"}
 
 AGENT_KNOBS = {"max_total_tokens": "rollout.max_seq_len", "env_timeout_s": "rollout.env_timeout_s"}
 AGENT_DERIVED = {"max_turns": "the env kind's bundle (env.max_turns)", "sampling": "SAMPLING_KNOBS"}

@@ -16,6 +16,7 @@ import numpy as np
 
 from rollout_bridge.agent import derived_seed
 from rollout_bridge.components import load_policy
+from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
 from spopp_jax.run_errors import UserError
@@ -49,7 +50,7 @@ def log(message: str) -> None:
 # Where the rollouts run, not what they are: a prior or a checkpoint stays reusable when a
 # run continues on other launched servers (one more, other GPUs). (rollout.server_urls stays
 # in the key: checkpoints written before rollout.servers existed hold it.)
-DEPLOYMENT_FIELDS = {"rollout": ("servers",)}
+DEPLOYMENT_FIELDS = {"rollout": ("servers",), "prior": ("cache_dir",)}
 
 
 def stage_key(cfg, *sections: str) -> dict:
@@ -370,13 +371,20 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
         return half, half.copy(), None
     key = stage_key(cfg, "model", "env", "warmstart", "prior", "rollout")
     key.update(rho=rho, seed=cfg.seed, policy=folder_digest(policy),    # the policy's content, not its path
-               episodes="common random numbers")                          # not the engine's own draws (before 12/2026)
+               episodes=EVALUATION_SCHEME)
     if paths.prior.exists():
         record = json.loads(paths.prior.read_text())
         if record.get("key") == key:
             log(f"prior: reusing {paths.prior} (success before RL {record['success_rate']:.3f})")
             alpha0, beta0 = read_prior_file(paths.prior, env.num_tasks)
             return alpha0, beta0, record
+    record = read_cached(cfg.prior.cache_dir, "prior", key)
+    if record is not None:
+        log(f"prior: reusing {cache_file(cfg.prior.cache_dir, 'prior', key)} from an earlier run "
+            f"(success before RL {record['success_rate']:.3f})")
+        write_json_atomic(paths.prior, record)
+        alpha0, beta0 = read_prior_file(paths.prior, env.num_tasks)
+        return alpha0, beta0, record
     n = cfg.prior.rollouts_per_task
     log(f"prior: {n} rollouts x {env.num_tasks} tasks with the initial policy")
     start = time.time()
@@ -394,6 +402,7 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
     record = prior_record(successes, trials, mass)
     record.update(key=key, wall_s=time.time() - start)
     write_json_atomic(paths.prior, record)
+    write_cached(cfg.prior.cache_dir, "prior", key, record)
     log(f"prior: success before RL {record['success_rate']:.3f} "
         f"({int(successes.sum())}/{int(trials.sum())}) in {time.time() - start:.0f}s")
     return np.asarray(record["alpha0"], np.float32), np.asarray(record["beta0"], np.float32), record

@@ -196,12 +196,17 @@ class WarmStartSection:
 class PriorSection:
     """Offline value prior (SPEC 2): `rollouts_per_task` rollouts per task with the initial
     (warm-started) policy; Jeffreys Beta(s+1/2, n-s+1/2) rescaled to total mass `mass`
-    (None = 1/(1-rho) = 8). `path`: reuse this prior file instead of computing one."""
+    (None = 1/(1-rho) = 8). `path`: reuse this prior file instead of computing one.
+    `cache_dir`: keep the prior's rollouts and the evaluations before RL of the initial
+    policy in this folder, keyed by everything that decides them (policy content, task
+    sets, agent/sampling/engine settings, seed, episodes), and read them there when a
+    run (another output_dir, other RL settings) has the same key; None: no cache."""
 
     enabled: bool = True
     rollouts_per_task: int = 8
     mass: Optional[float] = None
     path: Optional[str] = None
+    cache_dir: Optional[str] = None
 
     def __post_init__(self):
         _positive("prior", self, "rollouts_per_task")

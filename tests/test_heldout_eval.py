@@ -41,7 +41,9 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
 def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     """The tiny smoke model, played on 2 generated held-out games, 3 episodes each, as both
     the reference and the compared policy: every game gets 3 trials per policy and the
-    printed gain is the job's paired gain of the two records."""
+    printed gain is the job's paired gain of the two records. The copy has the same
+    content, so with `prior.cache_dir` its evaluation is the first one's, read back; a
+    run with another seed plays again."""
     from rollout_bridge import components
     from rollout_bridge.envs.kinds import build_env
     from rollout_bridge.job import paired_gain
@@ -50,7 +52,7 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(tmp_path / "games"),
              "--env.num_games", "2", "--env.heldout_games", "2", "--env.warmstart_games", "0",
              "--rollout.max_inflight", "2", "--model.tiny_dir", str(tmp_path / "tiny"),
-             "--output_dir", str(tmp_path / "run"), "--progress", "false"]
+             "--output_dir", str(tmp_path / "run"), "--progress", "false", "--prior.cache_dir", str(tmp_path / "cache")]
     cfg = load_config(flags[2:])
     env = build_env(cfg, False, log=lambda _: None)
     try:
@@ -71,6 +73,12 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     assert saved["rollouts"] == 3 and [r["policy"] for r in saved["policies"]] == [policy, str(same)]
     printed = capsys.readouterr().out
     assert printed.count("2 games, 6 episodes") == 2 and "paired by game" in printed
+    assert printed.count("reusing") == 1 and f"evaluation of {same} (heldout): reusing" in printed
+    assert records[1]["successes"] == records[0]["successes"] and gain["gain"] == 0.0
+    assert len(list((tmp_path / "cache").glob("evaluation-*.json"))) == 1
+    heldout_eval.main(["--policy", policy, "--policy", str(same), "--rollouts", "1", *flags, "--seed", "1"])
+    assert capsys.readouterr().out.count("reusing") == 1   # the copy again, not seed 0's record
+    assert len(list((tmp_path / "cache").glob("evaluation-*.json"))) == 2
 
 
 def test_a_job_without_held_out_games_is_refused(tmp_path):

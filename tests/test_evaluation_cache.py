@@ -1,0 +1,50 @@
+"""The evaluation cache (``prior.cache_dir``): records of fixed-policy evaluations reused
+across runs only when their key matches; a rerun into another output_dir reads the
+prior instead of playing it again."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
+from tiny_run import tiny_train_args
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = {"policy": "abc", "seed": 0, "episodes": EVALUATION_SCHEME}
+
+
+def test_a_record_is_read_back_only_under_its_own_key(tmp_path):
+    assert read_cached(None, "prior", KEY) is None and write_cached(None, "prior", KEY, {"a": 1}) is None
+    assert read_cached(tmp_path, "prior", KEY) is None                          # nothing there yet
+    path = write_cached(tmp_path, "prior", KEY, {"success_rate": 0.25})
+    assert path == cache_file(tmp_path, "prior", KEY) and path.name.startswith("prior-")
+    assert read_cached(tmp_path, "prior", KEY) == {"success_rate": 0.25}
+    assert read_cached(tmp_path, "evaluation", KEY) is None                     # another kind
+    assert read_cached(tmp_path, "prior", {**KEY, "seed": 1}) is None           # another key
+    assert cache_file(tmp_path, "prior", dict(reversed(KEY.items()))) == path   # key order does not matter
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "key": {**KEY, "seed": 1}}))          # a hash collision's stand-in
+    assert read_cached(tmp_path, "prior", KEY) is None
+    path.write_text("{not json")                                                 # a torn or corrupt file
+    assert read_cached(tmp_path, "prior", KEY) is None
+
+
+def _prior_stage(tmp_path: Path, output: str, *extra: str) -> tuple[str, dict]:
+    args = tiny_train_args(tmp_path)
+    args[args.index("--output_dir") + 1] = str(tmp_path / output)
+    job = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--stage", "prior", "--progress", "false",
+                          "--prior.cache_dir", str(tmp_path / "cache"), *extra],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert job.returncode == 0, job.stderr[-3000:]
+    return job.stdout + job.stderr, json.loads((tmp_path / output / "prior.json").read_text())
+
+
+def test_a_rerun_into_another_folder_reads_the_prior(tmp_path):
+    """(Another seed playing again is tested on the held-out evaluation: test_heldout_eval.)"""
+    first_log, first = _prior_stage(tmp_path, "a")
+    assert "from an earlier run" not in first_log
+    again_log, again = _prior_stage(tmp_path, "b")
+    assert "from an earlier run" in again_log and again == first
+    assert len(list((tmp_path / "cache").glob("prior-*.json"))) == 1
