@@ -96,6 +96,9 @@ def parse_args(argv=None):
                      help="flags passed to every train.py call (after --extra)")
     run.add_argument("--archive", type=Path, default=None,
                      help="an archive of finished runs (see `archive`): those runs are skipped")
+    run.add_argument("--eval-rollouts", type=int, default=None,
+                     help="episodes per task of each run's evaluations before/after RL (its "
+                          "--prior.rollouts_per_task; the shared prior keeps the recipe's)")
     keep = sub.add_parser("archive", help="copy the finished runs' report inputs elsewhere")
     keep.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
     keep.add_argument("--to", type=Path, required=True)
@@ -187,9 +190,10 @@ def check_archived_warm_start(archive_root: Path, model: Path) -> None:
 
 
 def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Path,
-            extra: list[str], drain: list[str] = MEASURED_DRAIN, archived: Path | None = None) -> float | None:
+            extra: list[str], drain: list[str] = MEASURED_DRAIN, archived: Path | None = None,
+            eval_rollouts: int | None = None) -> float | None:
     """Train one run unless it is done (here or in the archive); returns its wall time
-    (None when skipped)."""
+    (None when skipped). ``eval_rollouts``: episodes per task of its evaluations."""
     out = root / arm / f"seed{seed}"
     if (out / "summary.json").is_file():
         return None
@@ -202,6 +206,8 @@ def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Pat
                "--model.path", str(model), "--warmstart.enabled", "false",
                "--prior.path", str(prior), "--seed", str(seed), "--steps", str(steps),
                "--progress", "false", "--tensorboard", "false", *drain, *ARMS[arm], *extra]
+    if eval_rollouts is not None:
+        command += ["--prior.rollouts_per_task", str(eval_rollouts)]
     (out / "command.json").write_text(json.dumps(command, indent=1))
     start = time.time()
     with open(out / "train.log", "w") as log:
@@ -218,6 +224,8 @@ def run(args) -> None:
     print(f"hardware: {cpu_model()}; python {platform.python_version()}", flush=True)
     if not args.config.is_file():
         raise SystemExit(f"--config {args.config}: no such file")
+    if args.eval_rollouts is not None and args.eval_rollouts < 1:
+        raise SystemExit(f"--eval-rollouts must be >= 1, got {args.eval_rollouts}")
     extra = ["--config_path", str(args.config.resolve()), *args.extra]
     model, prior = shared_stage(args.root, extra, args.warm_start)
     if args.archive is not None:
@@ -225,7 +233,8 @@ def run(args) -> None:
     drain = MEASURED_DRAIN if args.drain == "finish" else []
     todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
     for i, (arm, seed) in enumerate(todo, 1):
-        wall = run_one(arm, seed, args.steps, args.root, model, prior, extra, drain, args.archive)
+        wall = run_one(arm, seed, args.steps, args.root, model, prior, extra, drain, args.archive,
+                       args.eval_rollouts)
         state = "done already" if wall is None else f"{wall:.0f} s"
         folder = args.root / arm / f"seed{seed}"
         if not (folder / "summary.json").is_file():

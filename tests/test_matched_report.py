@@ -139,3 +139,20 @@ def test_archive_keeps_report_inputs_and_pins_the_warm_start_weights(tmp_path):
     (model / "model.safetensors").write_bytes(b"other weights")
     with pytest.raises(SystemExit, match="not the one the runs"):
         matched_runs.check_archived_warm_start(kept, model)
+
+
+def test_eval_rollouts_set_each_runs_evaluations_only(tmp_path, monkeypatch):
+    import subprocess
+
+    import matched_runs
+
+    calls = []
+    monkeypatch.setattr(matched_runs.subprocess, "run",
+                        lambda command, **kw: calls.append(command) or subprocess.CompletedProcess(command, 0))
+    matched_runs.run_one("spopp", 3, 5, tmp_path, tmp_path / "m", tmp_path / "p.json", ["--x", "1"],
+                         eval_rollouts=2)
+    command = json.loads((tmp_path / "spopp" / "seed3" / "command.json").read_text())
+    assert calls == [command] and command[-2:] == ["--prior.rollouts_per_task", "2"]
+    assert command[command.index("--prior.path") + 1] == str(tmp_path / "p.json")   # the shared prior stays
+    matched_runs.run_one("spo", 3, 5, tmp_path, tmp_path / "m", tmp_path / "p.json", [])
+    assert "--prior.rollouts_per_task" not in calls[-1]
