@@ -69,8 +69,9 @@ def test_a_seeded_episode_shows_the_same_action_orders_after_any_other_episodes(
     assert first_observation(fresh, 5) == first_observation(used, 5)
     orders = {first_observation(fresh, seed) for seed in range(8)}
     assert len(orders) > 1     # the seed does choose the order
-    fresh.reset(0)             # the seed holds for one reset only: back to the counter
-    assert fresh.last_episode._shuffle_seed[1:] != (5, 1)
+    assert fresh.last_episode._shuffle_seed == (STYLE.shuffle_seed, 7, 1)
+    fresh.reset(0)             # the seed holds for one reset only: back to the task set's counter
+    assert fresh.last_episode._shuffle_seed == (STYLE.shuffle_seed, 3)   # unseeded 0-2 were used's
     fresh.close(), used.close()
 
 
