@@ -2,7 +2,7 @@
 
 Reads `<root>/<arm>/seed<k>/{metrics.jsonl,summary.json}` and prints markdown:
  1. SPO++ vs SPO vs GRPO: AUC over the common plotted steps, last-5 mean, success of the
-    final policy (128 evaluation rollouts), paired differences per seed; Figure-1-style plot.
+    final policy (the run's evaluation after RL), paired differences per seed; Figure-1-style plot.
  2. The tracker x measure 2x2 (retention 0.875 and dual-clip 2 fixed): C10 per cell, the
     paired effects, and the paper's Table-2 comparisons against SPO.
  3. Per-batch Cov_n(L, A), the loss-weighted centre trajectory whitening leaves
@@ -111,7 +111,7 @@ def main_section(runs, ups: int, figures: Path) -> list[str]:
     after = {a: {s: r.summary["success_after_rl"] for s, r in runs[a].items()} for a in arms}
     lines = [f"T = {t_common} common plotted steps of {ups} updates x 16 trajectories = "
              f"{ups * 16} trajectories; AUC and last-5 are training-rollout success (SPEC 7); "
-             "'after RL' is the final policy on 8 rollouts x 16 tasks; mean ± sample std over seeds.",
+             f"'after RL' is the final policy on {evaluation_text(runs, arms)}; mean ± sample std over seeds.",
              "", f"| arm | runs | AUC | last-{k} mean | success before RL | success after RL | RL wall time (s) |",
              "|---|---|---|---|---|---|---|"]
     for a in arms:
@@ -159,13 +159,23 @@ def figure_one(runs, arms, ups: int, t_common: int, path: Path) -> None:
 
 FIG = "@FIGURES@"  # figure folder in links, made relative to where the markdown is read
 WARMUP = 8  # updates: the first plotted step
-COLLAPSE_LEVEL = 0.05  # a plotted step below this success is "collapsed" (prior success ~0.2)
+COLLAPSE_LEVEL = 0.05  # a plotted step below this success is "collapsed" (prior success 0.1-0.2)
+
+
+def evaluation_text(runs, arms) -> str:
+    """What 'after RL' measured: the runs' own evaluation size (summary.json), or the v1
+    runs' 8 rollouts x 16 tasks when their summaries predate the recorded size."""
+    sizes = {(r.summary.get("train_after_rl_estimate") or {}).get("episodes") for a in arms for r in runs[a].values()}
+    sizes.discard(None)
+    if not sizes:
+        return "8 rollouts x 16 tasks"
+    return " / ".join(f"{n} episodes" for n in sorted(sizes)) + " of the training games"
 
 
 def collapse_onset(run: Run, ups: int) -> int | None:
-    """A collapsed run: its final policy succeeds < COLLAPSE_LEVEL on the 128 evaluation
-    rollouts (prior success ~0.2) and its training curve ends in plotted steps below
-    COLLAPSE_LEVEL; returns the first update of that final stretch, else None."""
+    """A collapsed run: its final policy succeeds < COLLAPSE_LEVEL in its evaluation after
+    RL and its training curve ends in plotted steps below COLLAPSE_LEVEL; returns the
+    first update of that final stretch, else None."""
     curve = run.curve(ups)
     alive = np.flatnonzero(curve >= COLLAPSE_LEVEL)
     first_dead = 0 if alive.size == 0 else int(alive[-1]) + 1
@@ -175,8 +185,11 @@ def collapse_onset(run: Run, ups: int) -> int | None:
 
 
 def collapse_section(runs, ups: int) -> list[str]:
-    lines = [f"A run counts as collapsed when its final policy succeeds < {COLLAPSE_LEVEL} on the 128 "
-             f"evaluation rollouts (prior success is about 0.2) and its training curve ends in plotted steps "
+    before = [r.summary.get("success_before_rl") for a in runs for r in runs[a].values()]
+    before = [b for b in before if b is not None]
+    prior = f"success before RL {np.mean(before):.2f}" if before else "no success before RL recorded"
+    lines = [f"A run counts as collapsed when its final policy succeeds < {COLLAPSE_LEVEL} in its evaluation "
+             f"after RL ({prior}) and its training curve ends in plotted steps "
              f"below {COLLAPSE_LEVEL}: the policy has fallen into an absorbing reply (e.g. an empty reply, "
              "whose saturated softmax carries no gradient).", "",
              "| arm | runs | collapsed | seed (first update of the collapsed stretch) |", "|---|---|---|---|"]

@@ -156,3 +156,12 @@ def test_eval_rollouts_set_each_runs_evaluations_only(tmp_path, monkeypatch):
     assert command[command.index("--prior.path") + 1] == str(tmp_path / "p.json")   # the shared prior stays
     matched_runs.run_one("spo", 3, 5, tmp_path, tmp_path / "m", tmp_path / "p.json", [])
     assert "--prior.rollouts_per_task" not in calls[-1]
+
+
+def test_the_evaluation_size_and_the_start_level_come_from_the_runs(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "spopp", 0, [0.2] * 4)
+    text = matched_report.report(args_for(root, tmp_path))
+    assert "final policy on 8 rollouts x 16 tasks" in text and "(success before RL 0.20)" in text  # v1 summaries
+    write_run(root, "spo", 0, [0.1] * 4, regime={"train_after_rl_estimate": {"episodes": 256}})
+    assert "final policy on 256 episodes of the training games" in matched_report.report(args_for(root, tmp_path))
