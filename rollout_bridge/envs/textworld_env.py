@@ -425,7 +425,7 @@ class TextWorldEnv(Environment):
     def reset(self, task_id: int) -> str:
         self.close()
         seed, self._next_seed = self._next_seed, None
-        self._episode = self.tasks.episode(task_id) if seed is None else self.tasks.episode(task_id, seed=seed)
+        self._episode = self.tasks.episode(task_id, seed=seed)
         return self._episode.reset()
 
     def step(self, action_text: str) -> StepResult:
