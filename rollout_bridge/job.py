@@ -55,11 +55,15 @@ DEPLOYMENT_FIELDS = {"rollout": ("servers",), "prior": ("cache_dir",)}
 
 def stage_key(cfg, *sections: str) -> dict:
     """The settings an output depends on (reuse it only if they are unchanged; the
-    ``DEPLOYMENT_FIELDS`` are left out)."""
+    ``DEPLOYMENT_FIELDS`` are left out). ``warmstart.group_by_length`` (added after keys
+    were first written) is keyed only where it changes an output, a warm start that is
+    trained with it on; so records written before it existed stay valid."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
     for name, fields in DEPLOYMENT_FIELDS.items():
         for field in fields:
             key.get(name, {}).pop(field, None)
+    if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
+        key["warmstart"].pop("group_by_length", None)
     return key
 
 
@@ -289,7 +293,8 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
             return paths.warmstart_model
     examples = sft_examples(warm_tasks, chat, max_length=ws.max_length, loss_on=ws.loss_on)
     log(f"warm start: SFT on {len(examples)} demonstrations of tasks outside the training set (loss on {ws.loss_on}), "
-        f"{ws.epochs} epochs, batch {ws.batch_size}, lr {ws.learning_rate}")
+        f"{ws.epochs} epochs, batch {ws.batch_size}{' grouped by length' if ws.group_by_length else ''}, "
+        f"lr {ws.learning_rate}")
     sft_cfg = LearnerConfig(learning_rate=ws.learning_rate, weight_decay=ws.weight_decay,
                             max_grad_norm=learner_config.max_grad_norm,
                             logprob_chunk_size=learner_config.logprob_chunk_size)
@@ -303,7 +308,7 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
         state, losses = run_sft(make_sft_step(model_def, sft_cfg), state, examples, epochs=ws.epochs,
                                 batch_size=ws.batch_size, pad_id=chat.tokenizer.pad_token_id, seed=cfg.seed,
                                 on_step=progress.step, start_epoch=start_epoch, losses=done_losses,
-                                on_epoch=saved.maybe_save)
+                                on_epoch=saved.maybe_save, group_by_length=ws.group_by_length)
     finally:
         progress.close()
         saved.close()

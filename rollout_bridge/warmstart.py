@@ -126,13 +126,47 @@ def epoch_batches(examples: Sequence[SFTExample], batch_size: int, rng: np.rando
         yield [examples[i] for i in padded[b * batch_size:(b + 1) * batch_size]]
 
 
+def length_grouped_batches(examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator,
+                           group_batches: int = 16) -> Iterator[list[SFTExample]]:
+    """A shuffled pass in full batches of similar length (the batches of `epoch_batches`,
+    regrouped): the padded permutation is cut into groups of `group_batches` batches, each
+    group is sorted by length (longest first) and cut into batches, and the pass visits the
+    batches in a random order. Padded to their own longest example, the batches then carry
+    far fewer pad tokens than batches padded to the data set's longest (HF Trainer's
+    `group_by_length`); every example still appears once per pass (plus the top-up)."""
+    if batch_size < 1 or group_batches < 1:
+        raise ValueError(f"batch_size and group_batches must be >= 1, got {batch_size}, {group_batches}")
+    order = rng.permutation(len(examples))
+    num_batches = max(1, math.ceil(len(examples) / batch_size))
+    padded = np.resize(order, num_batches * batch_size)
+    group = group_batches * batch_size
+    batches = []
+    for start in range(0, len(padded), group):
+        members = padded[start:start + group]
+        lengths = np.array([len(examples[i].token_ids) for i in members])
+        members = members[np.argsort(-lengths, kind="stable")]
+        batches += [members[b:b + batch_size] for b in range(0, len(members), batch_size)]
+    for b in rng.permutation(len(batches)):
+        yield [examples[i] for i in batches[b]]
+
+
+def padded_width(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple` (few widths: few compiled shapes)."""
+    return -(-length // multiple) * multiple
+
+
 def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs: int,
             batch_size: int, pad_id: int, seed: int = 0,
             on_step: Callable[[int, dict], None] | None = None,
             start_epoch: int = 0, losses: Sequence[float] = (),
-            on_epoch: Callable[[int, Any, list[float]], None] | None = None):
+            on_epoch: Callable[[int, Any, list[float]], None] | None = None,
+            group_by_length: bool = False, width_multiple: int = 128):
     """`epochs` shuffled passes of `sft_step(state, TrainBatch)`; returns (state, losses).
-    Every batch is padded to the longest example of the data set: one compiled shape.
+    `group_by_length` False: random batches, each padded to the longest example of the
+    data set (one compiled shape). True: batches of similar length
+    (`length_grouped_batches`), each padded to its own longest example rounded up to
+    `width_multiple` tokens (a few compiled shapes, far fewer pad tokens: the loss per
+    step is the same global token mean over the batch's trained tokens).
 
     Resuming: `start_epoch` epochs are already in `state` (their `losses` given); their
     shuffles are drawn and skipped, so the run continues exactly as if uninterrupted.
@@ -142,16 +176,19 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
     if not 0 <= start_epoch <= epochs:
         raise ValueError(f"start_epoch must be in [0, {epochs}], got {start_epoch}")
     rng = np.random.default_rng(seed)
-    width = -(-max(len(e.token_ids) for e in examples) // 32) * 32
+    data_width = padded_width(max(len(e.token_ids) for e in examples), 32)
+    make_batches = length_grouped_batches if group_by_length else epoch_batches
     losses = list(losses)
     step = len(losses)
     for epoch in range(epochs):
-        batches = epoch_batches(examples, batch_size, rng)
+        batches = make_batches(examples, batch_size, rng)
         if epoch < start_epoch:
             for _ in batches:  # draw this epoch's shuffle: later epochs see the same ones
                 pass
             continue
         for rows in batches:
+            width = (padded_width(max(len(e.token_ids) for e in rows), width_multiple)
+                     if group_by_length else data_width)
             batch = TrainBatch(**pack_sft_batch(rows, pad_id, width))
             state, metrics = sft_step(state, batch)
             loss = float(metrics["loss"])

@@ -4,6 +4,7 @@ them, SFT on action tokens only, the Jeffreys prior file, success counting, metr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import numpy as np
@@ -20,7 +21,9 @@ from rollout_bridge.tokenizer import build_tiny_tokenizer
 from rollout_bridge.trajectory import DispatchStamp
 from rollout_bridge.warmstart import (
     demonstration_example,
+    SFTExample,
     epoch_batches,
+    length_grouped_batches,
     pack_sft_batch,
     run_sft,
     sft_examples,
@@ -93,6 +96,73 @@ def test_pack_and_batches(tasks, chat):
     seen = [id(e) for batch in epoch_batches(examples * 3, 4, np.random.default_rng(0))
             for e in batch]
     assert len(seen) == 8 and {id(e) for e in examples} <= set(seen)
+
+
+def _examples_of_lengths(lengths) -> list[SFTExample]:
+    return [SFTExample(tuple(range(1, n + 1)), (False,) + (True,) * (n - 1)) for n in lengths]
+
+
+def test_length_grouped_batches_cover_every_example_in_full_batches_of_similar_length():
+    lengths = np.random.default_rng(1).integers(20, 900, size=45)
+    examples = _examples_of_lengths(lengths)
+    grouped = list(length_grouped_batches(examples, 4, np.random.default_rng(0), group_batches=4))
+    assert len(grouped) == 12 and all(len(batch) == 4 for batch in grouped)   # 45 -> 48 rows: top-up
+    seen = [id(e) for batch in grouped for e in batch]
+    assert {id(e) for e in examples} == set(seen)
+    # the same rows as the plain pass of the same seed (only regrouped)
+    plain = [id(e) for batch in epoch_batches(examples, 4, np.random.default_rng(0)) for e in batch]
+    assert sorted(seen) == sorted(plain)
+    # fewer pad tokens: each batch padded to its own longest vs the plain batches' longest
+    padded_grouped = sum(4 * max(len(e.token_ids) for e in batch) for batch in grouped)
+    padded_plain = sum(4 * max(len(e.token_ids) for e in batch)
+                       for batch in epoch_batches(examples, 4, np.random.default_rng(0)))
+    assert padded_grouped < 0.85 * padded_plain
+    # the order of the batches is shuffled (not longest first) and depends on the seed
+    first_lengths = [len(batch[0].token_ids) for batch in grouped]
+    assert first_lengths != sorted(first_lengths, reverse=True)
+    other = list(length_grouped_batches(examples, 4, np.random.default_rng(1), group_batches=4))
+    assert [id(e) for b in other for e in b] != seen
+    with pytest.raises(ValueError, match="group_batches"):
+        next(length_grouped_batches(examples, 4, np.random.default_rng(0), group_batches=0))
+
+
+def test_run_sft_grouped_by_length_pads_each_batch_to_its_longest_and_resumes_exactly():
+    examples = _examples_of_lengths([40, 300, 50, 290, 45, 310, 60, 280])
+    widths, firsts = [], []
+
+    def step(state, batch):
+        widths.append(batch.input_ids.shape[1])
+        firsts.append(int(np.asarray(batch.attention_mask).sum()))
+        return 0.5 * state + firsts[-1], {"loss": state}
+
+    kwargs = dict(epochs=3, batch_size=2, pad_id=0, seed=5, group_by_length=True, width_multiple=64)
+    saved = {}
+    full_state, full_losses = run_sft(step, 0.0, examples, **kwargs,
+                                      on_epoch=lambda e, s, ls: saved.setdefault(e, (s, list(ls))))
+    assert widths.count(64) == widths.count(320) == 6   # short pairs and long pairs, never mixed
+    assert len(full_losses) == 3 * 4
+    state1, losses1 = saved[1]
+    resumed_state, resumed_losses = run_sft(step, state1, examples, **kwargs, start_epoch=1, losses=losses1)
+    assert resumed_losses == full_losses and resumed_state == full_state
+    widths.clear()
+    run_sft(step, 0.0, examples, **{**kwargs, "group_by_length": False})
+    assert set(widths) == {320}                  # the data set's longest, rounded to 32
+
+
+def test_stage_key_keys_group_by_length_only_for_a_warm_start_trained_with_it():
+    from rollout_bridge.job import stage_key
+    from spopp_jax.config import TrainConfig
+
+    def key(**warmstart):
+        cfg = TrainConfig()
+        cfg = dataclasses.replace(cfg, warmstart=dataclasses.replace(cfg.warmstart, **warmstart))
+        return stage_key(cfg, "warmstart", "prior")
+
+    assert "group_by_length" in key(enabled=True, group_by_length=True)["warmstart"]
+    assert "group_by_length" not in key(enabled=True, group_by_length=False)["warmstart"]
+    assert "group_by_length" not in key(enabled=False, group_by_length=True)["warmstart"]
+    assert key(enabled=True, group_by_length=True) != key(enabled=True, group_by_length=False)
+    assert key(enabled=False, group_by_length=True) == key(enabled=False, group_by_length=False)
 
 
 def _numpy_action_nll(logits, input_ids, action_mask) -> float:
