@@ -7,10 +7,10 @@ to its own longest (`true`, the default). Same examples, model, optimizer and st
 
 The config decides the task set, the warm-start demonstrations (env.warmstart_games,
 warmstart.loss_on, warmstart.max_length), the tiny model's shape and the batch size; the
-tiny model folder (`model.tiny_dir`) is built as the job would build it. For each layout:
-epoch 1 (with the compilations: one shape for the plain layout, one per width for the
-grouped one) and epoch 2 (steady state) are timed; the ratio is taken in the same run.
-Prints the CPU, the load average before and after, and the pad share of each layout.
+tiny model folder (`model.tiny_dir`) is built as the job would build it. Each layout
+first runs one epoch with its compilations (one shape plain, one per width grouped); then
+`--rounds` interleaved rounds of one epoch each (benchmarks/_protocol.py: load average per
+round, busy rounds left out, same-run ratio of medians).
 """
 
 from __future__ import annotations
@@ -25,34 +25,46 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import _protocol  # noqa: E402
 from benchmarks._hardware import cpu_model  # noqa: E402
 
 
-def epoch_seconds(cfg, folder, examples, pad_id: int, group_by_length: bool) -> tuple[list[float], float]:
-    """(wall seconds of epochs 1 and 2, pad share of the padded tokens) of one layout."""
+def layout_runner(cfg, folder, examples, pad_id: int, group_by_length: bool):
+    """A function running one SFT epoch of this layout from its own state (epoch r uses
+    shuffle seed r) and returning its wall seconds."""
     from rollout_bridge.components import load_policy
-    from rollout_bridge.warmstart import epoch_batches, length_grouped_batches, padded_width, run_sft
+    from rollout_bridge.warmstart import run_sft
     from spopp_jax.learner import LearnerConfig, init_train_state, make_sft_step
 
     ws = cfg.warmstart
     learner_config = LearnerConfig(learning_rate=ws.learning_rate, weight_decay=ws.weight_decay)
     model_def, state = init_train_state(load_policy(folder, cfg.model), learner_config)
     step = make_sft_step(model_def, learner_config)
-    times = []
-    for epoch in range(2):
+    held = {"state": state, "epoch": 0}
+
+    def run_epoch() -> float:
         start = time.perf_counter()
-        state, _ = run_sft(step, state, examples, epochs=1, batch_size=ws.batch_size, pad_id=pad_id,
-                           seed=epoch, group_by_length=group_by_length)
-        times.append(time.perf_counter() - start)
+        held["state"], _ = run_sft(step, held["state"], examples, epochs=1, batch_size=ws.batch_size,
+                                   pad_id=pad_id, seed=held["epoch"], group_by_length=group_by_length)
+        held["epoch"] += 1
+        return time.perf_counter() - start
+
+    return run_epoch
+
+
+def pad_share(examples, batch_size: int, group_by_length: bool) -> float:
+    """Share of pad tokens in one epoch's batches of this layout."""
+    from rollout_bridge.warmstart import epoch_batches, length_grouped_batches, padded_width
+
     batches = (length_grouped_batches if group_by_length else epoch_batches)(
-        examples, ws.batch_size, np.random.default_rng(0))
+        examples, batch_size, np.random.default_rng(0))
     data_width = padded_width(max(len(e.token_ids) for e in examples), 32)
     padded = real = 0
     for rows in batches:
         width = padded_width(max(len(e.token_ids) for e in rows), 128) if group_by_length else data_width
         padded += width * len(rows)
         real += sum(len(e.token_ids) for e in rows)
-    return times, 1.0 - real / padded
+    return 1.0 - real / padded
 
 
 def main(argv=None) -> None:
@@ -63,6 +75,9 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=None, help="use the first N demonstrations (default: all)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (one epoch each)")
+    parser.add_argument("--max-load-excess", type=float, default=_protocol.DEFAULT_MAX_LOAD_EXCESS)
+    parser.add_argument("--allow-busy", action="store_true", help="keep busy rounds (the headline says so)")
     args, rest = parser.parse_known_args(argv)
     cfg = train.parse_config(rest)
     bundle = build_env(cfg, True, print, cfg.progress)
@@ -77,14 +92,16 @@ def main(argv=None) -> None:
     print(f"{len(examples)} demonstrations, tokens min/median/max {lengths.min()}/{int(np.median(lengths))}/"
           f"{lengths.max()}, batch {cfg.warmstart.batch_size}, model hidden {cfg.model.tiny_hidden_size} "
           f"x {cfg.model.tiny_num_layers} layers")
-    results = {}
-    for name, grouped in (("plain (data set's longest)", False), ("grouped by length", True)):
-        times, pad = epoch_seconds(cfg, folder, examples, chat.tokenizer.pad_token_id, grouped)
-        results[grouped] = times
-        print(f"{name:28s} epoch 1 (compiles) {times[0]:7.1f} s, epoch 2 {times[1]:7.1f} s, "
-              f"pad share {pad:.0%}")
-    print(f"same-run ratio plain / grouped, epoch 2: {results[False][1] / results[True][1]:.2f}x; "
-          f"epoch 1: {results[False][0] / results[True][0]:.2f}x")
+    layouts = {"plain": False, "grouped": True}
+    for name, grouped in layouts.items():
+        print(f"{name}: pad share {pad_share(examples, cfg.warmstart.batch_size, grouped):.0%}")
+    runners = {name: layout_runner(cfg, folder, examples, chat.tokenizer.pad_token_id, grouped)
+               for name, grouped in layouts.items()}
+    for name, run_epoch in runners.items():   # compiles: one shape plain, one per width grouped
+        print(f"{name}: first epoch (with compilations) {run_epoch():.1f} s", flush=True)
+    timings = _protocol.interleaved_rounds(runners, args.rounds, max_load_excess=args.max_load_excess)
+    _protocol.report(timings, len(examples), "demonstrations", args.allow_busy)
+    print("headline: " + _protocol.headline(timings, "grouped", "plain", args.allow_busy))
     print(f"load average after: {os.getloadavg()}")
 
 
