@@ -53,17 +53,13 @@ def layout_runner(cfg, folder, examples, pad_id: int, group_by_length: bool):
 
 
 def pad_share(examples, batch_size: int, group_by_length: bool) -> float:
-    """Share of pad tokens in one epoch's batches of this layout."""
-    from rollout_bridge.warmstart import epoch_batches, length_grouped_batches, padded_width
+    """Share of pad tokens in one epoch's batches of this layout (as `run_sft` packs them)."""
+    from rollout_bridge.warmstart import sft_batches
 
-    batches = (length_grouped_batches if group_by_length else epoch_batches)(
-        examples, batch_size, np.random.default_rng(0))
-    data_width = padded_width(max(len(e.token_ids) for e in examples), 32)
     padded = real = 0
-    for rows in batches:
-        width = padded_width(max(len(e.token_ids) for e in rows), 128) if group_by_length else data_width
-        padded += width * len(rows)
-        real += sum(len(e.token_ids) for e in rows)
+    for arrays in sft_batches(examples, batch_size, np.random.default_rng(0), 0, group_by_length):
+        padded += arrays["attention_mask"].size
+        real += int(arrays["attention_mask"].sum())
     return 1.0 - real / padded
 
 

@@ -96,7 +96,7 @@ def pack_sft_batch(examples: Sequence[SFTExample], pad_id: int, width: int | Non
         raise ValueError("examples is empty")
     longest = max(len(e.token_ids) for e in examples)
     if width is None:
-        width = -(-longest // pad_to_multiple) * pad_to_multiple
+        width = padded_width(longest, pad_to_multiple)
     if width < longest:
         raise ValueError(f"width={width} < longest example ({longest} tokens)")
     batch = len(examples)
@@ -113,17 +113,26 @@ def pack_sft_batch(examples: Sequence[SFTExample], pad_id: int, width: int | Non
                 rollout_logp=zeros, advantages=zeros.copy())
 
 
+def padded_width(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple` (few widths: few compiled shapes)."""
+    return -(-length // multiple) * multiple
+
+
+def _topped_up_permutation(num_examples: int, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    """A random order of the examples, topped up from its start to whole batches."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    num_batches = max(1, math.ceil(num_examples / batch_size))
+    return np.resize(rng.permutation(num_examples), num_batches * batch_size)
+
+
 def epoch_batches(examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator
                   ) -> Iterator[list[SFTExample]]:
     """A shuffled pass in full batches (the last batch is topped up from the start of
     the permutation, so every step has the same number of rows: one compile)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    order = rng.permutation(len(examples))
-    num_batches = max(1, math.ceil(len(examples) / batch_size))
-    padded = np.resize(order, num_batches * batch_size)
-    for b in range(num_batches):
-        yield [examples[i] for i in padded[b * batch_size:(b + 1) * batch_size]]
+    padded = _topped_up_permutation(len(examples), batch_size, rng)
+    for start in range(0, len(padded), batch_size):
+        yield [examples[i] for i in padded[start:start + batch_size]]
 
 
 def length_grouped_batches(examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator,
@@ -134,11 +143,9 @@ def length_grouped_batches(examples: Sequence[SFTExample], batch_size: int, rng:
     batches in a random order. Padded to their own longest example, the batches then carry
     far fewer pad tokens than batches padded to the data set's longest (HF Trainer's
     `group_by_length`); every example still appears once per pass (plus the top-up)."""
-    if batch_size < 1 or group_batches < 1:
-        raise ValueError(f"batch_size and group_batches must be >= 1, got {batch_size}, {group_batches}")
-    order = rng.permutation(len(examples))
-    num_batches = max(1, math.ceil(len(examples) / batch_size))
-    padded = np.resize(order, num_batches * batch_size)
+    if group_batches < 1:
+        raise ValueError(f"group_batches must be >= 1, got {group_batches}")
+    padded = _topped_up_permutation(len(examples), batch_size, rng)
     group = group_batches * batch_size
     batches = []
     for start in range(0, len(padded), group):
@@ -150,9 +157,19 @@ def length_grouped_batches(examples: Sequence[SFTExample], batch_size: int, rng:
         yield [examples[i] for i in batches[b]]
 
 
-def padded_width(length: int, multiple: int) -> int:
-    """`length` rounded up to a multiple of `multiple` (few widths: few compiled shapes)."""
-    return -(-length // multiple) * multiple
+def sft_batches(examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator, pad_id: int,
+                group_by_length: bool = False, width_multiple: int = 128) -> Iterator[dict[str, np.ndarray]]:
+    """One shuffled pass as packed batches (`pack_sft_batch`). `group_by_length` False:
+    `epoch_batches`, each padded to the longest example of the data set (one compiled
+    shape). True: `length_grouped_batches`, each padded to its own longest example rounded
+    up to `width_multiple` tokens (a few compiled shapes, far fewer pad tokens)."""
+    if group_by_length:
+        for rows in length_grouped_batches(examples, batch_size, rng):
+            yield pack_sft_batch(rows, pad_id, pad_to_multiple=width_multiple)
+        return
+    width = padded_width(max(len(e.token_ids) for e in examples), 32)
+    for rows in epoch_batches(examples, batch_size, rng):
+        yield pack_sft_batch(rows, pad_id, width)
 
 
 def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs: int,
@@ -162,11 +179,8 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
             on_epoch: Callable[[int, Any, list[float]], None] | None = None,
             group_by_length: bool = False, width_multiple: int = 128):
     """`epochs` shuffled passes of `sft_step(state, TrainBatch)`; returns (state, losses).
-    `group_by_length` False: random batches, each padded to the longest example of the
-    data set (one compiled shape). True: batches of similar length
-    (`length_grouped_batches`), each padded to its own longest example rounded up to
-    `width_multiple` tokens (a few compiled shapes, far fewer pad tokens: the loss per
-    step is the same global token mean over the batch's trained tokens).
+    Batches as `sft_batches` makes them (`group_by_length`, `width_multiple`); either way
+    the loss per step is the global token mean over the batch's trained tokens.
 
     Resuming: `start_epoch` epochs are already in `state` (their `losses` given); their
     shuffles are drawn and skipped, so the run continues exactly as if uninterrupted.
@@ -176,21 +190,16 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
     if not 0 <= start_epoch <= epochs:
         raise ValueError(f"start_epoch must be in [0, {epochs}], got {start_epoch}")
     rng = np.random.default_rng(seed)
-    data_width = padded_width(max(len(e.token_ids) for e in examples), 32)
-    make_batches = length_grouped_batches if group_by_length else epoch_batches
     losses = list(losses)
     step = len(losses)
     for epoch in range(epochs):
-        batches = make_batches(examples, batch_size, rng)
+        batches = sft_batches(examples, batch_size, rng, pad_id, group_by_length, width_multiple)
         if epoch < start_epoch:
             for _ in batches:  # draw this epoch's shuffle: later epochs see the same ones
                 pass
             continue
-        for rows in batches:
-            width = (padded_width(max(len(e.token_ids) for e in rows), width_multiple)
-                     if group_by_length else data_width)
-            batch = TrainBatch(**pack_sft_batch(rows, pad_id, width))
-            state, metrics = sft_step(state, batch)
+        for arrays in batches:
+            state, metrics = sft_step(state, TrainBatch(**arrays))
             loss = float(metrics["loss"])
             losses.append(loss)
             if on_step is not None:
