@@ -124,6 +124,9 @@ def test_length_grouped_batches_cover_every_example_in_full_batches_of_similar_l
     assert [id(e) for b in other for e in b] != seen
     with pytest.raises(ValueError, match="group_batches"):
         next(length_grouped_batches(examples, 4, np.random.default_rng(0), group_batches=0))
+    for layout in (epoch_batches, length_grouped_batches):
+        with pytest.raises(ValueError, match="batch_size"):
+            next(layout(examples, 0, np.random.default_rng(0)))
 
 
 def test_run_sft_grouped_by_length_pads_each_batch_to_its_longest_and_resumes_exactly():
