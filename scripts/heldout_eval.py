@@ -72,7 +72,9 @@ def main(argv=None) -> list[dict]:
             records.append({"policy": policy, **record, "wall_s": time.time() - start})
     finally:
         env.close()
-    print(f"held-out games: {env.tasks_record.get('heldout_games')}, {args.rollouts} episodes per game "
+    games = len(records[0]["successes"])
+    where = env.tasks_record.get("heldout_games")   # the generated folder's name (TextWorld); ALFWorld has none
+    print(f"held-out games: {games}{f' ({where})' if where else ''}, {args.rollouts} episodes per game "
           f"(load average {load:.1f} at the start)")
     reference = records[0]
     for record in records:

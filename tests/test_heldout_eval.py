@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     assert saved["rollouts"] == 3 and [r["policy"] for r in saved["policies"]] == [policy, str(same)]
     printed = capsys.readouterr().out
     assert printed.count("2 games, 6 episodes") == 2 and "paired by game" in printed
+    assert re.search(r"held-out games: 2 \(\S+\), 3 episodes per game", printed)   # the count, then the set's folder
     assert printed.count("reusing") == 1 and f"evaluation of {same} (heldout): reusing" in printed
     assert records[1]["successes"] == records[0]["successes"] and gain["gain"] == 0.0
     assert len(list((tmp_path / "cache").glob("evaluation-*.json"))) == 1
