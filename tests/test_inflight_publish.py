@@ -47,17 +47,20 @@ def norm_variant(model: nnx.Module, scale: float) -> nnx.Module:
 PUBLISH_AT_CHUNKS = (4, 16)  # decode calls that wait for the next publish (of 48)
 
 
-def hold_decode_for_publishes(engine: JaxEngine, at_chunks) -> None:
+def hold_decode_for_publishes(engine: JaxEngine, at_chunks) -> set[int]:
     """Test double around the engine's jitted decode: decode call ``at_chunks[j]`` waits
     (on the scheduler thread) until publish j is queued for or installed in the engine,
     so a long request cannot end before the event loop gets to publish, however loaded
-    the machine is."""
+    the machine is. Returns the set of j whose decode call is waiting (or has waited)."""
     decode = engine._transitions.decode
     calls = itertools.count()
     publish_number = {chunk: j for j, chunk in enumerate(at_chunks)}
+    held_for: set[int] = set()
 
     def held(param_leaves, state, num_steps):
         j = publish_number.get(next(calls))
+        if j is not None:
+            held_for.add(j)
         deadline = time.monotonic() + HOLD_TIMEOUT_S
         while j is not None and engine.publish_stats.inflight_publishes <= j and not engine._inbox:
             if time.monotonic() > deadline:
@@ -66,11 +69,16 @@ def hold_decode_for_publishes(engine: JaxEngine, at_chunks) -> None:
         return decode(param_leaves, state, num_steps)
 
     engine._transitions = engine._transitions._replace(decode=held)
+    return held_for
 
 
-async def wait_for_tokens(engine: JaxEngine, count: int) -> None:
+async def wait_for_tokens(engine: JaxEngine, count: int, held_for: set[int], publish: int) -> None:
+    """Until ``count`` tokens were generated, or the decode call that waits for ``publish``
+    is reached (then the calls since the previous publish gave the current event its
+    tokens, and no more come before ``publish``: waiting on the count alone would deadlock
+    when a descheduled event loop reads the count only after the engine got there)."""
     deadline = time.monotonic() + HOLD_TIMEOUT_S
-    while engine.num_tokens_generated < count:
+    while engine.num_tokens_generated < count and publish not in held_for:
         assert time.monotonic() < deadline, f"fewer than {count} tokens generated"
         await asyncio.sleep(0.001)
 
@@ -80,11 +88,11 @@ async def generate_across_publishes(model, publishes, seed: int = 7):
     once the request has new tokens, before decode call ``PUBLISH_AT_CHUNKS[j]``. Returns
     the result, the engine's publish stats and its outcome counts."""
     engine = JaxEngine(model, **ENGINE)
-    hold_decode_for_publishes(engine, PUBLISH_AT_CHUNKS[: len(publishes)])
+    held_for = hold_decode_for_publishes(engine, PUBLISH_AT_CHUNKS[: len(publishes)])
     try:
         request = asyncio.create_task(engine.generate(PROMPT, SAMPLED, seed=seed))
-        for weights, event in publishes:
-            await wait_for_tokens(engine, engine.num_tokens_generated + 1)
+        for j, (weights, event) in enumerate(publishes):
+            await wait_for_tokens(engine, engine.num_tokens_generated + 1, held_for, j)
             await engine.publish_inflight(weights, policy_event=event)
         result = await request
         return result, engine.publish_stats, engine.stats
