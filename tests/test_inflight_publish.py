@@ -72,27 +72,27 @@ def hold_decode_for_publishes(engine: JaxEngine, at_chunks) -> set[int]:
     return held_for
 
 
-async def wait_for_tokens(engine: JaxEngine, count: int, held_for: set[int], publish: int) -> None:
-    """Until ``count`` tokens were generated, or the decode call that waits for ``publish``
-    is reached (then the calls since the previous publish gave the current event its
-    tokens, and no more come before ``publish``: waiting on the count alone would deadlock
-    when a descheduled event loop reads the count only after the engine got there)."""
+async def wait_for_hold(held_for: set[int], publish: int) -> None:
+    """Until the decode call that waits for ``publish`` is reached: the calls since the
+    previous publish have given the current event its tokens, and no more come before
+    ``publish`` (waiting for "one more token than now" deadlocked when a descheduled event
+    loop read the count only after the engine had stopped there)."""
     deadline = time.monotonic() + HOLD_TIMEOUT_S
-    while engine.num_tokens_generated < count and publish not in held_for:
-        assert time.monotonic() < deadline, f"fewer than {count} tokens generated"
+    while publish not in held_for:
+        assert time.monotonic() < deadline, f"the decode call held for publish {publish} was never reached"
         await asyncio.sleep(0.001)
 
 
 async def generate_across_publishes(model, publishes, seed: int = 7):
     """One long request; each (weights, event) of ``publishes`` is published in flight
-    once the request has new tokens, before decode call ``PUBLISH_AT_CHUNKS[j]``. Returns
+    when decode call ``PUBLISH_AT_CHUNKS[j]`` waits for it. Returns
     the result, the engine's publish stats and its outcome counts."""
     engine = JaxEngine(model, **ENGINE)
     held_for = hold_decode_for_publishes(engine, PUBLISH_AT_CHUNKS[: len(publishes)])
     try:
         request = asyncio.create_task(engine.generate(PROMPT, SAMPLED, seed=seed))
         for j, (weights, event) in enumerate(publishes):
-            await wait_for_tokens(engine, engine.num_tokens_generated + 1, held_for, j)
+            await wait_for_hold(held_for, j)
             await engine.publish_inflight(weights, policy_event=event)
         result = await request
         return result, engine.publish_stats, engine.stats
