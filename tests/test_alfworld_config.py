@@ -106,17 +106,13 @@ def test_task_types_and_command_numbers_reach_the_task_sets(monkeypatch):
 def test_shipped_alfworld_warm_start_is_the_recorded_one_of_this_recipe_and_loads():
     """assets/alfworld_text_warmstart: the bytes its README records, made by this recipe's
     warm-start settings (the record's key), the recipe's model shape, and it reads a prompt."""
-    import hashlib
     import json
 
-    import numpy as np
-
-    from rollout_bridge import components
+    from test_default_job import check_shipped_warm_start
 
     asset = CONFIGS.parent / "assets" / "alfworld_text_warmstart"
-    digest = hashlib.sha256((asset / "model.safetensors").read_bytes()).hexdigest()
-    assert (asset / "model.safetensors.sha256").read_text().split()[0] == digest
-    record = json.loads((asset / "warmstart.json").read_text())
+    record = check_shipped_warm_start(asset, CONFIGS / "alfworld_tiny.yaml",
+                                      "Your task is to: put a apple in fridge.\ngo to fridge 1\nopen fridge 1\n")
     assert len(record["losses"]) == 6144 and record["losses"][-1] < 0.05 * record["losses"][0]
     cfg = load_config(config_path=CONFIGS / "alfworld_tiny.yaml")
     made_by = record["key"]
@@ -128,9 +124,3 @@ def test_shipped_alfworld_warm_start_is_the_recorded_one_of_this_recipe_and_load
     shape = json.loads((asset / "config.json").read_text())
     assert (shape["hidden_size"], shape["num_hidden_layers"]) == (cfg.model.tiny_hidden_size, cfg.model.tiny_num_layers)
     assert shape["vocab_size"] <= cfg.model.tiny_vocab_size   # BPE stops when the game texts have no more merges
-    chat = components.load_chat(asset)
-    model = components.load_policy(asset, cfg.model)
-    ids = np.asarray([chat.encode("Your task is to: put a apple in fridge.\ngo to fridge 1\nopen fridge 1\n")],
-                     np.int32)
-    logits = np.asarray(model(ids))
-    assert logits.shape == (1, ids.shape[1], shape["vocab_size"]) and np.isfinite(logits).all()

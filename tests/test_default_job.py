@@ -36,17 +36,25 @@ def test_default_job_is_the_agentic_recipe_from_the_shipped_warm_start():
     assert (ROOT / cfg.model.path).resolve() == ASSET.resolve() and not cfg.warmstart.enabled
 
 
-def test_shipped_warm_start_is_the_recorded_one_and_loads():
+def check_shipped_warm_start(asset: Path, config_path: Path, prompt: str) -> dict:
+    """A shipped warm start: its weights are the bytes `model.safetensors.sha256` records,
+    it loads under the recipe's model config and gives finite logits for ``prompt``.
+    Returns its `warmstart.json` record."""
     from rollout_bridge import components
     from spopp_jax.config import load_config
 
-    record = json.loads((ASSET / "warmstart.json").read_text())
-    digest = hashlib.sha256((ASSET / "model.safetensors").read_bytes()).hexdigest()
-    assert (ASSET / "model.safetensors.sha256").read_text().split()[0] == digest
-    assert len(record["losses"]) == 6144 and record["losses"][-1] < 0.5 * record["losses"][0]
-    cfg = load_config(config_path=ROOT / "configs" / "default.yaml")
-    chat = components.load_chat(ASSET)
-    model = components.load_policy(ASSET, cfg.model)
-    ids = np.asarray([chat.encode("You are in a kitchen. Actions:\nopen fridge\ngo east\n")], np.int32)
+    digest = hashlib.sha256((asset / "model.safetensors").read_bytes()).hexdigest()
+    assert (asset / "model.safetensors.sha256").read_text().split()[0] == digest
+    cfg = load_config(config_path=config_path)
+    chat = components.load_chat(asset)
+    model = components.load_policy(asset, cfg.model)
+    ids = np.asarray([chat.encode(prompt)], np.int32)
     logits = np.asarray(model(ids))
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and np.isfinite(logits).all()
+    return json.loads((asset / "warmstart.json").read_text())
+
+
+def test_shipped_warm_start_is_the_recorded_one_and_loads():
+    record = check_shipped_warm_start(ASSET, ROOT / "configs" / "default.yaml",
+                                      "You are in a kitchen. Actions:\nopen fridge\ngo east\n")
+    assert len(record["losses"]) == 6144 and record["losses"][-1] < 0.5 * record["losses"][0]
