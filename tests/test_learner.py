@@ -489,15 +489,9 @@ def test_chunked_token_logprobs_matches_float64_log_softmax(maybe_jit, np_rng, c
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=10, deadline=None)
-@given(
-    length=st.integers(1, 13),
-    chunk_size=st.integers(1, 15),
-    seed=st.integers(0, 2**16),
-)
-def test_property_chunking_never_changes_token_logprobs_or_their_gradient(
-    length, chunk_size, seed
-):
+def _check_chunking_keeps_logprobs_and_gradient(length, chunk_size, seed, transform):
+    """Chunked token log-probs and the gradient of a weighted sum of them equal the
+    unchunked ones (values, d/dkernel, d/dhidden), with every function under `transform`."""
     rng = np.random.default_rng(seed)
     hidden = jnp.asarray(rng.normal(size=(2, length, 4)), jnp.float32)
     kernel = jnp.asarray(rng.normal(size=(4, 9)), jnp.float32)
@@ -514,16 +508,34 @@ def test_property_chunking_never_changes_token_logprobs_or_their_gradient(
         return jnp.sum(weights * learner.chunked_token_logprobs(head, p, h, ids, chunk_size))
 
     np.testing.assert_allclose(
-        np.asarray(learner.chunked_token_logprobs(head, kernel, hidden, ids, chunk_size)),
-        np.asarray(learner.token_logprobs(head(kernel, hidden), ids)),
+        np.asarray(transform(lambda k, h: learner.chunked_token_logprobs(head, k, h, ids, chunk_size))(kernel, hidden)),
+        np.asarray(transform(lambda k, h: learner.token_logprobs(head(k, h), ids))(kernel, hidden)),
         rtol=1e-5,
         atol=1e-5,
     )
     for want, got in zip(
-        jax.grad(full, argnums=(0, 1))(kernel, hidden),
-        jax.grad(chunked, argnums=(0, 1))(kernel, hidden),
+        transform(jax.grad(full, argnums=(0, 1)))(kernel, hidden),
+        transform(jax.grad(chunked, argnums=(0, 1)))(kernel, hidden),
     ):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    length=st.integers(1, 13),
+    chunk_size=st.integers(1, 15),
+    seed=st.integers(0, 2**16),
+)
+def test_property_chunking_never_changes_token_logprobs_or_their_gradient(
+    length, chunk_size, seed
+):
+    """Jitted: each example has new shapes, and one compile of the whole function is ~6x
+    cheaper than op-by-op dispatch (the eager path is the fixed case below)."""
+    _check_chunking_keeps_logprobs_and_gradient(length, chunk_size, seed, jax.jit)
+
+
+def test_chunking_keeps_logprobs_and_gradient_eager_and_jitted(maybe_jit):
+    _check_chunking_keeps_logprobs_and_gradient(13, 4, 7, maybe_jit)   # 4 chunks, the last one ragged
 
 
 def test_chunked_compute_logprobs_equals_full_logits(tiny):
