@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_run import games_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 _SPEC = importlib.util.spec_from_file_location("heldout_eval", ROOT / "scripts" / "heldout_eval.py")
@@ -50,7 +51,7 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     from rollout_bridge.job import paired_gain
     from spopp_jax.config import load_config
 
-    flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(tmp_path / "games"),
+    flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(games_dir(tmp_path)),
              "--env.num_games", "2", "--env.heldout_games", "2", "--env.warmstart_games", "0",
              "--rollout.max_inflight", "2", "--model.tiny_dir", str(tmp_path / "tiny"),
              "--output_dir", str(tmp_path / "run"), "--progress", "false", "--prior.cache_dir", str(tmp_path / "cache")]
@@ -85,7 +86,7 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
 
 def test_a_job_without_held_out_games_is_refused(tmp_path):
     policy = _policy_folder(tmp_path, "a")
-    flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(tmp_path / "games"),
+    flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(games_dir(tmp_path)),
              "--env.num_games", "2", "--env.heldout_games", "0", "--env.warmstart_games", "0",
              "--rollout.max_inflight", "2",
              "--output_dir", str(tmp_path / "run"), "--progress", "false"]

@@ -16,26 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_run import tiny_train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny_job(tmp: Path, steps: int) -> list[str]:
     return [
-        sys.executable, str(ROOT / "train.py"), "--config_path", str(ROOT / "configs" / "smoke.yaml"),
-        "--output_dir", str(tmp / "run"), "--steps", str(steps), "--checkpoint_every", "2",
-        "--progress", "false", "--tensorboard", "false", "--seed", "3",
-        "--env.data_dir", str(tmp / "games"), "--env.num_games", "4",
-        "--env.warmstart_games", "4", "--env.world_size", "1", "--env.max_turns", "2",
-        "--env.max_feedback_chars", "40",
-        "--model.tiny_dir", str(tmp / "tiny"), "--model.tiny_vocab_size", "400",
-        "--model.tiny_hidden_size", "32", "--model.tiny_intermediate_size", "64",
-        "--model.tiny_num_layers", "1", "--model.tiny_num_heads", "2",
-        "--model.tiny_num_kv_heads", "1",
-        "--warmstart.epochs", "1", "--warmstart.batch_size", "4",
-        "--prior.rollouts_per_task", "1",
-        "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
-        "--rollout.max_new_tokens", "4", "--rollout.max_seq_len", "384",
+        sys.executable, str(ROOT / "train.py"), *tiny_train_args(tmp, steps),
+        "--progress", "false", "--tensorboard", "false",
         "--optim.learning_rate", "1e-3", "--method", "spo",
         # two batches may be buffered: trajectories finished during a drain wait in the
         # checkpoint for the next update

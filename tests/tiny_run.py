@@ -18,6 +18,11 @@ import numpy as np
 NUM_TASKS = 5
 SMOKE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"   # the tiny 2-turn job
 PARAM_NOISE = 0.05
+# The folder of generated game sets that the whole test session shares (tests/conftest.py
+# sets it). A set's folder is named by its generation options and completed atomically
+# (rollout_bridge/envs/textworld_games.py), so tests asking for the same set reuse it
+# instead of generating it again (~1 s a game). None: each test generates under its tmp.
+SHARED_GAMES_DIR: Path | None = None
 TOKENIZER_TEXTS = ["open the door", "take the key", "go north", "you win"] * 4
 TOKENIZER_VOCAB = 300
 # What train.py's checkpoint_key(cfg) stores, trimmed to the sections export reads.
@@ -100,14 +105,20 @@ def write_step(root: Path, model, step: int, seed: int) -> tuple[dict, dict]:
     return params, tracker_arrays
 
 
+def games_dir(tmp: Path) -> Path:
+    """Where a test's generated TextWorld games live: the session's shared folder, else
+    `tmp`/games."""
+    return SHARED_GAMES_DIR if SHARED_GAMES_DIR is not None else tmp / "games"
+
+
 def tiny_train_args(tmp: Path, steps: int = 2) -> list[str]:
     """`python train.py` flags of the smallest real job (configs/smoke.yaml cut to 4
     one-room games, a 1-layer 32-wide model, one checkpoint every 2 updates), everything
-    under `tmp`."""
+    under `tmp` but the games (`games_dir`)."""
     return [
         "--config_path", str(SMOKE_CONFIG),
         "--output_dir", str(tmp / "run"), "--steps", str(steps), "--checkpoint_every", "2",
-        "--seed", "3", "--env.data_dir", str(tmp / "games"), "--env.num_games", "4",
+        "--seed", "3", "--env.data_dir", str(games_dir(tmp)), "--env.num_games", "4",
         "--env.warmstart_games", "4", "--env.max_turns", "2", "--env.max_feedback_chars", "40",
         "--model.tiny_dir", str(tmp / "tiny"), "--model.tiny_vocab_size", "400",
         "--model.tiny_hidden_size", "32", "--model.tiny_intermediate_size", "64",
