@@ -38,8 +38,8 @@ def _inputs(seed: int, batch: int, length: int, kv_heads: int, groups: int, head
 def _check_against_reference(got, args, position, atol):
     """Rows with an allowed key equal grouped_query_attention (float32 inputs); rows
     without one are 0."""
-    want = np.asarray(grouped_query_attention(*[a.astype(jnp.float32) for a in args[:3]],
-                                              args[3]))
+    want = np.asarray(jax.jit(grouped_query_attention)(*[a.astype(jnp.float32) for a in args[:3]],
+                                                       args[3]))
     got = np.asarray(got, np.float32)
     assert got.shape == want.shape
     live = position >= 0
@@ -54,14 +54,23 @@ def _check_against_reference(got, args, position, atol):
 def test_single_query_attention_equals_grouped_query_attention(seed, batch, length, kv_heads,
                                                                groups, head_dim, block_size):
     """One block (key_limit None) and by blocks up to key_limit = max position + 1 (cache
-    lengths that are and are not multiples of the block, blocks longer than the cache)."""
+    lengths that are and are not multiples of the block, blocks longer than the cache).
+    Jitted: every example has new shapes, and one compile is cheaper than op-by-op
+    dispatch (eager: the fixed cases below)."""
     args, position = _inputs(seed, batch, length, kv_heads, groups, head_dim, jnp.float32)
-    one_block = single_query_attention(*args)
+    one_block = jax.jit(single_query_attention)(*args)
     assert one_block.dtype == jnp.float32
     _check_against_reference(one_block, args, position, atol=1e-6)
     blocks = jax.jit(single_query_attention, static_argnums=5)(
         *args, jnp.int32(position.max() + 1), block_size)
     _check_against_reference(blocks, args, position, atol=1e-6)
+
+
+def test_one_block_and_by_blocks_eager_and_jitted(maybe_jit):
+    args, position = _inputs(5, 3, 21, 2, 3, 4, jnp.float32)
+    _check_against_reference(maybe_jit(single_query_attention)(*args), args, position, atol=1e-6)
+    by_blocks = maybe_jit(single_query_attention, static_argnums=5)(*args, jnp.int32(position.max() + 1), 4)
+    _check_against_reference(by_blocks, args, position, atol=1e-6)
 
 
 def test_blocks_past_the_key_limit_are_not_read():
