@@ -53,9 +53,9 @@ from rollout_bridge import distributed_learner as distributed
 from rollout_bridge.distributed_learner import LeaderLearner
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
-from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, evaluation_seed, extra_evaluations,
-                                folder_digest, latest_checkpoint_step, log, refuse_overwrite, report_run, run_prior,
-                                run_warmstart, stage_key, state_digest, success_rollouts)
+from rollout_bridge.job import (RunPaths, UpdateLogger, checkpoint_key, enable_compilation_cache, evaluation_seed,
+                                extra_evaluations, folder_digest, latest_checkpoint_step, log, refuse_overwrite,
+                                report_run, run_prior, run_warmstart, stage_key, state_digest, success_rollouts)
 from rollout_bridge.metrics import MetricsWriter, read_metrics
 from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, follow_process_0, start_distributed
 from rollout_bridge.orchestrator import Orchestrator
@@ -229,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     several = DISTRIBUTED_FLAG in args
     cfg = parse_config([a for a in args if a != DISTRIBUTED_FLAG])
     paths = RunPaths(check_output_dir(cfg.output_dir))
+    compilation_cache = enable_compilation_cache(cfg.compilation_cache_dir)
+    if compilation_cache is not None:
+        log(f"JAX compilation cache: {compilation_cache}")
     start = time.time()
     if several:
         start_distributed(cfg)

@@ -114,7 +114,8 @@ SECTION_OWNERS = {
     "prior": "rollout_bridge.job.run_prior (prior.*)",
 }
 JOB_FIELDS = ("stage", "seed", "steps", "output_dir", "resume", "checkpoint_every", "keep_checkpoints",
-              "progress", "tensorboard", "export_every")  # read by train.py's composition itself
+              "progress", "tensorboard", "export_every",
+              "compilation_cache_dir")  # read by train.py's composition itself
 WANDB_FIELDS = ("wandb", "wandb_mode", "wandb_project")  # read by wandb_sinks
 
 # ------------------------------------------------------------------ extension points

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +46,19 @@ class RunPaths:
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def enable_compilation_cache(directory: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache in `directory` (TrainConfig
+    `compilation_cache_dir`) unless `JAX_COMPILATION_CACHE_DIR` already chose one; the folder
+    in use, or None. Call before anything is compiled: JAX decides at the first compile."""
+    chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if chosen:
+        return chosen
+    if directory is None:
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(Path(directory).resolve()))
+    return directory
 
 
 # Where the rollouts run, not what they are: a prior or a checkpoint stays reusable when a

@@ -471,6 +471,10 @@ class TrainConfig:
     `export_every` (a multiple of checkpoint_every) also `output_dir/exports/step_<k>`.
     `wandb`: also log the metrics to Weights & Biases (`wandb_mode` offline = on disk under
     `output_dir/wandb`, no account needed; the `wandb` extra).
+    `compilation_cache_dir`: JAX's persistent compilation cache (XLA executables that took
+    >= 1 s to compile are stored there and read back by later runs of the same programs: a
+    rerun, `--resume`, another seed of a matched run); None: none. A
+    `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
     """
 
     method: Literal["spopp", "spo", "grpo", "rloo"] = "spopp"
@@ -487,6 +491,7 @@ class TrainConfig:
     wandb: bool = False
     wandb_mode: Literal["offline", "online"] = "offline"
     wandb_project: str = "spopp-jax"
+    compilation_cache_dir: Optional[str] = None
     model: ModelSection = field(default_factory=ModelSection)
     env: EnvSection = field(default_factory=EnvSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)

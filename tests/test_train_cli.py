@@ -103,3 +103,23 @@ def test_tiny_job_is_quiet_and_exports_the_policy(tmp_path):
     assert "Traceback" not in resumed.stderr
     assert resumed.stderr.startswith("error: --resume: checkpoint step 2"), resumed.stderr
     assert "tracker.rho" in resumed.stderr
+
+
+def test_compilation_cache_dir_keeps_executables_and_the_environment_wins(tmp_path):
+    """`compilation_cache_dir` turns on JAX's persistent cache (an executable lands in the
+    folder); a JAX_COMPILATION_CACHE_DIR already set is used instead and reported."""
+    code = ("import sys, jax; from rollout_bridge.job import enable_compilation_cache; "
+            "print(enable_compilation_cache(sys.argv[1])); jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # store even this tiny program
+
+    def run(folder: Path, extra: dict) -> str:
+        done = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**env, **extra})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert run(tmp_path / "config", {}) == str(tmp_path / "config")
+    assert any((tmp_path / "config").iterdir())
+    assert run(tmp_path / "unused", {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env")}) == str(tmp_path / "env")
+    assert any((tmp_path / "env").iterdir()) and not (tmp_path / "unused").exists()
