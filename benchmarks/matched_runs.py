@@ -23,8 +23,8 @@ the published v1 runs; `--drain config` keeps the recipe's own (in-flight publis
 `--config` (default configs/smoke.yaml, the tiny 2-turn job of the published v1 runs) is passed to every
 train.py call as `--config_path`.
 
-`run` is resumable: a run whose `summary.json` exists is skipped, a run that crashed is
-redone from scratch (its folder is removed first). Runs go in the order seed-major
+`run` is resumable: a finished run (`summary.json` and a non-empty `metrics.jsonl`) is
+skipped, any other run folder is redone from scratch (removed first). Runs go in the order seed-major
 (seed 0 of every arm, then seed 1, ...), so a partial campaign is still paired.
 Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
 
@@ -145,6 +145,14 @@ def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -
 RUN_FILES = ("summary.json", "metrics.jsonl", "command.json")
 
 
+def finished(folder: Path) -> bool:
+    """The run in `folder` ended and kept what the report reads: summary.json and a
+    non-empty metrics.jsonl (a folder removed while its train.py still ran can end with a
+    summary.json and no metrics)."""
+    metrics = folder / "metrics.jsonl"
+    return (folder / "summary.json").is_file() and metrics.is_file() and metrics.stat().st_size > 0
+
+
 def weights_digest(model: Path) -> str:
     """sha256 over the model folder's safetensors files (name and bytes, sorted by name)."""
     digest = hashlib.sha256()
@@ -163,6 +171,9 @@ def archive(root: Path, to: Path) -> int:
     copied = 0
     for summary in sorted(root.glob("*/seed*/summary.json")):
         folder = summary.parent
+        if not finished(folder):
+            print(f"not archived: {folder} has no metrics.jsonl (run it again)", flush=True)
+            continue
         target = to / folder.parent.name / folder.name
         target.mkdir(parents=True, exist_ok=True)
         for name in RUN_FILES:
@@ -195,9 +206,7 @@ def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Pat
     """Train one run unless it is done (here or in the archive); returns its wall time
     (None when skipped). ``eval_rollouts``: episodes per task of its evaluations."""
     out = root / arm / f"seed{seed}"
-    if (out / "summary.json").is_file():
-        return None
-    if archived is not None and (archived / arm / f"seed{seed}" / "summary.json").is_file():
+    if finished(out) or (archived is not None and finished(archived / arm / f"seed{seed}")):
         return None
     if out.exists():
         shutil.rmtree(out)  # an interrupted run: redo it from scratch (no partial curves)
@@ -237,7 +246,7 @@ def run(args) -> None:
                        args.eval_rollouts)
         state = "done already" if wall is None else f"{wall:.0f} s"
         folder = args.root / arm / f"seed{seed}"
-        if not (folder / "summary.json").is_file():
+        if not finished(folder):
             folder = args.archive / arm / f"seed{seed}"
         summary = json.loads((folder / "summary.json").read_text())
         print(f"[{i}/{len(todo)}] {arm} seed {seed}: {state}; success after RL "

@@ -129,7 +129,11 @@ def test_archive_keeps_report_inputs_and_pins_the_warm_start_weights(tmp_path):
     (model / "model.safetensors").write_bytes(b"weights")
     (root / "shared").mkdir()
     (root / "shared" / "warm_start.txt").write_text(f"{model}\nsha256 {matched_runs.weights_digest(model)}\n")
-    assert matched_runs.archive(root, kept) == 1
+    lost = root / "spo" / "seed0"          # a summary whose metrics were lost: neither archived nor done
+    lost.mkdir(parents=True)
+    (lost / "summary.json").write_text((root / "spopp" / "seed0" / "summary.json").read_text())
+    assert matched_runs.archive(root, kept) == 1 and not (kept / "spo").exists()
+    assert not matched_runs.finished(lost) and matched_runs.finished(root / "spopp" / "seed0")
     assert sorted(p.name for p in (kept / "spopp" / "seed0").iterdir()) == ["metrics.jsonl", "summary.json"]
     assert matched_report.load_runs(kept)["spopp"][0].summary["rl_wall_s"] == 10.0
     matched_runs.check_archived_warm_start(kept, model)  # same weights: accepted
