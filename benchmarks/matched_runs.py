@@ -172,7 +172,7 @@ def archive(root: Path, to: Path) -> int:
     for summary in sorted(root.glob("*/seed*/summary.json")):
         folder = summary.parent
         if not finished(folder):
-            print(f"not archived: {folder} has no metrics.jsonl (run it again)", flush=True)
+            print(f"not archived: {folder} has a summary.json but no metrics (metrics.jsonl missing or empty): run it again", flush=True)
             continue
         target = to / folder.parent.name / folder.name
         target.mkdir(parents=True, exist_ok=True)
