@@ -39,8 +39,9 @@ def config_for() -> dict:
 
 
 def _worker(argv: list[str]) -> None:
-    """write DIR FIRST LAST: save steps FIRST..LAST (print each); full DIR LIMIT: save
-    step 1, limit file size to LIMIT bytes, try step 2 and print the error."""
+    """write DIR FIRST LAST: save steps FIRST..LAST (print each); full DIR LIMIT REPORT:
+    save step 1, limit file size to LIMIT bytes, try step 2 and write the error to REPORT
+    (a file: orbax/tensorstore threads may print onto stdout around it)."""
     sys.path.insert(0, str(ROOT))
     from spopp_jax.checkpoint import Checkpointer
 
@@ -53,12 +54,14 @@ def _worker(argv: list[str]) -> None:
         return
     checkpointer.save(1, state_for(1), {"counter": np.int64(1)}, config_for())
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    limit = int(argv[2])
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    limit, report = int(argv[2]), Path(argv[3])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
     try:
         checkpointer.save(2, state_for(2), {"counter": np.int64(2)}, config_for())
     except Exception as error:  # noqa: BLE001 - the worker reports whatever surfaced
-        print(json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        report.write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
         os._exit(3)
     print("saved 2 despite the limit", flush=True)
 
@@ -170,16 +173,14 @@ def test_kill_during_checkpoint_write_many(tmp_path):
             "checkpoints [1] are intact'", "step 1 restores bit-identical; no step 2 folder",
             kind="fault"))
 def test_disk_full_during_save(tmp_path):
-    process = run_worker("full", str(tmp_path), str(64 * 1024))
+    # the worker writes its report to a file: orbax/tensorstore threads print the
+    # closed-loop noise (see ORBAX_CLOSED_LOOP_NOISE) on stdout before, after and on the
+    # same line as anything the worker prints (both seen on a loaded machine)
+    report_file = tmp_path.parent / f"{tmp_path.name}-report.json"
+    process = run_worker("full", str(tmp_path), str(64 * 1024), str(report_file))
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 3, output[-3000:]
-    # the report is the worker's last JSON object: orbax/tensorstore may still print the
-    # closed-loop noise (see ORBAX_CLOSED_LOOP_NOISE) after it or, from another thread, on
-    # the same line before it (seen once on a loaded machine)
-    marker = '{"type": '
-    reports = [line[line.index(marker):] for line in output.splitlines() if marker in line]
-    assert reports, output[-3000:]
-    report = json.loads(reports[-1])
+    report = json.loads(report_file.read_text())
     assert report["type"] == "CheckpointWriteError", report
     assert "checkpoint step 2 could not be written" in report["message"]
     assert "previous checkpoints [1] are intact" in report["message"]
