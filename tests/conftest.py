@@ -65,3 +65,18 @@ def run_on_8_devices():
                               timeout=timeout)
 
     return run
+
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default, pyproject.toml: one test file per worker) runs in this one
+    process when it would gain nothing or risk much: a selection of one test file, or a
+    ``-m integration`` selection (those tests start vLLM servers, one at a time on a small
+    host)."""
+    markexpr = config.getoption("markexpr") or ""
+    if "integration" in markexpr and "not integration" not in markexpr:
+        return 0
+    files = {arg.split("::")[0] for arg in config.args}
+    if len(files) == 1 and next(iter(files)).endswith(".py"):
+        return 0
+    return None
