@@ -67,7 +67,6 @@ def run_on_8_devices():
     return run
 
 
-
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (the default, pyproject.toml: one test file per worker) runs in this one
     process when it would gain nothing or risk much: a selection of one test file, or a

@@ -175,7 +175,8 @@ def test_kill_during_checkpoint_write_many(tmp_path):
 def test_disk_full_during_save(tmp_path):
     # the worker writes its report to a file: orbax/tensorstore threads print the
     # closed-loop noise (see ORBAX_CLOSED_LOOP_NOISE) on stdout before, after and on the
-    # same line as anything the worker prints (both seen on a loaded machine)
+    # same line as anything the worker prints (both seen on a loaded machine); the file sits
+    # beside tmp_path, which is the checkpoint folder under test
     report_file = tmp_path.parent / f"{tmp_path.name}-report.json"
     process = run_worker("full", str(tmp_path), str(64 * 1024), str(report_file))
     output, _ = process.communicate(timeout=300)
