@@ -20,10 +20,13 @@ GRACE_S = 1.0
 GONE_WITHIN_S = 8.0  # grace + polling + interpreter start, with margin for a loaded box
 
 FAKE_SERVER = textwrap.dedent("""
-    import signal, subprocess, sys, time
+    import os, signal, subprocess, sys, time
     # the "engine core": same process group, ignores SIGTERM, outlives its server
     child = subprocess.Popen([sys.executable, "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('child', flush=True); time.sleep(600)"])
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('child', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()  # the child now ignores SIGTERM (before this line a SIGTERM would still kill it)
+    open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"ready-{os.getpid()}"), "w").close()
     print("server", flush=True)
     time.sleep(600)
 """)
@@ -49,6 +52,13 @@ def wait_until(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
+def ready(script_dir, pids) -> bool:
+    """Every fake server's child has installed its SIGTERM handler (the server wrote its ready file).
+    Counting the group's processes is not enough: the child is in the group from its fork, an
+    interpreter start before it ignores SIGTERM."""
+    return all((script_dir / f"ready-{pid}").exists() for pid in pids)
+
+
 def group_size(pgid: int) -> int:
     """Live processes of group ``pgid`` (via ``ps``, independent of the code under test)."""
     out = subprocess.run(["ps", "-e", "-o", "pgid=,stat="], capture_output=True, text=True, check=True).stdout
@@ -65,7 +75,8 @@ def test_servers_and_their_children_die_with_a_sigkilled_trainer(tmp_path):
         *servers, watchdog = (int(p) for p in trainer.stdout.readline().split())
         assert len(servers) == 2
         # each server group holds the server and its SIGTERM-ignoring child
-        assert wait_until(lambda: all(group_size(p) == 2 for p in servers), 30.0), [group_size(p) for p in servers]
+        assert wait_until(lambda: ready(tmp_path, servers), 30.0)
+        assert all(group_size(p) == 2 for p in servers), [group_size(p) for p in servers]
         started = time.monotonic()   # the grace runs from the trainer's death, never before this
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
@@ -93,7 +104,8 @@ def test_close_stops_the_servers_and_the_watchdog(tmp_path):
                                   str(tmp_path), command=lambda index, port: [sys.executable, str(server_script)])
     launcher.start()
     pgid, watchdog = launcher.servers()[0].process.pid, launcher._watchdog
-    assert wait_until(lambda: group_size(pgid) == 2, 30.0)
+    assert wait_until(lambda: ready(tmp_path, [pgid]), 30.0)
+    assert group_size(pgid) == 2
     launcher.close()
     assert group_size(pgid) == 0 and not group_alive(pgid)
     assert watchdog.poll() == 0  # it found nothing registered and exited
