@@ -8,7 +8,8 @@ Reads `<root>/<arm>/seed<k>/{metrics.jsonl,summary.json}` and prints markdown:
  3. Per-batch Cov_n(L, A), the loss-weighted centre trajectory whitening leaves
     (sum L A~ / sum L), length quantiles, and whether the centre's size predicts the
     token-measure gain (paired by tracker and seed).
- 4. The regime: policy-lag shares, results received out of event order, held-out success.
+ 4. The regime: policy-lag shares, results received out of event order, held-out success,
+    and each 2x2 score regressed on the run's out-of-event-order share (slope per tracker).
 A plotted step is `updates_per_step` consecutive updates (8 x 16 = 128 trajectories).
 """
 
@@ -425,6 +426,60 @@ def regime_section(runs) -> list[str]:
     return lines
 
 
+def share_slopes(rows) -> dict[str, tuple[float, float]] | None:
+    """OLS of a run's score on its out-of-event-order share, tracker and measure:
+    y = b0 + b1·[trajectory] + b2·[receipt] + b3·share + b4·share·[receipt]. Returns
+    (estimate, standard error) of the slope at event-time (b3), at receipt-order (b3 + b4)
+    and their difference (b4); None when the design cannot identify them.
+    ``rows``: (tracker, measure, share, y)."""
+    if len(rows) < 7:
+        return None
+    receipt = np.array([r[0] == "receipt-order" for r in rows], np.float64)
+    traj = np.array([r[1] == "trajectory" for r in rows], np.float64)
+    share = np.array([r[2] for r in rows], np.float64)
+    y = np.array([r[3] for r in rows], np.float64)
+    x = np.stack([np.ones_like(y), traj, receipt, share, share * receipt], axis=1)
+    if np.linalg.matrix_rank(x) < x.shape[1]:
+        return None
+    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ beta
+    cov = np.linalg.inv(x.T @ x) * (residual @ residual) / (len(y) - x.shape[1])
+    contrasts = {"event-time": [0, 0, 0, 1, 0], "receipt-order": [0, 0, 0, 1, 1], "receipt − event": [0, 0, 0, 0, 1]}
+    return {name: (float(np.dot(c, beta)), float(np.sqrt(np.dot(c, cov @ np.asarray(c, np.float64)))))
+            for name, c in contrasts.items()}
+
+
+def order_effect_lines(runs, ups: int) -> list[str]:
+    """Does a run's score fall with its share of results received out of event order, and
+    more so under the receipt-order tracker (whose estimates that order changes) than under
+    the event-time one (invariant to it)? The 2x2 cells only (same recipe otherwise)."""
+    arms = [a for a in CELLS.values() if a in runs]
+    scores = {"success after RL": {a: {s: r.summary.get("success_after_rl") for s, r in runs[a].items()} for a in arms}}
+    if arms:
+        auc, t = auc_by_arm(runs, ups, arms)
+        scores[f"AUC (T = {t})"] = auc
+    lines = ["Observational: the share is not set by the experiment (async timing decides it), so a "
+             "slope is an association. Per run, score = b0 + b1·[trajectory measure] + b2·[receipt-order] "
+             "+ slope·share (its own slope per tracker), OLS over the 2x2 runs; points of score per "
+             "10 points of share, ± standard error.", "",
+             "| score | runs | share range, event-time | share range, receipt-order | slope, event-time "
+             "| slope, receipt-order | receipt − event |", "|---|---|---|---|---|---|---|"]
+    for score, values in scores.items():
+        rows = [(tracker, measure, runs[arm][s].summary["event_order"]["fraction"], v)
+                for (tracker, measure), arm in CELLS.items() if arm in values
+                for s, v in values[arm].items()
+                if v is not None and "fraction" in runs[arm][s].summary.get("event_order", {})]
+        fit = share_slopes(rows)
+        if fit is None:
+            lines.append(f"| {score} | {len(rows)} | too few runs or shares to fit | | | | |")
+            continue
+        ranges = [[100 * r[2] for r in rows if r[0] == tracker] for tracker in ("event-time", "receipt-order")]
+        cells = [f"{10 * b:+.2f} ± {10 * se:.2f}" for b, se in fit.values()]
+        lines.append(f"| {score} | {len(rows)} | " + " | ".join(f"{min(r):.0f}-{max(r):.0f}%" for r in ranges)
+                     + " | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(args) -> str:
     import jax
     from _hardware import cpu_model
@@ -445,7 +500,8 @@ def report(args) -> str:
              "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups),
              "", "### Length-advantage covariance and the loss-weighted centre", "",
              *covariance_section(runs, ups, args.figures),
-             "", "### Policy lag, event order and held-out success", "", *regime_section(runs)]
+             "", "### Policy lag, event order and held-out success", "", *regime_section(runs),
+             "", "Score against the out-of-event-order share:", "", *order_effect_lines(runs, ups)]
     text = "\n".join(lines) + "\n"
     figures = args.figures.resolve()
     if args.out is not None:

@@ -96,6 +96,27 @@ def test_regime_table_means_over_seeds(tmp_path):
     assert "| SPO | 1 | 0.0 | 0.0 | n/a | n/a | n/a |" in text
 
 
+def test_score_against_the_out_of_order_share_hand_derived(tmp_path):
+    root = tmp_path / "runs"
+    # score = base + slope x share exactly: event-time slope +0.2, receipt-order slope -0.3,
+    # the trajectory measure 0.05 below the token measure under both trackers
+    base = {"spopp": (0.2, 0.2), "event_traj": (0.15, 0.2), "receipt_token": (0.3, -0.3), "receipt_traj": (0.25, -0.3)}
+    for arm, (b, slope) in base.items():
+        for seed, share in enumerate((0.1, 0.3)):
+            y = b + slope * share
+            write_run(root, arm, seed, [y] * 20, after=y, regime={"event_order": {"fraction": share}})
+    text = matched_report.report(args_for(root, tmp_path))
+    # points of score per 10 points of share: +2.00, -3.00, difference -5.00; an exact fit, SE 0
+    for score in ("success after RL", "AUC (T = 10)"):
+        assert f"| {score} | 8 | 10-30% | 10-30% | +2.00 ± 0.00 | -3.00 ± 0.00 | -5.00 ± 0.00 |" in text
+
+
+def test_share_slopes_need_both_trackers_to_vary():
+    rows = [(t, m, 0.1, 0.2) for t in ("event-time", "receipt-order") for m in ("token", "trajectory")] * 2
+    assert matched_report.share_slopes(rows) is None  # every share equal: no slope identified
+    assert matched_report.share_slopes(rows[:6]) is None  # fewer than 7 runs
+
+
 def test_shared_warm_start_must_be_a_model_folder_and_stay_the_same(tmp_path):
     import pytest
 
