@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import sys
 import time
 from pathlib import Path
@@ -293,4 +294,5 @@ def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # a native crash (XLA, a C extension) prints every thread's Python stack
     raise SystemExit(run_cleanly(main))

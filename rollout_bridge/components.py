@@ -42,7 +42,7 @@ LEARNER_DERIVED: dict[str, str] = {}
 ORCHESTRATOR_KNOBS = {
     "method": "method", "measure": "advantage.measure", "whiten_eps": "advantage.eps",
     "batch_size": "rollout.batch_size", "publish_every": "rollout.publish_every", "drain": "rollout.drain",
-    "max_policy_lag": "rollout.max_policy_lag",
+    "max_policy_lag": "rollout.max_policy_lag", "result_delay_s": "rollout.result_delay_s",
     "max_in_flight": "rollout.max_inflight", "max_in_flight_per_task": "rollout.max_in_flight_per_task",
     "sibling_rule": "rollout.sibling_rule", "max_buffered_batches": "rollout.max_buffered_batches",
     "group_size": "rollout.group_size", "train_on_failed": "rollout.train_on_failed",

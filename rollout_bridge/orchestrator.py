@@ -29,6 +29,14 @@ Single stream (SPO++ "spopp", and the original SPO "spo"):
     dropped for lag: a trajectory finished in time but waiting in the ready buffer may be
     trained at a larger lag (bounded by ``max_buffered_batches``); the per-update
     histogram ``policy_lag_count_<k>`` (last bucket: lag >= ``max_policy_lag``) shows it.
+  * result delay (an experiment knob, off by default): ``result_delay_s = d > 0`` holds each
+    finished episode for a seeded draw U(0, d) seconds (``result_delay``: a function of
+    the seed and the request id only) before the orchestrator receives it, as a fleet's
+    uneven network and environment latency would. Results then come back out of event
+    order (counted as ``out_of_event_order_total``) even on one machine, which is the
+    regime where the receipt-order tracker and the event-time one differ (SPEC 2). A
+    held result is still in flight: it occupies its slot and task, and ``max_policy_lag``
+    or a drain "abort" drops it like any other.
 GRPO ("grpo"): G rollouts of one task per group, a group barrier (a group joins the ready
 buffer only when all its members finished), A_i = R_i − mean(group), same whitening.
 Group integrity: a batch is whole groups only (``batch_size`` a multiple of ``group_size``;
@@ -164,6 +172,7 @@ class OrchestratorConfig:
     pad_to_multiple: int = 64
     keep_history: bool = True  # keep every event / record in memory (tests, analysis); False for long runs
     tune_gc: bool = True  # process-wide gc.freeze + young threshold at the first run (docstring, "Host cost")
+    result_delay_s: float = 0.0  # hold each finished result U(0, this) seconds before receipt (docstring); 0: off
     seed: int = 0
 
     def __post_init__(self):
@@ -181,6 +190,8 @@ class OrchestratorConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
+        if not (self.result_delay_s >= 0.0 and np.isfinite(self.result_delay_s)):
+            raise ValueError(f"result_delay_s must be finite and >= 0, got {self.result_delay_s}")
         methods.method_class(self.method).check_config(self)
 
 
@@ -421,6 +432,9 @@ class Orchestrator:
         self.dispatched += 1
         self._busy[task_id] += 1
         episode = run_episode(self.engine, self.env_factory(), self.chat, stamp, self.agent_config)
+        if self.config.result_delay_s > 0.0:
+            delay = result_delay(self.config.seed, stamp.request_id, self.config.result_delay_s)
+            episode = _delayed(episode, delay)
         future = asyncio.ensure_future(episode)
         future.add_done_callback(self._completions.put_nowait)
         self._in_flight[future] = stamp
@@ -612,6 +626,21 @@ class Orchestrator:
 
 GC_GEN0_THRESHOLD = 7000  # young-generation collection threshold, 10x CPython's default
 _garbage_collector_tuned = False
+
+
+def result_delay(seed: int, request_id: int, max_delay_s: float) -> float:
+    """Seconds request ``request_id`` is held after it finished: U(0, max_delay_s), a
+    function of (seed, request_id) only, so a rerun draws the same delays."""
+    return float(np.random.default_rng((seed, 0x0DE1A7, request_id)).uniform(0.0, max_delay_s))
+
+
+async def _delayed(episode: Awaitable[Trajectory], delay_s: float) -> Trajectory:
+    """The episode's trajectory, delivered ``delay_s`` seconds after it finished; its
+    ``finish_time`` becomes the delivery time (the orchestrator orders simultaneous
+    receipts by it)."""
+    trajectory = await episode
+    await asyncio.sleep(delay_s)
+    return dataclasses.replace(trajectory, finish_time=asyncio.get_running_loop().time())
 
 
 def _tune_garbage_collector() -> None:

@@ -386,6 +386,10 @@ class RolloutSection:
     [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len
     always, one compile; a smaller multiple trains short batches faster at the cost of one
     compile per width).
+    `result_delay_s` (an experiment knob; 0 = off): each finished episode is held a seeded
+    U(0, result_delay_s) seconds before the orchestrator receives it, as a fleet's uneven
+    latency would, so results come back out of event order on one machine (the regime
+    where the receipt-order and event-time trackers differ; rollout_bridge/orchestrator.py).
     `server_urls`: comma-separated vLLM server URLs (engine=vllm_server only; or
     `servers.launch.count` local ones, never both)."""
 
@@ -409,6 +413,7 @@ class RolloutSection:
     max_seq_len: int = 320
     engine_steps_per_call: int = 8
     pad_to_multiple: Optional[int] = None
+    result_delay_s: float = 0.0
     server_urls: Optional[str] = None
     servers: ServersSection = field(default_factory=ServersSection)
 
@@ -424,6 +429,8 @@ class RolloutSection:
                    "rollout.pad_to_multiple", f"null or a divisor of rollout.max_seq_len={self.max_seq_len}",
                    self.pad_to_multiple)
         _check(self.max_policy_lag >= 0, "rollout.max_policy_lag", ">= 0", self.max_policy_lag)
+        _check(math.isfinite(self.result_delay_s) and self.result_delay_s >= 0, "rollout.result_delay_s",
+               "finite and >= 0", self.result_delay_s)
         _check(self.server_urls is None or self.engine == "vllm_server", "rollout.server_urls",
                "null unless rollout.engine=vllm_server", self.server_urls)
         launching = self.servers.launch.count > 0

@@ -10,7 +10,8 @@ import pytest
 
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.engine.fake import FakeEngine, ScriptedReply, run_virtual
-from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig, learner_wait_diagnostics, policy_lag_histogram
+from rollout_bridge.orchestrator import (Orchestrator, OrchestratorConfig, learner_wait_diagnostics, policy_lag_histogram,
+                                        result_delay)
 from spopp_jax.config import RolloutSection
 from test_orchestrator import (  # noqa: F401  (chat is a fixture)
     FakeLearner, World, chat, replay_check_event_time, replay_check_whole_groups, reward_table,
@@ -224,3 +225,41 @@ def test_a_cancelled_episode_closes_its_environment(chat):
         return world.engine.num_in_flight
 
     assert run_virtual(main()) == 0 and closed == [1]
+
+
+def test_result_delay_holds_each_result_its_seeded_draw_and_reorders_receipts(chat):
+    """``result_delay_s``: every result reaches the orchestrator U(0, d) seconds after its
+    episode finished (the draw a function of seed and request id only), so with equal
+    latencies, where receipts otherwise follow event order, some come back out of event
+    order; the event-time baselines frozen at dispatch still follow SPEC 2."""
+    def run(delay, seed=0):
+        world = World(chat, 6, reward_table(5), lambda task, visit: 1.0)
+        config = OrchestratorConfig(batch_size=3, max_in_flight=6, drain="none", max_policy_lag=100,
+                                    pad_to_multiple=8, result_delay_s=delay, seed=seed)
+        orch, events = run_without_close(world, config, 8)
+        return orch, [t for kind, t in events if kind == "receive"]
+
+    plain, plain_receipts = run(0.0)
+    assert plain.out_of_event_order == 0 and plain.received == len(plain_receipts) > 10
+    held, receipts = run(6.0)
+    received, late = replayed_event_order([("receive", t) for t in receipts])
+    assert (held.received, held.out_of_event_order) == (received, late) and late >= 1
+    for t in receipts:  # one 1-second turn, then the held time
+        expected = t.stamp.dispatch_time + 1.0 + result_delay(0, t.stamp.request_id, 6.0)
+        assert t.finish_time == pytest.approx(expected, abs=1e-9)
+    replay_check_event_time(held, np.full(6, 0.5), np.full(6, 0.5))
+    again = [t.stamp.request_id for t in run(6.0)[1]]
+    assert again == [t.stamp.request_id for t in receipts]  # seeded: a rerun draws the same delays
+    assert [t.stamp.request_id for t in run(6.0, seed=1)[1]] != again
+
+
+def test_result_delay_draws_are_uniform_and_checked():
+    draws = np.array([result_delay(3, request, 2.0) for request in range(4000)])
+    assert draws.min() >= 0.0 and draws.max() <= 2.0
+    assert abs(draws.mean() - 1.0) < 0.05 and abs(draws.var() - 4.0 / 12) < 0.03  # U(0, 2)
+    assert result_delay(3, 7, 2.0) == result_delay(3, 7, 2.0) != result_delay(4, 7, 2.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="result_delay_s"):
+            OrchestratorConfig(result_delay_s=bad)
+        with pytest.raises(ValueError, match="rollout.result_delay_s"):
+            RolloutSection(result_delay_s=bad)

@@ -123,3 +123,23 @@ def test_compilation_cache_dir_keeps_executables_and_the_environment_wins(tmp_pa
     assert any((tmp_path / "config").iterdir())
     assert run(tmp_path / "unused", {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env")}) == str(tmp_path / "env")
     assert any((tmp_path / "env").iterdir()) and not (tmp_path / "unused").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_native_crash_prints_every_threads_python_stack(tmp_path):
+    """train.py enables faulthandler: a segmentation fault (XLA, a C extension) leaves the
+    Python stack of every thread on stderr instead of only the shell's one-line notice."""
+    import signal
+
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *tiny_train_args(tmp_path)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first_line = process.stdout.readline()  # the job has started (imports done, logging)
+        assert first_line, process.stderr.read()[-2000:]
+        process.send_signal(signal.SIGSEGV)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in stderr, stderr[-2000:]
+    assert "most recent call first" in stderr and "train.py" in stderr, stderr[-2000:]
