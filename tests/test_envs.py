@@ -2,12 +2,16 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_bridge.engine.fake import run_virtual
+from rollout_bridge.agent import run_episode
+from rollout_bridge.engine.fake import FakeEngine, ScriptedReply, run_virtual
+from rollout_bridge.trajectory import DispatchStamp
+from test_orchestrator import chat  # noqa: F401  (a fixture)
 from rollout_bridge.envs import Environment, StepResult, ThreadedEnvironment, as_async, check_task_id
 from rollout_bridge.envs.synthetic import (
     AsyncSyntheticEnv,
@@ -131,3 +135,63 @@ def test_sync_env_runs_off_the_event_loop_thread():
     assert as_async(async_env) is async_env
     with pytest.raises(TypeError):
         as_async(object())
+
+
+class _SlowStepEnv(Environment):
+    """Records whether ``close`` ever ran while a ``step`` was still inside the env (what
+    crashed TextWorld: its interpreter unloaded under a running step)."""
+
+    num_tasks = 1
+
+    def __init__(self):
+        self.stepping = threading.Event()
+        self.inside_step = False
+        self.events: list[str] = []
+
+    def reset(self, task_id):
+        return "obs"
+
+    def step(self, action_text):
+        self.inside_step = True
+        self.stepping.set()
+        time.sleep(0.3)
+        self.events.append("step done")
+        self.inside_step = False
+        return StepResult("next", 0.0, False)
+
+    def close(self):
+        self.events.append("close during step" if self.inside_step else "close")
+
+
+def test_a_cancelled_step_finishes_before_the_close_its_cancellation_asks_for():
+    raw = _SlowStepEnv()
+    env = as_async(raw)
+
+    async def main():
+        step = asyncio.ensure_future(env.step("x"))
+        await asyncio.to_thread(raw.stepping.wait)  # the step is running in its thread
+        step.cancel()  # the orchestrator aborts the episode; the thread goes on
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        await env.close()  # what run_episode's cancellation handler does
+
+    asyncio.run(main())
+    assert raw.events == ["step done", "close"]
+
+
+def test_a_cancelled_episode_closes_its_env_only_after_the_running_step(chat):
+    """The same through ``run_episode``: the engine replies at once, the env's step is
+    slow, the episode is cancelled during it."""
+    raw = _SlowStepEnv()
+    ok = chat.tokenizer.convert_tokens_to_ids("o")
+    engine = FakeEngine(lambda request: ScriptedReply((ok, chat.stop_token_ids[0]), latency=0.0))
+
+    async def main():
+        episode = asyncio.ensure_future(run_episode(engine, raw, chat, DispatchStamp(0, 0, 0, 0.0, 0.5, 0.0)))
+        await asyncio.to_thread(raw.stepping.wait)
+        episode.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+
+    asyncio.run(main())
+    assert raw.events == ["step done", "close"]

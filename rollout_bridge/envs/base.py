@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import threading
 from typing import Callable, NamedTuple, Union
 
 
@@ -69,23 +70,38 @@ class AsyncEnvironment(abc.ABC):
 
 
 class ThreadedEnvironment(AsyncEnvironment):
-    """Runs a synchronous :class:`Environment` in worker threads (``asyncio.to_thread``)."""
+    """Runs a synchronous :class:`Environment` in worker threads (``asyncio.to_thread``),
+    one call at a time.
+
+    Cancelling a coroutine that awaits a call does not stop the call's thread (asyncio
+    cannot), so when the orchestrator aborts an episode during ``step`` the step goes on
+    while the episode's cancellation handler asks for ``close``. Calls are therefore
+    serialized by a per-environment lock taken in the worker thread: that ``close`` runs
+    after the step returns. Unserialized, closing a TextWorld game unloads its Z-machine
+    interpreter (jericho: ``shutdown`` + ``dlclose``) under the running step, which
+    crashed the process with a segmentation fault at the end of RL (observed 2026-12-02).
+    """
 
     def __init__(self, env: Environment):
         self.env = env
         self.num_tasks = env.num_tasks
+        self._one_call_at_a_time = threading.Lock()
 
     def set_episode_seed(self, seed: int | None) -> None:
         self.env.set_episode_seed(seed)
 
+    def _serialized(self, method: Callable, *args):
+        with self._one_call_at_a_time:
+            return method(*args)
+
     async def reset(self, task_id: int) -> str:
-        return await asyncio.to_thread(self.env.reset, task_id)
+        return await asyncio.to_thread(self._serialized, self.env.reset, task_id)
 
     async def step(self, action_text: str) -> StepResult:
-        return await asyncio.to_thread(self.env.step, action_text)
+        return await asyncio.to_thread(self._serialized, self.env.step, action_text)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.env.close)
+        await asyncio.to_thread(self._serialized, self.env.close)
 
 
 AnyEnvironment = Union[Environment, AsyncEnvironment]
