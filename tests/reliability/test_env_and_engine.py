@@ -26,6 +26,7 @@ from rollout_bridge.tokenizer import build_tiny_tokenizer
 from rollout_bridge.trajectory import DispatchStamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_envs import SlowStepEnv  # noqa: E402  (a step that takes real time)
 from test_vllm_bridge import FakeFleet, FakeServer, _choice  # noqa: E402  (shared fake fleet)
 
 CORPUS = ["the room has a door and a key, open the door, take the key"] * 20
@@ -165,6 +166,25 @@ def test_env_close_error_keeps_the_trajectory(chat):
     env = ScriptedEnv("a room", StepResult("won", 1.0, True), close_error=OSError("socket gone"))
     traj = play(chat, env)
     assert traj.usable and traj.reward == 1.0
+
+
+@covers(Row("environment output", "an episode aborted (lag bound, drain abort, end of RL) while its env.step runs in a worker thread",
+            "the close its cancellation asks for waits until the step returns (calls to one env are serialized)",
+            "the env is never closed under a running step: a TextWorld game's interpreter unloaded under it crashed the process (segfault, 2026-12-02)"))
+def test_an_aborted_episode_closes_its_env_only_after_the_running_step(chat):
+    raw = SlowStepEnv()  # its step takes 0.3 s of real time in its thread
+
+    async def main():
+        engine = one_word_engine(chat)
+        stamp = DispatchStamp(request_id=0, task_id=0, policy_event=0, z=0.0, frozen_baseline=0.5, dispatch_time=0.0)
+        episode = asyncio.ensure_future(run_episode(engine, raw, chat, stamp, AgentConfig(max_total_tokens=MAX_TOKENS)))
+        await asyncio.to_thread(raw.stepping.wait)
+        episode.cancel()  # the orchestrator aborts it; asyncio cannot stop the step's thread
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+
+    asyncio.run(main())
+    assert raw.events == ["step done", "close"]
 
 
 # ------------------------------------------------------------------ engine responses
