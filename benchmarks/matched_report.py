@@ -72,6 +72,32 @@ def load_runs(root: Path) -> dict[str, dict[int, Run]]:
     return runs
 
 
+def run_records(root: Path, name: str) -> list:
+    """Each finished run's ``name`` JSON file (command.json, host.json), where present."""
+    return [json.loads(path.read_text()) for path in sorted(root.glob(f"*/seed*/{name}"))
+            if (path.parent / "summary.json").is_file()]
+
+
+def recipes(root: Path) -> list[str]:
+    """The recipe files the runs started from (each command.json's --config_path)."""
+    names = {Path(c[c.index("--config_path") + 1]).name for c in run_records(root, "command.json")
+             if "--config_path" in c[:-1]}
+    return sorted(names)
+
+
+def hardware_text(root: Path, num_runs: int) -> str:
+    """The machines the runs ran on (their host.json), with counts; runs without one are
+    counted as not recorded (runs made before host.json existed)."""
+    from collections import Counter
+
+    cpus = Counter(record.get("cpu", "?") for record in run_records(root, "host.json"))
+    parts = [f"{cpu} ({count} run{'s' if count > 1 else ''})" for cpu, count in sorted(cpus.items())]
+    missing = num_runs - sum(cpus.values())
+    if missing:
+        parts.append(f"not recorded ({missing} run{'s' if missing > 1 else ''})")
+    return ", ".join(parts)
+
+
 def pm(values, scale: float = 1.0, digits: int = 3) -> str:
     values = np.asarray(values, np.float64) * scale
     if values.size == 1:
@@ -101,7 +127,7 @@ PAIRED_HEADER = ["| comparison (points = 100 x reward) | mean ± std | signs per
 # ----------------------------------------------------------------------------- 1. main runs
 
 
-def main_section(runs, ups: int, figures: Path) -> list[str]:
+def main_section(runs, ups: int, figures: Path, title: str = "matched runs") -> list[str]:
     arms = [a for a in MAIN_ARMS if a in runs]
     if not arms:
         return ["(no main runs found)"]
@@ -125,12 +151,12 @@ def main_section(runs, ups: int, figures: Path) -> list[str]:
         for name, score in (("AUC", auc), (f"last-{k}", last5), ("after RL", after)):
             lines.append(paired_line(f"SPO++ − {LABELS[other]}, {name}", score["spopp"], score[other]))
     path = figures / "matched_runs.png"
-    figure_one(runs, arms, ups, t_common, path)
+    figure_one(runs, arms, ups, t_common, path, title)
     lines += ["", f"![matched runs]({FIG}/{path.name})"]
     return lines
 
 
-def figure_one(runs, arms, ups: int, t_common: int, path: Path) -> None:
+def figure_one(runs, arms, ups: int, t_common: int, path: Path, title: str) -> None:
     """Thin per-seed lines, the mean, and a standard-error band per arm."""
     import matplotlib
 
@@ -149,7 +175,7 @@ def figure_one(runs, arms, ups: int, t_common: int, path: Path) -> None:
         ax.fill_between(steps, mean - se, mean + se, color=color, alpha=0.18)
     ax.set_xlabel(f"plotted step ({ups * 16} trajectories)")
     ax.set_ylabel("training success rate")
-    ax.set_title("TextWorld, tiny Qwen3-shaped model: matched runs")
+    ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -492,10 +518,14 @@ def report(args) -> str:
     repo = Path(__file__).resolve().parent.parent
     root = args.root.resolve()
     shown = root.relative_to(repo) if root.is_relative_to(repo) else root
+    recipe = ", ".join(recipes(args.root)) or "recipe not recorded"
+    num_runs = sum(len(by_seed) for by_seed in runs.values())
     lines = [f"Runs under `{shown}`: " + ", ".join(f"{a} {sorted(s)}" for a, s in sorted(runs.items()))
-             + f". Hardware: {cpu_model()}; python {platform.python_version()}, jax {jax.__version__}. "
+             + f"; recipe {recipe}. Hardware of the runs: {hardware_text(args.root, num_runs)}. "
+             f"Report made on {cpu_model()}; python {platform.python_version()}, jax {jax.__version__}. "
              f"RL wall time per run {min(walls):.0f} to {max(walls):.0f} s, {sum(walls) / 60:.0f} min in all.",
-             "", "### SPO++ vs SPO vs GRPO", "", *main_section(runs, ups, args.figures),
+             "", "### SPO++ vs SPO vs GRPO", "",
+             *main_section(runs, ups, args.figures, f"{recipe}: matched runs (training success)"),
              "", "### Collapsed runs", "", *collapse_section(runs, ups),
              "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups),
              "", "### Length-advantage covariance and the loss-weighted centre", "",

@@ -142,7 +142,7 @@ def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -
     return model, prior
 
 
-RUN_FILES = ("summary.json", "metrics.jsonl", "command.json")
+RUN_FILES = ("summary.json", "metrics.jsonl", "command.json", "host.json")
 
 
 def finished(folder: Path) -> bool:
@@ -200,6 +200,14 @@ def check_archived_warm_start(archive_root: Path, model: Path) -> None:
                          f"(sha256 {archived[:12]}...): rebuild it with the same recipe or use another archive")
 
 
+def host_record() -> dict:
+    """Where a run ran: the report states each run's machine, not the report's."""
+    from _hardware import cpu_model
+
+    return {"cpu": cpu_model(), "python": platform.python_version(),
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Path,
             extra: list[str], drain: list[str] = MEASURED_DRAIN, archived: Path | None = None,
             eval_rollouts: int | None = None) -> float | None:
@@ -218,6 +226,7 @@ def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Pat
     if eval_rollouts is not None:
         command += ["--prior.rollouts_per_task", str(eval_rollouts)]
     (out / "command.json").write_text(json.dumps(command, indent=1))
+    (out / "host.json").write_text(json.dumps(host_record(), indent=1))  # a campaign can span machines
     start = time.time()
     with open(out / "train.log", "w") as log:
         result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)

@@ -4,6 +4,7 @@ curves are chosen so every score can be derived by hand."""
 import argparse
 import json
 import os
+import platform
 import sys
 
 import numpy as np
@@ -181,6 +182,22 @@ def test_eval_rollouts_set_each_runs_evaluations_only(tmp_path, monkeypatch):
     assert command[command.index("--prior.path") + 1] == str(tmp_path / "p.json")   # the shared prior stays
     matched_runs.run_one("spo", 3, 5, tmp_path, tmp_path / "m", tmp_path / "p.json", [])
     assert "--prior.rollouts_per_task" not in calls[-1]
+    host = json.loads((tmp_path / "spo" / "seed3" / "host.json").read_text())  # where it ran
+    assert host["cpu"] and host["python"] == platform.python_version()
+
+
+def test_the_header_names_the_recipe_and_each_runs_machine(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "spopp", 0, [0.2] * 4)
+    write_run(root, "spo", 0, [0.1] * 4)
+    write_run(root, "spo", 1, [0.1] * 4)
+    for arm, seed in (("spopp", 0), ("spo", 0), ("spo", 1)):
+        (root / arm / f"seed{seed}" / "command.json").write_text(
+            json.dumps(["python", "train.py", "--config_path", "/x/configs/alfworld_tiny.yaml", "--seed", str(seed)]))
+    for arm in ("spopp", "spo"):
+        (root / arm / "seed0" / "host.json").write_text(json.dumps({"cpu": "AMD EPYC", "python": "3.11.7"}))
+    text = matched_report.report(args_for(root, tmp_path))
+    assert "; recipe alfworld_tiny.yaml. Hardware of the runs: AMD EPYC (2 runs), not recorded (1 run)." in text
 
 
 def test_the_evaluation_size_and_the_start_level_come_from_the_runs(tmp_path):
