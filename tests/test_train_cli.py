@@ -125,7 +125,6 @@ def test_compilation_cache_dir_keeps_executables_and_the_environment_wins(tmp_pa
     assert any((tmp_path / "env").iterdir()) and not (tmp_path / "unused").exists()
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_a_native_crash_prints_every_threads_python_stack(tmp_path):
     """train.py enables faulthandler: a segmentation fault (XLA, a C extension) leaves the
     Python stack of every thread on stderr instead of only the shell's one-line notice."""
