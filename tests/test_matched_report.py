@@ -49,6 +49,7 @@ def test_main_table_and_paired_differences_hand_derived(tmp_path):
     assert "| SPO++ − SPO, AUC | +5.00 ± 21.21 | +- (1+/1-) | +20.0, -10.0 |" in text
     assert (tmp_path / "figures" / "matched_runs.png").is_file()
     assert "2x2 incomplete" in text
+    assert "(AUC: needs all four tracker x measure arms)" in text and "T = 0" not in text
 
 
 def test_ablation_and_centre_prediction(tmp_path):
