@@ -116,8 +116,11 @@ def state_digest(tree: Any) -> str:
 
 class UpdateLogger:
     """The metrics sink of ``train.py``: one row per update to ``metrics.jsonl`` /
-    TensorBoard (``MetricsWriter``) and the progress bar. ``extra()`` (optional): more
-    counters for each row, as ``rollout/<name>`` (e.g. the vLLM servers' restarts)."""
+    TensorBoard (``MetricsWriter``) and the progress bar; in any case one log line per
+    tenth of the updates (success since the last line, trailing mean, policy lag, s/update),
+    so that a run's log shows how RL goes when no terminal shows the bar. ``extra()``
+    (optional): more counters for each row, as ``rollout/<name>`` (e.g. the vLLM servers'
+    restarts)."""
 
     def __init__(self, writer: MetricsWriter, steps: int, start_step: int, progress: bool,
                  extra: Callable[[], dict] | None = None):
@@ -125,8 +128,11 @@ class UpdateLogger:
 
         self.writer = writer
         self.extra = extra
+        self.steps, self.every = steps, max(1, steps // 10)
         self.rewards: list[float] = []
-        self.last_time = self.start = time.time()
+        self.window: list[tuple[float, float]] = []  # (success, mean policy lag) since the last line
+        self.window_start_update = start_step
+        self.last_time = self.start = self.window_start = time.time()
         self.bar = tqdm(total=steps, initial=start_step, desc="RL", disable=not progress, dynamic_ncols=True)
 
     def __call__(self, record) -> None:
@@ -162,6 +168,19 @@ class UpdateLogger:
         self.bar.set_postfix(reward=f"{success:.2f}", trail=f"{trailing:.2f}",
                              tok_s=f"{row['generated_tokens_per_s']:.0f}", lag=f"{row['policy_lag_mean']:.2f}")
         self.bar.update(1)
+        self.window.append((success, row["policy_lag_mean"]))
+        if record.update % self.every == 0 or record.update == self.steps:
+            self._log_window(record.update, trailing, now)
+
+    def _log_window(self, update: int, trailing: float, now: float) -> None:
+        success, lag = np.mean(self.window, axis=0)
+        per_update = (now - self.window_start) / max(update - self.window_start_update, 1)
+        first = update - len(self.window) + 1
+        span = f"update {update}" if first == update else f"updates {first}-{update}"
+        log(f"RL: update {update}/{self.steps}, success {success:.3f} over {span} "
+            f"(trailing {TRAILING_WINDOW}: {trailing:.3f}), policy lag {lag:.2f}, "
+            f"{per_update:.1f} s/update, {now - self.start:.0f}s")
+        self.window, self.window_start, self.window_start_update = [], now, update
 
     def close(self) -> None:
         self.bar.close()

@@ -95,3 +95,56 @@ def test_sft_progress_logs_each_tenth_with_the_window_mean(capsys):
     assert "step 2/20 (epoch 1/2), loss 0.500," in lines[0]   # mean of steps 0 and 1
     assert "step 12/20 (epoch 2/2), loss 10.500," in lines[5]
     assert "step 20/20 (epoch 2/2), loss 18.500," in lines[-1]
+
+
+def test_rl_progress_logs_each_tenth_with_the_window_mean(capsys):
+    """The RL log line (issue: a run's log showed nothing for the 36 minutes of RL when no
+    terminal showed the bar): one per tenth of the updates, success and lag averaged over
+    the updates since the previous line."""
+    from types import SimpleNamespace
+
+    from rollout_bridge.job import UpdateLogger
+
+    class Writer:
+        rows = []
+
+        def write(self, step, row):
+            self.rows.append((step, row))
+
+        def close(self):
+            pass
+
+    def record(update, successes, lag):
+        trajectories = tuple(SimpleNamespace(num_action_tokens=3, token_ids=np.zeros(5), reward=r, truncated=False,
+                                             num_turns=2) for r in successes)
+        return SimpleNamespace(update=update, policy_event=update, trajectories=trajectories,
+                               policy_lag=np.full(len(successes), lag), diagnostics={}, learner_metrics={},
+                               start_time=0.0, end_time=1.0)
+
+    writer = Writer()
+    logger = UpdateLogger(writer, steps=20, start_step=0, progress=False)
+    for update in range(1, 21):  # success 0, 1/2 alternating by update; lag = update % 3
+        logger(record(update, [0.0, 1.0] if update % 2 else [0.0, 0.0], update % 3))
+    logger.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "RL: update" in line]
+    assert len(lines) == 10 and len(writer.rows) == 20
+    # updates 1 and 2: success 0.5 and 0 -> 0.25; lags 1 and 2 -> 1.5
+    assert "RL: update 2/20, success 0.250 over updates 1-2 (trailing 5: 0.250), policy lag 1.50," in lines[0]
+    # updates 19, 20: lags 1, 2; trailing = updates 16..20 = (0 + .5 + 0 + .5 + 0) / 5
+    assert "RL: update 20/20, success 0.250 over updates 19-20 (trailing 5: 0.200), policy lag 1.50," in lines[-1]
+
+
+def test_rl_progress_counts_from_a_resumed_update(capsys):
+    from types import SimpleNamespace
+
+    from rollout_bridge.job import UpdateLogger
+
+    writer = SimpleNamespace(write=lambda step, row: None, close=lambda: None)
+    logger = UpdateLogger(writer, steps=10, start_step=6, progress=False)
+    trajectory = SimpleNamespace(num_action_tokens=1, token_ids=np.zeros(2), reward=1.0, truncated=False, num_turns=1)
+    for update in (7, 8, 9, 10):
+        logger(SimpleNamespace(update=update, policy_event=update, trajectories=(trajectory,),
+                               policy_lag=np.zeros(1), diagnostics={}, learner_metrics={}, start_time=0.0, end_time=0.0))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "RL: update" in line]
+    assert [line.split("RL: update ")[1].split(",")[0] for line in lines] == ["7/10", "8/10", "9/10", "10/10"]
+    assert "success 1.000 over update 7 " in lines[0]
