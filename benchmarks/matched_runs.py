@@ -228,6 +228,7 @@ def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Pat
     (out / "command.json").write_text(json.dumps(command, indent=1))
     (out / "host.json").write_text(json.dumps(host_record(), indent=1))  # a campaign can span machines
     start = time.time()
+    print(f"{arm} seed {seed}: started {time.strftime('%H:%M:%S')}; its progress: {out / 'train.log'}", flush=True)
     with open(out / "train.log", "w") as log:
         result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
     wall = time.time() - start

@@ -168,7 +168,7 @@ def test_archive_keeps_report_inputs_and_pins_the_warm_start_weights(tmp_path):
         matched_runs.check_archived_warm_start(kept, model)
 
 
-def test_eval_rollouts_set_each_runs_evaluations_only(tmp_path, monkeypatch):
+def test_eval_rollouts_set_each_runs_evaluations_only(tmp_path, monkeypatch, capsys):
     import subprocess
 
     import matched_runs
@@ -185,6 +185,8 @@ def test_eval_rollouts_set_each_runs_evaluations_only(tmp_path, monkeypatch):
     assert "--prior.rollouts_per_task" not in calls[-1]
     host = json.loads((tmp_path / "spo" / "seed3" / "host.json").read_text())  # where it ran
     assert host["cpu"] and host["python"] == platform.python_version()
+    started = [line for line in capsys.readouterr().out.splitlines() if "started" in line]  # where to watch it
+    assert len(started) == 2 and started[1].endswith(str(tmp_path / "spo" / "seed3" / "train.log"))
 
 
 def test_the_header_names_the_recipe_and_each_runs_machine(tmp_path):
