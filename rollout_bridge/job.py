@@ -174,8 +174,8 @@ class UpdateLogger:
 
     def _log_window(self, update: int, trailing: float, now: float) -> None:
         success, lag = np.mean(self.window, axis=0)
-        per_update = (now - self.window_start) / max(update - self.window_start_update, 1)
-        first = update - len(self.window) + 1
+        first = self.window_start_update + 1  # the window holds updates first..update
+        per_update = (now - self.window_start) / (update - first + 1)
         span = f"update {update}" if first == update else f"updates {first}-{update}"
         log(f"RL: update {update}/{self.steps}, success {success:.3f} over {span} "
             f"(trailing {TRAILING_WINDOW}: {trailing:.3f}), policy lag {lag:.2f}, "

@@ -106,7 +106,8 @@ def test_rl_progress_logs_each_tenth_with_the_window_mean(capsys):
     from rollout_bridge.job import UpdateLogger
 
     class Writer:
-        rows = []
+        def __init__(self):
+            self.rows = []
 
         def write(self, step, row):
             self.rows.append((step, row))
