@@ -477,6 +477,19 @@ def share_slopes(rows) -> dict[str, tuple[float, float]] | None:
             for name, c in contrasts.items()}
 
 
+def no_fit_reason(rows) -> str:
+    """Why ``share_slopes`` identifies no slope for these (tracker, measure, share, y) rows."""
+    trackers = {r[0] for r in rows}
+    if len(trackers) < 2:
+        return "only " + (" and ".join(sorted(trackers)) or "no") + " runs (the 2x2 arms were not run)"
+    shares = {round(100 * r[2], 6) for r in rows}
+    if len(shares) == 1:
+        return f"every run has the same share ({shares.pop():.0f}%), so no slope"
+    if len(rows) < 7:
+        return f"{len(rows)} runs, fewer than the 7 the fit needs"
+    return "the share does not vary within each tracker"
+
+
 def order_effect_lines(runs, ups: int) -> list[str]:
     """Does a run's score fall with its share of results received out of event order, and
     more so under the receipt-order tracker (whose estimates that order changes) than under
@@ -499,7 +512,7 @@ def order_effect_lines(runs, ups: int) -> list[str]:
                 if v is not None and "fraction" in runs[arm][s].summary.get("event_order", {})]
         fit = share_slopes(rows)
         if fit is None:
-            lines.append(f"| {score} | {len(rows)} | too few runs or shares to fit | | | | |")
+            lines.append(f"| {score} | {len(rows)} | no fit: {no_fit_reason(rows)} | | | | |")
             continue
         ranges = [[100 * r[2] for r in rows if r[0] == tracker] for tracker in ("event-time", "receipt-order")]
         cells = [f"{10 * b:+.2f} ± {10 * se:.2f}" for b, se in fit.values()]
