@@ -454,13 +454,16 @@ def regime_section(runs) -> list[str]:
     return lines
 
 
+MIN_RUNS_FOR_SLOPE = 7  # five coefficients and two residual degrees of freedom
+
+
 def share_slopes(rows) -> dict[str, tuple[float, float]] | None:
     """OLS of a run's score on its out-of-event-order share, tracker and measure:
     y = b0 + b1·[trajectory] + b2·[receipt] + b3·share + b4·share·[receipt]. Returns
     (estimate, standard error) of the slope at event-time (b3), at receipt-order (b3 + b4)
     and their difference (b4); None when the design cannot identify them.
     ``rows``: (tracker, measure, share, y)."""
-    if len(rows) < 7:
+    if len(rows) < MIN_RUNS_FOR_SLOPE:
         return None
     receipt = np.array([r[0] == "receipt-order" for r in rows], np.float64)
     traj = np.array([r[1] == "trajectory" for r in rows], np.float64)
@@ -479,15 +482,16 @@ def share_slopes(rows) -> dict[str, tuple[float, float]] | None:
 
 def no_fit_reason(rows) -> str:
     """Why ``share_slopes`` identifies no slope for these (tracker, measure, share, y) rows."""
-    trackers = {r[0] for r in rows}
-    if len(trackers) < 2:
-        return "only " + (" and ".join(sorted(trackers)) or "no") + " runs (the 2x2 arms were not run)"
+    for position, kind in ((0, "tracker"), (1, "measure")):
+        seen = sorted({r[position] for r in rows})
+        if len(seen) < 2:
+            return f"runs of one {kind} only ({', '.join(seen) or 'none'}): the 2x2 arms were not run"
     shares = {round(100 * r[2], 6) for r in rows}
     if len(shares) == 1:
         return f"every run has the same share ({shares.pop():.0f}%), so no slope"
-    if len(rows) < 7:
-        return f"{len(rows)} runs, fewer than the 7 the fit needs"
-    return "the share does not vary within each tracker"
+    if len(rows) < MIN_RUNS_FOR_SLOPE:
+        return f"{len(rows)} runs, fewer than the {MIN_RUNS_FOR_SLOPE} the fit needs"
+    return "the share does not vary within one of the trackers"
 
 
 def order_effect_lines(runs, ups: int) -> list[str]:

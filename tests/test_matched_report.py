@@ -122,10 +122,13 @@ def test_share_slopes_need_both_trackers_to_vary():
     assert "fewer than the 7" in matched_report.no_fit_reason(varied[:6])
     event_only = [r for r in varied if r[0] == "event-time"]
     assert matched_report.share_slopes(event_only) is None
-    assert matched_report.no_fit_reason(event_only) == "only event-time runs (the 2x2 arms were not run)"
+    assert matched_report.no_fit_reason(event_only) == "runs of one tracker only (event-time): the 2x2 arms were not run"
+    token_only = [r for r in varied if r[1] == "token"] * 2
+    assert matched_report.share_slopes(token_only) is None
+    assert matched_report.no_fit_reason(token_only) == "runs of one measure only (token): the 2x2 arms were not run"
     within = [(t, m, 0.1 if t == "event-time" else 0.3, 0.2) for t, m, _, _ in rows]  # varies only across trackers
     assert matched_report.share_slopes(within) is None
-    assert matched_report.no_fit_reason(within) == "the share does not vary within each tracker"
+    assert matched_report.no_fit_reason(within) == "the share does not vary within one of the trackers"
 
 
 def test_shared_warm_start_must_be_a_model_folder_and_stay_the_same(tmp_path):
