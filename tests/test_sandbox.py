@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import time
 
 import pytest
 
 from rollout_bridge.tools import SandboxConfig, SandboxUnavailable, ToolSandbox
+from rollout_bridge.tools._worker_main import _classify as classify_exit
 from rollout_bridge.tools.sandbox import truncate_text
 
 WALL_S = 1.5
@@ -143,7 +145,24 @@ def test_memory_bomb(sandbox):
 
 def test_busy_loop_hits_the_limit(sandbox):
     result = attempt(sandbox, "while True:\n    pass")
-    assert result.status == "timeout"
+    assert result.status == "timeout", result
+
+
+@pytest.mark.parametrize("exit_code, cpu_used, expected", [
+    (-signal.SIGXCPU, 1.02, "timeout"),
+    # SIGXCPU at 1 s of tick-sampled time, 0.8 s of exact run time (a loaded machine)
+    (-signal.SIGXCPU, 0.8, "timeout"),
+    (-signal.SIGKILL, 1.9, "timeout"),   # the hard limit, cpu_s + 1
+    (-signal.SIGKILL, 0.1, "error"),     # the call killed itself
+    (-signal.SIGSEGV, 1.5, "error"),
+    (1, 1.5, "error"),
+    (0, 1.5, "ok"),
+])
+def test_exits_by_the_cpu_limit_are_timeouts_whatever_rusage_says(exit_code, cpu_used, expected):
+    settings = {"cpu_s": 1}
+    assert classify_exit("exited", exit_code, settings, 1.2, cpu_used) == expected
+    assert classify_exit("timeout", None, settings, 1.5, cpu_used) == "timeout"
+    assert classify_exit("output_limit", None, settings, 0.2, cpu_used) == "output_limit"
 
 
 def test_sleep_past_wall_limit(sandbox):
