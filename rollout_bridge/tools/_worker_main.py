@@ -255,8 +255,8 @@ def _classify(status, exit_code, settings, elapsed, cpu_used) -> str:
     # The kernel checks RLIMIT_CPU against tick-sampled time, while rusage reports the
     # scheduler's exact run time: on a loaded machine a child charged whole ticks gets
     # SIGXCPU with rusage well under cpu_s (a CI flake). So SIGXCPU is a CPU timeout
-    # whatever rusage says; SIGKILL is one only near the hard limit (cpu_s + 1), since a
-    # call may also SIGKILL itself.
+    # whatever rusage says. SIGKILL is one only from cpu_s of CPU on (the hard limit is
+    # cpu_s + 1; below cpu_s the call most likely SIGKILLed itself).
     if exit_code == -signal.SIGXCPU:
         return "timeout"
     if exit_code == -signal.SIGKILL and cpu_used >= settings["cpu_s"]:
