@@ -186,6 +186,7 @@ async def evaluate_policy(job: Job, policy: Path, chat, rollouts: int | None = N
     key = stage_key(cfg, "model", "env", "warmstart", "rollout")
     key.update(seed=cfg.seed, policy=folder_digest(policy), rollouts=rollouts, sets=sorted(job.env.extra_evals),
                episodes=EVALUATION_SCHEME)
+    key["env"].pop("rename_episodes", None)   # renames training episodes only, never these sets
     cached = read_cached(cfg.prior.cache_dir, "evaluation", key)
     if cached is not None:
         for name, record in cached.items():

@@ -71,13 +71,16 @@ def stage_key(cfg, *sections: str) -> dict:
     """The settings an output depends on (reuse it only if they are unchanged; the
     ``DEPLOYMENT_FIELDS`` are left out). ``warmstart.group_by_length`` (added after keys
     were first written) is keyed only where it changes an output, a warm start that is
-    trained with it on; so records written before it existed stay valid."""
+    trained with it on; so records written before it existed stay valid. ``env.rename_episodes``
+    (added later too) is keyed only when it is not 0."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
     for name, fields in DEPLOYMENT_FIELDS.items():
         for field in fields:
             key.get(name, {}).pop(field, None)
     if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
         key["warmstart"].pop("group_by_length", None)
+    if "env" in key and not getattr(cfg.env, "rename_episodes", 0.0):
+        key["env"].pop("rename_episodes", None)
     return key
 
 

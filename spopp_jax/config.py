@@ -133,6 +133,12 @@ class EnvSection:
     # textworld: this fraction of the warm-start demonstrations name their rooms and things
     # with fresh random words (rollout_bridge.envs.textworld_rename): names must be copied
     warmstart_rename: float = 0.0
+    # textworld: this fraction of the TRAINING games' episodes (prior, RL, training-game
+    # evaluations), decided per episode from its seed, name every room and thing with fresh
+    # random words (observations renamed, typed commands renamed back): no name can be
+    # memorized per game, so what RL learns must hold on games it never saw. Held-out games
+    # are always played as generated.
+    rename_episodes: float = 0.0
     # textworld and alfworld: "Actions:" then one command per line, tokenized as a reply typing it
     actions_per_line: bool = False
     # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
@@ -163,6 +169,7 @@ class EnvSection:
         _check(self.warmstart_games >= 0, "env.warmstart_games", ">= 0", self.warmstart_games)
         _check(self.warmstart_orders >= 1, "env.warmstart_orders", ">= 1", self.warmstart_orders)
         _check(0.0 <= self.warmstart_rename <= 1.0, "env.warmstart_rename", "in [0, 1]", self.warmstart_rename)
+        _check(0.0 <= self.rename_episodes <= 1.0, "env.rename_episodes", "in [0, 1]", self.rename_episodes)
         _check(self.game_seed >= 0, "env.game_seed", ">= 0", self.game_seed)
         _check(self.warmstart_seed >= 0, "env.warmstart_seed", ">= 0", self.warmstart_seed)
         _check(self.heldout_games >= 0, "env.heldout_games", ">= 0", self.heldout_games)

@@ -90,3 +90,66 @@ def test_generated_games_walkthroughs_are_renamed_consistently(tasks):
 def test_missing_game_description_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="game description"):
         textworld_entity_names(str(tmp_path / "game.z8"))
+
+
+def renaming(tasks, fraction: float) -> TextWorldTasks:
+    import dataclasses
+
+    return TextWorldTasks(tasks.game_files, tasks.root, tasks.max_turns,
+                          dataclasses.replace(tasks.style, rename_fraction=fraction, shuffle_actions=True))
+
+
+def test_renamed_episodes_hide_every_name_and_still_win(tasks):
+    """env.rename_episodes: an episode drawn to rename shows no original name in any
+    observation, the walkthrough typed in the new names still wins (commands are renamed
+    back), and the action orders are those of the same episode seed without renaming."""
+    plain, renamed = renaming(tasks, 0.0), renaming(tasks, 1.0)
+    for task in range(tasks.num_tasks):
+        names = textworld_entity_names(tasks.game_files[task])
+        episode, control = renamed.episode(task, seed=5), plain.episode(task, seed=5)
+        observation, control_observation = episode.reset(), control.reset()
+        assert episode.renamed and not control.renamed
+        assert observation == episode._rename(control_observation) != control_observation
+        seen = [observation]
+        for command in episode.walkthrough:
+            reply = episode.reply_for(command)
+            assert reply.split()[0] == command.split()[0]
+            outcome = episode.step(reply)
+            seen.append(outcome.observation)
+            if outcome.done:
+                break
+        assert episode.won
+        for name in names:
+            assert not re.search(rf"\b{re.escape(name)}\b", "\n".join(seen), re.IGNORECASE), name
+        again = renamed.episode(task, seed=5)
+        assert again.reset() == observation                        # the seed fixes the names
+        assert renamed.episode(task, seed=6).reset() != observation   # another episode, other names
+        for e in (episode, control, again):
+            e.close()
+
+
+def test_rename_fraction_is_drawn_per_episode(tasks):
+    half = renaming(tasks, 0.5)
+    drawn = []
+    for seed in range(24):
+        episode = half.episode(0, seed=seed)
+        episode.reset()
+        drawn.append(episode.renamed)
+        episode.close()
+    assert 0 < sum(drawn) < len(drawn)
+    with pytest.raises(ValueError, match="rename_fraction"):
+        ObservationStyle(rename_fraction=1.5)
+
+
+def test_rename_episodes_is_keyed_only_when_set():
+    import dataclasses
+
+    from rollout_bridge.job import stage_key
+    from spopp_jax.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert "rename_episodes" not in stage_key(cfg, "env")["env"]   # records written before it stay valid
+    renamed = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, rename_episodes=1.0))
+    assert stage_key(renamed, "env")["env"]["rename_episodes"] == 1.0
+    with pytest.raises(Exception, match="rename_episodes"):
+        dataclasses.replace(cfg.env, rename_episodes=2.0)

@@ -185,16 +185,21 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
                              goal_every_turn=env.goal_every_turn, reply_format=env.reply_format,
                              actions_per_line=env.actions_per_line, blind=env.blind_observations)
 
-    def task_set(name: str, count: int, seed: int, exclude=(), what: str = ""):
+    train_style = dataclasses.replace(style, rename_fraction=env.rename_episodes)   # training games only
+
+    def task_set(name: str, count: int, seed: int, exclude=(), what: str = "", shown=style):
         spec = games.GameSetSpec(name, count, seed, env.world_size, env.nb_objects, env.quest_length)
         log(f"{what}: {spec.folder_name} in {env.data_dir} (generated once, then reused)")
         files = _generated(spec, env.data_dir, progress, what, exclude)
-        return TextWorldTasks(files, files[0].parent, env.max_turns, style)
+        return TextWorldTasks(files, files[0].parent, env.max_turns, shown)
 
+    if env.rename_episodes > 0:
+        log(f"training episodes renamed: {env.rename_episodes:.0%} of them show fresh random names "
+            "(held-out games never)")
     if env.game_dir is not None:
-        train = _textworld_own_games(env, style)
+        train = _textworld_own_games(env, train_style)
     else:
-        train = task_set("train", env.num_games, env.game_seed, what="training games")
+        train = task_set("train", env.num_games, env.game_seed, what="training games", shown=train_style)
     generated = [] if env.game_dir is not None else list(train.game_files)
     held = None
     if env.heldout_games > 0:
@@ -225,10 +230,11 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
     warm_games = warm
 
     def corpus() -> list[str]:   # the tokenizer's texts: each walkthrough once, as a sighted agent sees them
-        def sighted(tasks):   # blind: the same tokenizer as the sighted agent's
-            if not style.blind:
+        def sighted(tasks):   # blind or renamed: the same tokenizer as the sighted agent's
+            if not (style.blind or tasks.style.rename_fraction):
                 return tasks
-            return TextWorldTasks(tasks.game_files, tasks.root, env.max_turns, dataclasses.replace(style, blind=False))
+            return TextWorldTasks(tasks.game_files, tasks.root, env.max_turns,
+                                  dataclasses.replace(style, blind=False, rename_fraction=0.0))
 
         seen = sighted(train)
         texts = [seen.episode(t).reset() for t in range(seen.num_tasks)]
@@ -291,8 +297,8 @@ def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
     import os
 
     env = cfg.env
-    if env.warmstart_rename > 0 or env.blind_observations or env.blind_control:
-        raise UserError("env.warmstart_rename, env.blind_observations and env.blind_control "
+    if env.warmstart_rename > 0 or env.rename_episodes > 0 or env.blind_observations or env.blind_control:
+        raise UserError("env.warmstart_rename, env.rename_episodes, env.blind_observations and env.blind_control "
                         "are for env.kind=textworld only "
                         "(ALFWorld observations have their own format)")
     missing = [m for m in ("alfworld", "fast_downward") if importlib.util.find_spec(m) is None]

@@ -42,6 +42,7 @@ after `max_turns` actions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import re
@@ -141,6 +142,20 @@ def reply_for_command(command: str, admissible: Sequence[str], numbered: bool, r
     return command
 
 
+RENAME_STREAM = 7   # the episode's seed + (this,): whether and how it renames (apart from its orders)
+
+
+def _identity(text: str) -> str:
+    return text
+
+
+@functools.lru_cache(maxsize=None)
+def _entity_names(path: str) -> tuple[str, ...]:
+    from rollout_bridge.envs.textworld_rename import textworld_entity_names
+
+    return textworld_entity_names(path)
+
+
 def _request_infos():
     from textworld import EnvInfos
 
@@ -213,11 +228,14 @@ class ObservationStyle:
     reply_format: str = "number"    # numbered: "number" ("3") | "command_number" ("go south = 3")
     actions_per_line: bool = False  # "Actions:" then one command per line (else " | "-separated)
     blind: bool = False             # every observation is BLIND_OBSERVATION: the prompt-blind control
+    rename_fraction: float = 0.0    # this share of episodes (drawn per episode) renames every name
 
     def __post_init__(self):
         check_reply_format(self.reply_format)
         if self.max_feedback_chars < 1:
             raise ValueError(f"max_feedback_chars must be >= 1, got {self.max_feedback_chars}")
+        if not 0.0 <= self.rename_fraction <= 1.0:
+            raise ValueError(f"rename_fraction must be in [0, 1], got {self.rename_fraction}")
         if not (self.numbered_actions or self.free_text):
             raise ValueError("free_text=False needs numbered_actions=True (the reply must be a number)")
 
@@ -244,6 +262,7 @@ class TextWorldEpisode:
         self._shuffle_seed = tuple(shuffle_seed)
         self._rng = np.random.default_rng(self._shuffle_seed)
         self._env = None
+        self._rename, self._unrename = _identity, _identity   # drawn at reset (style.rename_fraction)
         self.commands: list[str] = []
         self.objective = ""
         self.walkthrough: list[str] = []
@@ -255,11 +274,35 @@ class TextWorldEpisode:
     def _observation(self, feedback: str) -> str:
         if self.style.blind:
             return BLIND_OBSERVATION
-        return format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
+        return self._rename(format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
                                   self.admissible, self.style.numbered_actions,
                                   with_goal=self.style.goal_every_turn or self.turns == 0,
                                   reply_format=self.style.reply_format,
-                                  one_per_line=self.style.actions_per_line)
+                                  one_per_line=self.style.actions_per_line))
+
+    def _draw_names(self) -> None:
+        """With probability style.rename_fraction (a stream of the episode's seed apart from
+        its action orders, so a reset replays it), every room and thing of this game gets a
+        fresh random name for the episode: observations show the new names, typed commands
+        are renamed back before the game reads them."""
+        self._rename, self._unrename = _identity, _identity
+        if self.style.rename_fraction <= 0.0:
+            return
+        rng = np.random.default_rng(self._shuffle_seed + (RENAME_STREAM,))
+        if rng.random() >= self.style.rename_fraction:
+            return
+        from rollout_bridge.envs.textworld_rename import random_names, renamer
+
+        with _START_LOCK:   # reading the game's .json may parse its logic (see _START_LOCK)
+            names = _entity_names(self.path)
+        mapping = random_names(names, rng)
+        self._rename = renamer(mapping)
+        self._unrename = renamer({new: old for old, new in mapping.items()})
+
+    @property
+    def renamed(self) -> bool:
+        """Whether this episode shows fresh random names (decided at reset)."""
+        return self._rename is not _identity
 
     def _show(self, admissible) -> list[str]:
         """The game's (sorted) admissible commands in the order shown this turn."""
@@ -274,6 +317,7 @@ class TextWorldEpisode:
         state = self._env.reset()
         self._rng = np.random.default_rng(self._shuffle_seed)   # a reset replays the same orders
         self.commands, self.turns, self.done, self.won = [], 0, False, False
+        self._draw_names()
         self.objective = state["objective"] or ""
         self.walkthrough = list(state.get("extra.walkthrough") or [])
         self.admissible = self._show(state["admissible_commands"])
@@ -281,7 +325,8 @@ class TextWorldEpisode:
 
     def reply_for(self, command: str) -> str:
         """What the policy should type to issue `command` now (its number if numbered)."""
-        return reply_for_command(command, self.admissible, self.style.numbered_actions, self.style.reply_format)
+        return self._rename(reply_for_command(command, self.admissible, self.style.numbered_actions,
+                                              self.style.reply_format))
 
     def _replay(self) -> None:
         self.close()
@@ -295,7 +340,7 @@ class TextWorldEpisode:
             raise RuntimeError("call reset() before step()")
         if self.done:
             raise RuntimeError("episode is over; call reset()")
-        reply = sanitize_command(text)
+        reply = self._unrename(sanitize_command(text))
         command = resolve_command(reply, self.admissible, self.style.numbered_actions, self.style.reply_format)
         self.turns += 1
         if not self.style.free_text and not self._names_a_shown_number(reply):
