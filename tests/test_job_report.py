@@ -149,3 +149,19 @@ def test_rl_progress_counts_from_a_resumed_update(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "RL: update" in line]
     assert [line.split("RL: update ")[1].split(",")[0] for line in lines] == ["7/10", "8/10", "9/10", "10/10"]
     assert "success 1.000 over update 7 " in lines[0]
+
+
+def test_game_generation_logs_a_line_per_tenth_without_a_bar():
+    from rollout_bridge.envs.kinds import _GenerationBar
+
+    lines = []
+    bar = _GenerationBar("training games", enabled=False, log=lines.append)
+    for done in range(0, 21):
+        bar(done, 20)
+    bar.close()
+    assert [line.split(" in ")[0] for line in lines] == [f"generating training games: {2 * k}/20" for k in range(1, 11)]
+    quiet = []
+    shown = _GenerationBar("training games", enabled=True, log=quiet.append)   # the bar shows progress
+    shown(10, 20)
+    shown.close()
+    assert quiet == []

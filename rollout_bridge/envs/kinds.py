@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -82,10 +83,12 @@ def build_env(cfg, with_demonstrations: bool, log: Callable[[str], None] = print
 
 
 class _GenerationBar:
-    """tqdm over game generation (only shown when games are actually being made)."""
+    """tqdm over game generation (only shown when games are actually being made); with the
+    bar off (``--progress false``, nohup, CI) and a ``log``, one line per tenth instead."""
 
-    def __init__(self, what: str, enabled: bool):
-        self.what, self.enabled, self.bar = what, enabled, None
+    def __init__(self, what: str, enabled: bool, log: Callable[[str], None] | None = None):
+        self.what, self.enabled, self.log, self.bar = what, enabled, log, None
+        self.logged_tenths, self.start = 0, time.monotonic()
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
@@ -94,6 +97,10 @@ class _GenerationBar:
             self.bar = tqdm(total=total, desc=f"generating {self.what}", disable=not self.enabled, leave=False)
         self.bar.n = done
         self.bar.refresh()
+        tenths = (10 * done) // max(total, 1)
+        if not self.enabled and self.log is not None and tenths > self.logged_tenths:
+            self.logged_tenths = tenths
+            self.log(f"generating {self.what}: {done}/{total} in {time.monotonic() - self.start:.0f}s")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -106,10 +113,10 @@ def generation_workers() -> int:
     return max(1, min(MAX_GENERATION_WORKERS, os.cpu_count() or 1))
 
 
-def _generated(spec, data_dir: str, progress: bool, what: str, exclude=()):
+def _generated(spec, data_dir: str, progress: bool, what: str, exclude=(), log=None):
     from rollout_bridge.envs import textworld_games as games
 
-    bar = _GenerationBar(what, progress)
+    bar = _GenerationBar(what, progress, log)
     try:
         return games.generate_game_set(spec, data_dir, exclude_signatures=exclude, progress=bar,
                                        workers=generation_workers())
@@ -121,7 +128,7 @@ def _blind_ceiling(tasks, log: Callable[[str], None], progress: bool, what: str)
     """Mean over `tasks`' games of the exact prompt-blind success (textworld_blind)."""
     from rollout_bridge.envs.textworld_blind import blind_ceilings
 
-    bar = _GenerationBar(f"prompt-blind ceiling ({what})", progress)
+    bar = _GenerationBar(f"prompt-blind ceiling ({what})", progress, log)
     try:
         per_game = blind_ceilings(tasks.game_files, tasks.max_turns, generation_workers(), bar)
     finally:
@@ -190,7 +197,7 @@ def textworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None],
     def task_set(name: str, count: int, seed: int, exclude=(), what: str = "", shown=style):
         spec = games.GameSetSpec(name, count, seed, env.world_size, env.nb_objects, env.quest_length)
         log(f"{what}: {spec.folder_name} in {env.data_dir} (generated once, then reused)")
-        files = _generated(spec, env.data_dir, progress, what, exclude)
+        files = _generated(spec, env.data_dir, progress, what, exclude, log)
         return TextWorldTasks(files, files[0].parent, env.max_turns, shown)
 
     if env.rename_episodes > 0:
@@ -328,7 +335,7 @@ def alfworld_bundle(cfg, with_demonstrations: bool, log: Callable[[str], None], 
     bars: list[_GenerationBar] = []
 
     def bar(name: str) -> _GenerationBar:
-        bars.append(_GenerationBar(f"ALFWorld {name} games", progress))
+        bars.append(_GenerationBar(f"ALFWorld {name} games", progress, log))
         return bars[-1]
 
     try:
