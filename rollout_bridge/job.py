@@ -373,12 +373,29 @@ async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, w
     ``crn_seed``: common random numbers (``rollout_successes``)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=env.num_tasks * n, desc=what, disable=not progress, leave=False)
+    total = env.num_tasks * n
+    bar = tqdm(total=total, desc=what, disable=not progress, leave=False)
+    lines = TenthLines(what, total, None if progress else log)
     try:
         return await rollout_successes(engine, env.env_factory, chat, env.num_tasks, n, agent, concurrency,
-                                       on_done=lambda _: bar.update(1), crn_seed=crn_seed)
+                                       on_done=lambda _: (bar.update(1), lines.step()), crn_seed=crn_seed)
     finally:
         bar.close()
+
+
+class TenthLines:
+    """One log line per tenth of ``total`` episodes (where no bar shows progress)."""
+
+    def __init__(self, what: str, total: int, log: Callable[[str], None] | None):
+        self.what, self.total, self.log = what, max(total, 1), log
+        self.done, self.logged, self.start = 0, 0, time.monotonic()
+
+    def step(self) -> None:
+        self.done += 1
+        tenths = 10 * self.done // self.total
+        if self.log is not None and tenths > self.logged:
+            self.logged = tenths
+            self.log(f"{self.what}: {self.done}/{self.total} episodes in {time.monotonic() - self.start:.0f}s")
 
 
 async def extra_evaluations(engine, env, chat, agent, concurrency: int, n: int, when: str,

@@ -165,3 +165,17 @@ def test_game_generation_logs_a_line_per_tenth_without_a_bar():
     shown(10, 20)
     shown.close()
     assert quiet == []
+
+
+def test_rollout_stages_log_a_line_per_tenth_without_a_bar():
+    from rollout_bridge.job import TenthLines
+
+    lines = []
+    counter = TenthLines("prior", 1024, lines.append)
+    for _ in range(1024):
+        counter.step()
+    assert len(lines) == 10 and lines[0].startswith("prior: 102/1024 episodes") and "1024/1024" in lines[-1]
+    silent = TenthLines("prior", 3, None)
+    for _ in range(3):
+        silent.step()
+    assert silent.done == 3
