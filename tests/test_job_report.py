@@ -174,7 +174,7 @@ def test_rollout_stages_log_a_line_per_tenth_without_a_bar():
     counter = TenthLines("prior", 1024, lines.append)
     for _ in range(1024):
         counter.step()
-    assert len(lines) == 10 and lines[0].startswith("prior: 102/1024 episodes") and "1024/1024" in lines[-1]
+    assert len(lines) == 10 and lines[0].startswith("prior: 103/1024 episodes") and "1024/1024" in lines[-1]
     silent = TenthLines("prior", 3, None)
     for _ in range(3):
         silent.step()
