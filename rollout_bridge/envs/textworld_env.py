@@ -274,11 +274,12 @@ class TextWorldEpisode:
     def _observation(self, feedback: str) -> str:
         if self.style.blind:
             return BLIND_OBSERVATION
-        return self._rename(format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
+        text = format_observation(self.objective, clean_feedback(feedback, self.style.max_feedback_chars),
                                   self.admissible, self.style.numbered_actions,
                                   with_goal=self.style.goal_every_turn or self.turns == 0,
                                   reply_format=self.style.reply_format,
-                                  one_per_line=self.style.actions_per_line))
+                                  one_per_line=self.style.actions_per_line)
+        return self._rename(text)
 
     def _draw_names(self) -> None:
         """With probability style.rename_fraction (a stream of the episode's seed apart from
