@@ -20,6 +20,7 @@ from rollout_bridge.components import load_policy
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
+from rollout_bridge.progress_lines import TenthLines
 from spopp_jax.run_errors import UserError
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
@@ -79,7 +80,7 @@ def stage_key(cfg, *sections: str) -> dict:
             key.get(name, {}).pop(field, None)
     if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
         key["warmstart"].pop("group_by_length", None)
-    if "env" in key and not getattr(cfg.env, "rename_episodes", 0.0):
+    if "env" in key and not cfg.env.rename_episodes:
         key["env"].pop("rename_episodes", None)
     return key
 
@@ -375,27 +376,12 @@ async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, w
 
     total = env.num_tasks * n
     bar = tqdm(total=total, desc=what, disable=not progress, leave=False)
-    lines = TenthLines(what, total, None if progress else log)
+    lines = TenthLines(what, None if progress else log, total, unit=" episodes")
     try:
         return await rollout_successes(engine, env.env_factory, chat, env.num_tasks, n, agent, concurrency,
                                        on_done=lambda _: (bar.update(1), lines.step()), crn_seed=crn_seed)
     finally:
         bar.close()
-
-
-class TenthLines:
-    """One log line per tenth of ``total`` episodes (where no bar shows progress)."""
-
-    def __init__(self, what: str, total: int, log: Callable[[str], None] | None):
-        self.what, self.total, self.log = what, max(total, 1), log
-        self.done, self.logged, self.start = 0, 0, time.monotonic()
-
-    def step(self) -> None:
-        self.done += 1
-        tenths = 10 * self.done // self.total
-        if self.log is not None and tenths > self.logged:
-            self.logged = tenths
-            self.log(f"{self.what}: {self.done}/{self.total} episodes in {time.monotonic() - self.start:.0f}s")
 
 
 async def extra_evaluations(engine, env, chat, agent, concurrency: int, n: int, when: str,

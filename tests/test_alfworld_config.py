@@ -67,7 +67,7 @@ def test_missing_heldout_dir_is_named(tmp_path):
         build_env(_alfworld_cfg("--env.heldout_dir", str(tmp_path / "nope")), False)
 
 
-@pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"],
+@pytest.mark.parametrize("override", [["--env.warmstart_rename", "0.5"], ["--env.rename_episodes", "0.5"],
                                       ["--env.blind_observations", "true"], ["--env.blind_control", "runs/x"]])
 def test_textworld_only_observation_fields_are_refused(override):
     from rollout_bridge.envs.kinds import build_env

@@ -94,6 +94,7 @@ def test_resume_flag_forms():
     (["--env.max_turns", "0"], "env.max_turns"),
     (["--env.warmstart_rename", "1.5"], "env.warmstart_rename"),
     (["--env.warmstart_rename=-0.1"], "env.warmstart_rename"),
+    (["--env.rename_episodes", "1.5"], "env.rename_episodes"),
     (["--prior.mass", "-8"], "prior.mass"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),

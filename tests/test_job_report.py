@@ -168,14 +168,14 @@ def test_game_generation_logs_a_line_per_tenth_without_a_bar():
 
 
 def test_rollout_stages_log_a_line_per_tenth_without_a_bar():
-    from rollout_bridge.job import TenthLines
+    from rollout_bridge.progress_lines import TenthLines
 
     lines = []
-    counter = TenthLines("prior", 1024, lines.append)
+    counter = TenthLines("prior", lines.append, 1024, unit=" episodes")
     for _ in range(1024):
         counter.step()
     assert len(lines) == 10 and lines[0].startswith("prior: 103/1024 episodes") and "1024/1024" in lines[-1]
-    silent = TenthLines("prior", 3, None)
+    silent = TenthLines("prior", None, 3)
     for _ in range(3):
         silent.step()
     assert silent.done == 3

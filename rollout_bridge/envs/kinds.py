@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from rollout_bridge.envs.base import EnvFactory
+from rollout_bridge.progress_lines import TenthLines
 from spopp_jax.run_errors import UserError
 
 MAX_GENERATION_WORKERS = 2   # the CPU job's cores; more only crowd a shared box
@@ -87,8 +87,8 @@ class _GenerationBar:
     bar off (``--progress false``, nohup, CI) and a ``log``, one line per tenth instead."""
 
     def __init__(self, what: str, enabled: bool, log: Callable[[str], None] | None = None):
-        self.what, self.enabled, self.log, self.bar = what, enabled, log, None
-        self.logged_tenths, self.start = 0, time.monotonic()
+        self.what, self.enabled, self.bar = what, enabled, None
+        self.lines = TenthLines(f"generating {what}", None if enabled else log)
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
@@ -97,10 +97,7 @@ class _GenerationBar:
             self.bar = tqdm(total=total, desc=f"generating {self.what}", disable=not self.enabled, leave=False)
         self.bar.n = done
         self.bar.refresh()
-        tenths = (10 * done) // max(total, 1)
-        if not self.enabled and self.log is not None and tenths > self.logged_tenths:
-            self.logged_tenths = tenths
-            self.log(f"generating {self.what}: {done}/{total} in {time.monotonic() - self.start:.0f}s")
+        self.lines.reach(done, total)
 
     def close(self) -> None:
         if self.bar is not None:

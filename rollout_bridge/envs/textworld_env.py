@@ -42,7 +42,6 @@ after `max_turns` actions.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import os
 import re
@@ -147,13 +146,6 @@ RENAME_STREAM = 7   # the episode's seed + (this,): whether and how it renames (
 
 def _identity(text: str) -> str:
     return text
-
-
-@functools.lru_cache(maxsize=None)
-def _entity_names(path: str) -> tuple[str, ...]:
-    from rollout_bridge.envs.textworld_rename import textworld_entity_names
-
-    return textworld_entity_names(path)
 
 
 def _request_infos():
@@ -292,10 +284,10 @@ class TextWorldEpisode:
         rng = np.random.default_rng(self._shuffle_seed + (RENAME_STREAM,))
         if rng.random() >= self.style.rename_fraction:
             return
-        from rollout_bridge.envs.textworld_rename import random_names, renamer
+        from rollout_bridge.envs.textworld_rename import random_names, renamer, textworld_entity_names
 
         with _START_LOCK:   # reading the game's .json may parse its logic (see _START_LOCK)
-            names = _entity_names(self.path)
+            names = textworld_entity_names(self.path)
         mapping = random_names(names, rng)
         self._rename = renamer(mapping)
         self._unrename = renamer({new: old for old, new in mapping.items()})

@@ -32,8 +32,10 @@ CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
 
 
+@functools.lru_cache(maxsize=None)
 def textworld_entity_names(game_file: str) -> tuple[str, ...]:
-    """The names of a tw-make game's rooms and things (its .json next to the .z8)."""
+    """The names of a tw-make game's rooms and things (its .json next to the .z8); read
+    once per game and process."""
     import textworld
 
     path = Path(game_file).with_suffix(".json")
@@ -108,5 +110,4 @@ class RenamedDemonstrations:
 
 def textworld_names_of(game_files: Sequence[str]) -> Callable[[int], tuple[str, ...]]:
     """names_of for demonstration i of a set whose item i is game i mod len(game_files)."""
-    cached = functools.lru_cache(maxsize=None)(textworld_entity_names)
-    return lambda index: cached(str(game_files[index % len(game_files)]))
+    return lambda index: textworld_entity_names(str(game_files[index % len(game_files)]))
