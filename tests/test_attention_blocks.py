@@ -64,9 +64,10 @@ def assert_same_on_real_tokens(attend, reference, inputs, real, jit=True):
         np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("time,block,kind", [(13, 4, "padding"), (24, 5, "packed"),
                                              (16, 16, "padding"), (7, 1, "packed")])
-def test_blocks_match_dense_attention(time, block, kind):
+def test_blocks_match_dense_attention(time, block, kind, remat):
     inputs = _inputs(time, seed=time * 31 + block)
     layout, real = _layout(time, kind)
     real = jnp.asarray(real, jnp.float32)
@@ -75,9 +76,10 @@ def test_blocks_match_dense_attention(time, block, kind):
         return chunked_attention(q, k, v, layout, chunk_size=time)
 
     def blocked(q, k, v):
-        return causal_block_attention(q, k, v, layout, block)
+        return causal_block_attention(q, k, v, layout, block, remat=remat)
 
     assert_same_on_real_tokens(blocked, dense, inputs, real)
+    assert_same_on_real_tokens(blocked, dense, inputs, real, jit=False)
 
 
 def test_block_sizes():
