@@ -24,7 +24,9 @@ in `output_dir` when it was made with the same settings):
  4. RL: the orchestrator + `PolicyLearner`; metrics to `metrics.jsonl` / TensorBoard, an
     orbax checkpoint every `checkpoint_every` updates (learner state, the method's state
     incl. SPO's previous responses, sampler RNG, counters, buffered trajectories), then
-    the same rollouts with the final policy (success AFTER RL) and `learning_curve.png`;
+    the evaluation of the final policy (success AFTER RL; `evaluation.train_rollouts` per
+    training task and `evaluation.heldout_rollouts` per held-out task, each defaulting to
+    `prior.rollouts_per_task`) and `learning_curve.png`;
     the final policy as a HF folder in `hf_model` (with `export_every` also
     `exports/step_<k>`), and with `--wandb true` the metrics also in Weights & Biases.
 Rollout engines (`rollout.engine`): the embedded JAX engine, vLLM in this process, or vLLM
@@ -105,9 +107,14 @@ class Job:
         return build.build_engine(self.cfg, model, self.agent, self.orchestrator, policy_event, seed,
                                   servers=self.servers, policy_folder=self.policy_folder, run_dir=self.paths.root)
 
-    def engine_metrics(self) -> dict:
-        """Per-update counters of the rollout servers (restarts, lost servers, publish times)."""
-        return {} if self.servers is None else self.servers.metrics()
+    def engine_metrics(self, engine=None) -> dict:
+        """Per-update counters of the rollout servers (restarts, lost servers, publish times),
+        or the embedded engine's prefill counters (run totals: prefilled and reused prompt
+        tokens, requests on cache rows of an older policy event)."""
+        if self.servers is not None:
+            return self.servers.metrics()
+        stats = getattr(engine, "prefix_stats", None)
+        return {} if stats is None else {f"engine/{k}": float(v) for k, v in dataclasses.asdict(stats).items()}
 
 
 async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
@@ -144,7 +151,8 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
         log(f"resume: step {restored.step}, policy event {orchestrator.policy_event}, method state sha1 "
             f"{state_digest(orchestrator.state_dict()['method'])}, {len(orchestrator.ready)} buffered trajectories")
     writer = MetricsWriter(paths.root, cfg.tensorboard, resume_step=resume_step, sinks=build.wandb_sinks(cfg, paths.root, log))
-    sinks = [UpdateLogger(writer, cfg.steps, orchestrator.updates, cfg.progress, extra=job.engine_metrics)]
+    sinks = [UpdateLogger(writer, cfg.steps, orchestrator.updates, cfg.progress,
+                          extra=lambda: job.engine_metrics(engine))]
     sinks += build.metric_sinks(cfg, paths.root)
     orchestrator.on_update = sinks
     try:
@@ -160,12 +168,13 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
         await orchestrator.close()
         for sink in sinks:
             getattr(sink, "close", lambda: None)()
-        n = cfg.prior.rollouts_per_task
+        n = cfg.evaluation.rollouts(cfg.prior, "train")
         log(f"evaluation: {n} rollouts x {job.env.num_tasks} tasks with the final policy")
         successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
                                                    n, "eval", cfg.progress, evaluation_seed(cfg.seed, "train"))
-        extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight, n,
-                                        "after RL", cfg.progress, cfg.seed)
+        extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
+                                        cfg.evaluation.rollouts(cfg.prior, "heldout"), "after RL", cfg.progress,
+                                        cfg.seed)
     finally:
         await engine.close()
     learner.stop()
@@ -177,12 +186,12 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
 async def evaluate_policy(job: Job, policy: Path, chat, rollouts: int | None = None, when: str = "before RL") -> dict:
     """The env kind's extra evaluations of ``policy`` (an HF folder) on a fresh engine seeded
     ``seed + EXTRA_EVAL_SEED_OFFSET``, ``rollouts`` per task (default
-    ``prior.rollouts_per_task``), with common random numbers; empty when the env kind has
+    ``evaluation.heldout_rollouts``), with common random numbers; empty when the env kind has
     none. Read from ``prior.cache_dir`` when an earlier run made the same evaluation."""
     if not job.env.extra_evals:
         return {}
     cfg = job.cfg
-    rollouts = rollouts or cfg.prior.rollouts_per_task
+    rollouts = rollouts or cfg.evaluation.rollouts(cfg.prior, "heldout")
     key = stage_key(cfg, "model", "env", "warmstart", "rollout")
     key.update(seed=cfg.seed, policy=folder_digest(policy), rollouts=rollouts, sets=sorted(job.env.extra_evals),
                episodes=EVALUATION_SCHEME)

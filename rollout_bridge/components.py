@@ -67,7 +67,8 @@ SAMPLING_DERIVED = {"stop_token_ids": "set per request by the agent from the cha
 AGENT_KNOBS = {"max_total_tokens": "rollout.max_seq_len", "env_timeout_s": "rollout.env_timeout_s"}
 AGENT_DERIVED = {"max_turns": "the env kind's bundle (env.max_turns)", "sampling": "SAMPLING_KNOBS"}
 
-ENGINE_KNOBS = {"steps_per_call": "rollout.engine_steps_per_call"}
+ENGINE_KNOBS = {"steps_per_call": "rollout.engine_steps_per_call",
+                "prefix_reuse_across_publish": "rollout.prefix_reuse_across_publish"}
 ENGINE_DERIVED = {
     "num_slots": "orchestrator.max_in_flight", "max_len": "agent.max_total_tokens",
     "policy_event": "the orchestrator's policy event", "seed": "the job seed",
@@ -112,6 +113,7 @@ SECTION_OWNERS = {
     "math_tir": "rollout_bridge.envs.math_tir.build_math_tir (math_tir.*, env.kind=math_tir)",
     "warmstart": "rollout_bridge.job.run_warmstart (warmstart.*)",
     "prior": "rollout_bridge.job.run_prior (prior.*)",
+    "evaluation": "train.rl_loop / evaluate_policy through EvaluationSection.rollouts (evaluation.*)",
 }
 JOB_FIELDS = ("stage", "seed", "steps", "output_dir", "resume", "checkpoint_every", "keep_checkpoints",
               "progress", "tensorboard", "export_every",
@@ -253,9 +255,11 @@ def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfi
         return _inprocess_engine(model, agent, orchestrator, policy_event, policy_folder, run_dir)
     from rollout_bridge.engine.jax_engine import JaxEngine
 
-    steps = min(knobs(cfg, ENGINE_KNOBS)["steps_per_call"], agent.sampling.max_new_tokens)
+    engine_knobs = knobs(cfg, ENGINE_KNOBS)
+    steps = min(engine_knobs["steps_per_call"], agent.sampling.max_new_tokens)
     return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
-                     steps_per_call=steps, policy_event=policy_event, seed=seed)
+                     steps_per_call=steps, policy_event=policy_event, seed=seed,
+                     prefix_reuse_across_publish=engine_knobs["prefix_reuse_across_publish"])
 
 
 def _inprocess_engine(model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int,

@@ -6,7 +6,7 @@ own evaluation, and print each policy's gain over the first one, paired by game.
         --policy assets/textworld_text_warmstart --policy runs/x/hf_model \
         [--out runs/x/heldout_16.json] [any train.py flag, e.g. --env.heldout_games 128]
 
-The job (`python train.py`) evaluates the held-out games with `prior.rollouts_per_task`
+The job (`python train.py`) evaluates the held-out games with `evaluation.heldout_rollouts`
 episodes per game (4). Its paired SE then mostly measures binomial noise inside each game
 (4 episodes of a game with success p carry variance p(1 - p)/4 per side), not how much the
 games differ. More episodes per game shrink that part. Everything else is the job's:

@@ -25,7 +25,8 @@ from typing import Literal, Optional, Sequence
 from spopp_jax.env_sections import MathTIRSection
 
 __all__ = [
-    "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "TrackerSection",
+    "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
+    "TrackerSection",
     "SamplerSection", "AdvantageSection", "LossSection", "OptimSection", "RolloutSection",
     "ServersSection", "ServersLaunchSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
@@ -226,6 +227,30 @@ class PriorSection:
 
 
 @dataclass
+class EvaluationSection:
+    """The job's evaluations with common random numbers (per-game pairs of the same
+    episodes' seeds). `train_rollouts`: rollouts of every training task with the final
+    policy, compared with the prior's rollouts of the initial policy;
+    `heldout_rollouts`: rollouts of every task of the env kind's evaluation sets (held-out
+    games, Math-TIR without its tool) before and after RL. None: `prior.rollouts_per_task`
+    (one rollout per task on 1,024 training games leaves 4 per held-out game, say)."""
+
+    train_rollouts: Optional[int] = None
+    heldout_rollouts: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("train_rollouts", "heldout_rollouts"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive("evaluation", self, name)
+
+    def rollouts(self, prior: "PriorSection", which: str) -> int:
+        """Rollouts per task of ``which`` ("train" or "heldout")."""
+        value = {"train": self.train_rollouts, "heldout": self.heldout_rollouts}[which]
+        return prior.rollouts_per_task if value is None else value
+
+
+@dataclass
 class TrackerSection:
     """SPEC 2. `rho`: event-time retention of the SPO++ tracker (method=spopp); the
     receipt-order SPO tracker (method=spo) retains clip(2^(-D/spo_d_half), spo_rho_min,
@@ -389,7 +414,12 @@ class RolloutSection:
     episodes (env error / time-out, R = 0) are training samples, `env_timeout_s` bounds
     each environment call (null: none), `max_consecutive_failures` stops a run whose
     env/engine is broken. `engine_steps_per_call`: decode steps per JAX engine call (at
-    most max_new_tokens). `pad_to_multiple` (a divisor of max_seq_len): learner batches are
+    most max_new_tokens). `prefix_reuse_across_publish` (JAX engine, drain none): a
+    conversation's next turn prefills only its new tokens on top of the cache rows its
+    previous turn left even when an in-flight publish came in between (those rows were
+    written by older weights, as the kept cache of a request decoding through the publish
+    is, SPEC 3); false: every publish forgets the rows and the next turn prefills the whole
+    conversation again. `pad_to_multiple` (a divisor of max_seq_len): learner batches are
     [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len
     always, one compile; a smaller multiple trains short batches faster at the cost of one
     compile per width).
@@ -419,6 +449,7 @@ class RolloutSection:
     max_new_tokens: int = 16
     max_seq_len: int = 320
     engine_steps_per_call: int = 8
+    prefix_reuse_across_publish: bool = False
     pad_to_multiple: Optional[int] = None
     result_delay_s: float = 0.0
     server_urls: Optional[str] = None
@@ -510,6 +541,7 @@ class TrainConfig:
     env: EnvSection = field(default_factory=EnvSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
     prior: PriorSection = field(default_factory=PriorSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     tracker: TrackerSection = field(default_factory=TrackerSection)
     sampler: SamplerSection = field(default_factory=SamplerSection)
     advantage: AdvantageSection = field(default_factory=AdvantageSection)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from draccus.utils import ParsingError
 
-from spopp_jax.config import TrainConfig, format_config_error, load_config
+from spopp_jax.config import EvaluationSection, TrainConfig, format_config_error, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -96,6 +96,8 @@ def test_resume_flag_forms():
     (["--env.warmstart_rename=-0.1"], "env.warmstart_rename"),
     (["--env.rename_episodes", "1.5"], "env.rename_episodes"),
     (["--prior.mass", "-8"], "prior.mass"),
+    (["--evaluation.train_rollouts", "0"], "evaluation.train_rollouts"),
+    (["--evaluation.heldout_rollouts=-2"], "evaluation.heldout_rollouts"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),
     (["--method", "grpo", "--rollout.batch_size", "12", "--rollout.group_size", "8"],
@@ -247,7 +249,8 @@ def test_section_owners_really_read_each_field_of_their_section():
     owners = {"model": [components.model_folder, components.tiny_model_shape, components.load_policy,
                         components.check_inputs],
               "mesh": [components.build_mesh], "env": [kinds.build_env, kinds.textworld_bundle, kinds.math_tir_bundle, kinds.alfworld_bundle],
-              "warmstart": [job.run_warmstart], "prior": [job.run_prior]}
+              "warmstart": [job.run_warmstart], "prior": [job.run_prior],
+              "evaluation": [EvaluationSection.rollouts]}
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for section, functions in owners.items():
         source = "".join(inspect.getsource(f) for f in functions)
@@ -283,3 +286,11 @@ def test_argv_preprocessors_run_before_parsing(monkeypatch):
     monkeypatch.setattr(c, "ARGV_PREPROCESSORS", [lambda argv: [a.replace("--lr", "--optim.learning_rate")
                                                                 for a in argv]])
     assert train.parse_config(["--lr", "0.5"]).optim.learning_rate == 0.5
+
+
+def test_evaluation_rollouts_default_to_the_priors():
+    cfg = load_config(["--prior.rollouts_per_task", "3"])
+    assert cfg.evaluation.rollouts(cfg.prior, "train") == cfg.evaluation.rollouts(cfg.prior, "heldout") == 3
+    cfg = load_config(["--prior.rollouts_per_task", "1", "--evaluation.heldout_rollouts", "4"])
+    assert cfg.evaluation.rollouts(cfg.prior, "train") == 1
+    assert cfg.evaluation.rollouts(cfg.prior, "heldout") == 4

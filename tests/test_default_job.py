@@ -30,7 +30,7 @@ def test_default_job_is_the_agentic_recipe_from_the_shipped_warm_start():
     cfg = train.parse_config([])
     env = cfg.env
     assert env.kind == "textworld" and env.world_size >= 3 and env.quest_length >= 3 and env.max_turns >= 12
-    assert env.heldout_games * cfg.prior.rollouts_per_task >= 128   # held-out episodes per evaluation
+    assert env.heldout_games * cfg.evaluation.rollouts(cfg.prior, "heldout") >= 128   # held-out episodes per evaluation
     assert env.max_feedback_chars >= 600 and env.free_text_commands
     assert cfg.rollout.drain == "none" and cfg.rollout.max_buffered_batches >= 2
     assert (ROOT / cfg.model.path).resolve() == ASSET.resolve() and not cfg.warmstart.enabled

@@ -130,16 +130,24 @@ def kept_cache_logprobs(old, new, prompt, tokens, num_old_tokens: int) -> np.nda
     Token i is sampled by the step that feeds ids[L-1+i] (ids = prompt + tokens, L =
     len(prompt)) at position L-1+i, so ``old`` wrote positions 0 .. L-2+num_old_tokens.
     """
+    return split_cache_logprobs(old, new, prompt, tokens, len(prompt) - 1 + num_old_tokens)[num_old_tokens:]
+
+
+def split_cache_logprobs(old, new, prompt, tokens, split: int) -> np.ndarray:
+    """log-probs of all ``tokens`` when ``old`` wrote the cache of positions 0 .. split-1
+    and ``new`` runs positions split .. (split <= len(prompt) - 1 + len(tokens))."""
     ids = np.asarray(list(prompt) + list(tokens), np.int32)
-    split = len(prompt) - 1 + num_old_tokens  # first position run by `new`
-    end = len(prompt) - 1 + len(tokens)  # positions split..end-1 sample tokens num_old..
+    end = len(prompt) - 1 + len(tokens)  # position L-1+i samples token i
     cache = old.init_cache(1, len(ids), jnp.float32)
     _, cache = old.forward_cached(jnp.asarray(ids[None, :split]), jnp.arange(split)[None, :], cache)
     logits, _ = new.forward_cached(jnp.asarray(ids[None, split:end]), jnp.arange(split, end)[None, :], cache)
     logits = np.asarray(logits[0], np.float64)
     logits -= logits.max(axis=-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-    return logp[np.arange(end - split), np.asarray(tokens[num_old_tokens:])]
+    first = len(prompt) - 1 - split   # row of position L-1 (negative: old also ran some tokens)
+    rows = np.arange(max(first, 0), end - split)
+    sampled = np.asarray(tokens)[rows - first]
+    return np.concatenate([np.full(max(-first, 0), np.nan), logp[rows, sampled]])
 
 
 def test_inflight_publish_keeps_the_kv_cache_of_the_old_weights(model_a, model_b):
@@ -226,3 +234,40 @@ def test_publishes_install_in_call_order_when_a_conversion_is_slow(model_a, mode
             await engine.close()
 
     assert asyncio.run(body()) == 3
+
+
+TURN = SamplingParams(max_new_tokens=6)
+
+
+def test_prefix_reuse_across_publish_continues_a_conversation_on_the_old_weights_rows(model_a, model_b):
+    """prefix_reuse_across_publish: after an in-flight publish, a conversation's next turn
+    prefills only its new tokens on the rows the old weights wrote (counted as stale), and
+    samples as the two-model cache reference says; off, or after a drained publish, the
+    turn prefills everything with the new weights."""
+
+    async def body(across: bool, drained: bool = False):
+        engine = JaxEngine(model_a, num_slots=1, max_len=128, steps_per_call=2,
+                           prefix_reuse_across_publish=across)
+        try:
+            first = await engine.generate([3, 1, 4], TURN, seed=1)
+            publish = engine.publish if drained else engine.publish_inflight
+            await publish(nnx.state(model_b), policy_event=1)
+            follow_up = [3, 1, 4, *first.token_ids, 5]
+            second = await engine.generate(follow_up, TURN, seed=2)
+            return follow_up, second, engine.prefix_stats
+        finally:
+            await engine.close()
+
+    follow_up, second, stats = asyncio.run(body(across=True))
+    kept = len(follow_up) - 2   # the first turn's prompt and its tokens but the last
+    assert (stats.reused_requests, stats.reused_tokens) == (1, kept)
+    assert (stats.stale_reused_requests, stats.stale_reused_tokens) == (1, kept)
+    expected = split_cache_logprobs(model_a, model_b, follow_up, second.token_ids, split=kept)
+    np.testing.assert_allclose(second.logprobs, expected, atol=LOGP_ATOL)
+    _, recomputed, _ = replay(model_b, follow_up, second.token_ids)
+    assert np.abs(recomputed - expected).max() > MIN_MODEL_GAP   # the old rows matter
+    for across, drained in ((False, False), (True, True)):
+        follow_up, second, stats = asyncio.run(body(across, drained))
+        assert stats.reused_tokens == 0 and stats.stale_reused_requests == 0
+        _, recomputed, _ = replay(model_b, follow_up, second.token_ids)
+        np.testing.assert_allclose(second.logprobs, recomputed, atol=LOGP_ATOL)

@@ -29,6 +29,7 @@ def _tiny_job(tmp: Path, steps: int) -> list[str]:
         # two batches may be buffered: trajectories finished during a drain wait in the
         # checkpoint for the next update
         "--rollout.max_buffered_batches", "2",
+        "--env.heldout_games", "2",
     ]
 
 
@@ -91,7 +92,9 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     assert "holds checkpoints up to step 2" in refused.stderr
     assert refused.returncode != 0 and "--resume" in refused.stderr
 
-    resumed = subprocess.run(_tiny_job(tmp_path, steps=3) + ["--resume"], capture_output=True,
+    # the evaluation section is not part of the checkpoint key: it may change on resume
+    evaluation = ["--evaluation.train_rollouts", "2", "--evaluation.heldout_rollouts", "3"]
+    resumed = subprocess.run(_tiny_job(tmp_path, steps=3) + ["--resume", *evaluation], capture_output=True,
                              text=True, cwd=ROOT, env=env, timeout=800)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     line = re.search(r"resume: step (\d+), policy event (\d+), method state sha1 ([0-9a-f]+), "
@@ -113,4 +116,8 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     assert 0.0 <= summary["event_order"]["fraction"] <= 1.0 and summary["event_order"]["received"] > 0
     assert summary["env"]["prompt_blind"] is False and summary["env"]["train_games"]  # what env.blind_control checks
     assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    # evaluation.*_rollouts, not prior.rollouts_per_task (1), per training / held-out game
+    assert json.loads((run / "eval_after.json").read_text())["trials"] == [2] * 4
+    for when in ("before", "after"):
+        assert summary[f"heldout_{when}_rl"]["trials"] == [3, 3]
     assert np.isfinite([r["learner/loss"] for r in rows]).all()

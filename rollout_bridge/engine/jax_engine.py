@@ -16,12 +16,17 @@ of ``slot_decode``:
   holding its prompt and all its tokens but the last. A later request whose prompt
   extends that whole sequence (the next turn of the same conversation: history, reply,
   observation) is admitted into that slot and prefills only the new tokens. A turn then
-  costs its own tokens instead of the whole history again. Reuse only happens when the
-  kept rows were computed entirely by the weights installed now (any publish forgets
-  them), so the sampled tokens and log-probs are those of a full prefill up to float
-  rounding. It is on for attention-only caches (``prefix_reuse``; a hybrid model's
-  recurrent layers always prefill in full). ``prefix_stats`` counts prefilled and reused
-  tokens.
+  costs its own tokens instead of the whole history again. By default reuse only happens
+  when the kept rows were computed entirely by the weights installed now (any publish
+  forgets them), so the sampled tokens and log-probs are those of a full prefill up to
+  float rounding. ``prefix_reuse_across_publish`` also keeps them across in-flight
+  publishes: a conversation's next turn then continues on rows that older weights wrote,
+  as a request decoding through an in-flight publish does (PipelineRL's kept cache; the
+  log-probs are still those of the distribution that sampled each token, so the
+  learner's importance weight stays exact); a drained publish still forgets them. It is on
+  for attention-only caches (``prefix_reuse``; a hybrid model's recurrent layers always
+  prefill in full). ``prefix_stats`` counts prefilled and reused tokens, and the requests
+  that reused rows of an older policy event.
 * Log-probs are ``log_softmax(logits / temperature)[token]`` in float32, from the logits
   that sampled the token, before top-k / top-p.
 * Determinism: request r's i-th token uses ``fold_in(PRNGKey(seed_r), i)``, so a request's
@@ -82,6 +87,7 @@ class _Request:
     cancelled: bool = False
     start: int = 0  # prompt tokens read from the slot's kept cache rows (prefix reuse)
     admit_event: int = -1  # policy event of the weights at admission
+    oldest_row_event: int = -1  # oldest policy event of its cache rows (reused ones included)
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,11 +103,15 @@ class _Publish:
 class PrefixStats:
     """Prefill counters: ``prefilled_tokens`` went through the model at admission,
     ``reused_tokens`` were read from a slot's kept cache rows instead (prefix reuse), over
-    ``reused_requests`` requests."""
+    ``reused_requests`` requests; ``stale_reused_requests`` of those reused rows written
+    by an older policy event (``prefix_reuse_across_publish``), ``stale_reused_tokens``
+    of them."""
 
     prefilled_tokens: int = 0
     reused_tokens: int = 0
     reused_requests: int = 0
+    stale_reused_requests: int = 0
+    stale_reused_tokens: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -206,6 +216,8 @@ class JaxEngine(RolloutEngine):
       cache_dtype: KV-cache dtype.
       prefix_reuse: prefill a conversation's next turn on top of the cache rows its
         previous request left (attention-only caches; see the module docstring).
+      prefix_reuse_across_publish: keep those rows across in-flight publishes (see the
+        module docstring); off: every publish forgets them.
     """
 
     supports_inflight_publish = True
@@ -223,6 +235,7 @@ class JaxEngine(RolloutEngine):
         min_prefill_len: int = 16,
         cache_dtype: Any = jnp.float32,
         prefix_reuse: bool = True,
+        prefix_reuse_across_publish: bool = False,
     ):
         self.publish_stats = PublishStats()
         self.prefix_stats = PrefixStats()
@@ -255,6 +268,8 @@ class JaxEngine(RolloutEngine):
         # what a free slot's cache rows hold at positions 0.. (prefix reuse), and when
         self._kept: list[tuple[int, ...] | None] = [None] * self._num_slots
         self._kept_at: list[int] = [0] * self._num_slots
+        self._kept_event: list[int] = [0] * self._num_slots  # oldest policy event of the kept rows
+        self._across_publish = bool(prefix_reuse_across_publish)
         self._finished_count = 0
         self._pending: collections.deque[_Request] = collections.deque()
         self._publishes: collections.deque[_Publish] = collections.deque()
@@ -483,7 +498,8 @@ class JaxEngine(RolloutEngine):
                 self.publish_stats.drained_publishes += 1
             self._param_leaves = command.params
             self.policy_event = command.policy_event
-            self._kept = [None] * self._num_slots  # rows computed by the old weights: never reused
+            if not (command.inflight and self._across_publish):
+                self._kept = [None] * self._num_slots  # rows computed by the old weights: not reused
             _notify(command.loop, command.future)
 
     def _admit_pending(self) -> None:
@@ -494,6 +510,7 @@ class JaxEngine(RolloutEngine):
         while free and self._pending:
             request = self._pending.popleft()
             slot, request.start = self._pick_slot(free, request.prompt_ids)
+            request.oldest_row_event = self._kept_event[slot] if request.start else self.policy_event
             free.remove(slot)
             admitted.append((slot, request))
         if not admitted:
@@ -510,6 +527,9 @@ class JaxEngine(RolloutEngine):
             self.prefix_stats.prefilled_tokens += len(request.prompt_ids) - 1 - request.start
             self.prefix_stats.reused_tokens += request.start
             self.prefix_stats.reused_requests += request.start > 0
+            if request.start and request.oldest_row_event < self.policy_event:
+                self.prefix_stats.stale_reused_requests += 1
+                self.prefix_stats.stale_reused_tokens += request.start
 
     def _pick_slot(self, free: list[int], prompt: tuple[int, ...]) -> tuple[int, int]:
         """(slot, start): the free slot whose kept rows are the longest prefix of
@@ -575,11 +595,13 @@ class JaxEngine(RolloutEngine):
 
     def _keep_rows(self, slot: int, request: _Request) -> None:
         """Remember what the finished request left in its slot's rows: its prompt and its
-        tokens but the last (sampled, never fed), all computed by the current weights."""
-        if self._prefix_reuse and request.admit_event == self.policy_event:
+        tokens but the last (sampled, never fed): when all were computed by the current
+        weights, or also older ones with ``prefix_reuse_across_publish``."""
+        if self._prefix_reuse and (request.admit_event == self.policy_event or self._across_publish):
             self._finished_count += 1
             self._kept[slot] = request.prompt_ids + tuple(request.token_ids[:-1])
             self._kept_at[slot] = self._finished_count
+            self._kept_event[slot] = request.oldest_row_event
 
     def _finish(self, request: _Request, reason: str) -> None:
         self._ended[reason] += 1
