@@ -11,7 +11,11 @@ of ``slot_decode``:
   jitted decode steps (``lax.scan``, fixed shapes: one compile). JAX releases the GIL while
   computing, so the asyncio event loop of the callers stays responsive.
 * Prefill shapes are bucketed (powers of two in rows and prefix length, at least
-  ``min_prefill_len``), bounding recompiles to O(log S * log max_len).
+  ``min_prefill_len``), bounding recompiles to O(log S * log^2 max_len). The requests
+  admitted together prefill in one call per width bucket (a conversation's first turn,
+  hundreds of new tokens, does not pad its later turns, tens, to its width), and each call
+  attends only the cache window its rows reach (a power of two, at least 256 positions),
+  not all ``max_len`` positions.
 * Prefix reuse (multi-turn agents): a finished request leaves its slot's cache rows
   holding its prompt and all its tokens but the last. A later request whose prompt
   extends that whole sequence (the next turn of the same conversation: history, reply,
@@ -125,7 +129,7 @@ _RELEASE = jax.jit(slot_decode.release, donate_argnums=0)
 
 
 class _Transitions(NamedTuple):
-    admit: Callable  # (param_leaves, state, requests) -> state
+    admit: Callable  # (param_leaves, state, requests, key_len) -> state
     decode: Callable  # (param_leaves, state, num_steps) -> (state, output)
 
 
@@ -138,16 +142,16 @@ def _transitions_for(graphdef: nnx.GraphDef, param_treedef: Any) -> _Transitions
     over the same structure share these jits (and their compiled executables).
     """
 
-    def admit(param_leaves, state, requests):
+    def admit(param_leaves, state, requests, key_len):
         params = jax.tree.unflatten(param_treedef, param_leaves)
-        return slot_decode.admit(graphdef, params, state, requests)
+        return slot_decode.admit(graphdef, params, state, requests, key_len)
 
     def decode(param_leaves, state, num_steps):
         params = jax.tree.unflatten(param_treedef, param_leaves)
         return slot_decode.decode_steps(graphdef, params, state, num_steps)
 
     return _Transitions(
-        admit=jax.jit(admit, donate_argnums=1),
+        admit=jax.jit(admit, static_argnums=3, donate_argnums=1),
         decode=jax.jit(decode, static_argnums=2, donate_argnums=1),
     )
 
@@ -179,6 +183,11 @@ def prng_key_data(seed: int) -> np.ndarray:
     """
     seed = int(seed) % (1 << 64)
     return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+
+
+# Smallest cache window a prefill attends (`slot_decode.admit`'s key_len): a power of two,
+# so a run compiles few (width, window) pairs.
+_MIN_KEY_WINDOW = 256
 
 
 def _bucket(n: int, minimum: int, maximum: int) -> int:
@@ -515,11 +524,13 @@ class JaxEngine(RolloutEngine):
             admitted.append((slot, request))
         if not admitted:
             return
-        rows = _bucket(len(admitted), 1, self._num_slots)
-        width = _bucket(max(len(r.prompt_ids) - 1 - r.start for _, r in admitted), self._min_prefill_len,
-                        self._max_len)
-        batch = _requests_batch(admitted, rows, width, self._num_slots, self._max_stop_tokens)
-        self._state = self._transitions.admit(self._param_leaves, self._state, batch)
+        for group in self._prefill_groups(admitted):
+            rows = _bucket(len(group), 1, self._num_slots)
+            width = self._width_bucket(group[0][1])
+            key_len = _bucket(max(len(r.prompt_ids) - 1 for _, r in group), max(width, _MIN_KEY_WINDOW),
+                              self._max_len)
+            batch = _requests_batch(group, rows, width, self._num_slots, self._max_stop_tokens)
+            self._state = self._transitions.admit(self._param_leaves, self._state, batch, key_len)
         for slot, request in admitted:
             self._slots[slot] = request
             self._kept[slot] = None
@@ -530,6 +541,18 @@ class JaxEngine(RolloutEngine):
             if request.start and request.oldest_row_event < self.policy_event:
                 self.prefix_stats.stale_reused_requests += 1
                 self.prefix_stats.stale_reused_tokens += request.start
+
+    def _width_bucket(self, request: _Request) -> int:
+        """Prefill width of ``request``: its new tokens rounded up to a power of two."""
+        return _bucket(len(request.prompt_ids) - 1 - request.start, self._min_prefill_len, self._max_len)
+
+    def _prefill_groups(self, admitted: list[tuple[int, _Request]]) -> list[list[tuple[int, _Request]]]:
+        """The admitted requests in one prefill call per width bucket: a conversation's
+        first turn (hundreds of new tokens) does not pad its later turns (tens) to its width."""
+        groups: dict[int, list[tuple[int, _Request]]] = {}
+        for slot, request in admitted:
+            groups.setdefault(self._width_bucket(request), []).append((slot, request))
+        return [groups[width] for width in sorted(groups)]
 
     def _pick_slot(self, free: list[int], prompt: tuple[int, ...]) -> tuple[int, int]:
         """(slot, start): the free slot whose kept rows are the longest prefix of

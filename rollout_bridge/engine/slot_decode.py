@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rollout_bridge.engine.sampling_ops import sample_with_uniforms, uniforms_from_keys
+from spopp_jax.models.cache import AttentionCache
 
 FINISH_NONE = 0
 FINISH_STOP = 1
@@ -124,7 +125,23 @@ def _put_rows(cache: Any, rows: jax.Array, values: Any) -> Any:
     return jax.tree.map(lambda x, v: x.at[rows].set(v, mode="drop"), cache, values)
 
 
-def admit(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, requests: SlotRequests) -> SlotState:
+def _key_window(cache: Any, key_len: int | None) -> Any:
+    """The first ``key_len`` positions of every attention layer's rows (others whole)."""
+    if key_len is None:
+        return cache
+    return tuple(AttentionCache(key=layer.key[:, :key_len], value=layer.value[:, :key_len])
+                 if isinstance(layer, AttentionCache) else layer for layer in cache)
+
+
+def _put_key_window(cache: Any, window: Any) -> Any:
+    """``cache`` with `_key_window`'s positions replaced by ``window``'s."""
+    return tuple(AttentionCache(key=full.key.at[:, :part.key.shape[1]].set(part.key),
+                                value=full.value.at[:, :part.value.shape[1]].set(part.value))
+                 if isinstance(full, AttentionCache) else part for full, part in zip(cache, window))
+
+
+def admit(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, requests: SlotRequests,
+          key_len: int | None = None) -> SlotState:
     """Prefill the admitted requests' prefixes into their slots' cache rows; start them.
 
     Only the P admitted rows go through the model (gathered from, then scattered back into,
@@ -133,6 +150,9 @@ def admit(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, requests:
     token t is written at position ``start[p] + t`` and attends to the cache indices up to
     it, so a reused prefix (``start > 0``) is read from the row, not recomputed; entries
     beyond the new tokens are never attended (indices > position are masked).
+    ``key_len`` (static; None = the whole cache): the prefill reads and writes only cache
+    positions < key_len, so its attention costs P x T x key_len instead of P x T x
+    max_len; every row's ``prefix_len`` must be <= key_len (the positions it writes).
     """
     num_slots = state.active.shape[0]
     prefix_width = requests.prefix_ids.shape[1]
@@ -147,7 +167,8 @@ def admit(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, requests:
     new_tokens = requests.prefix_len - requests.start
     positions = jnp.where((index < new_tokens[:, None]) & real[:, None], requests.start[:, None] + index, -1)
     rows_cache = _take_rows(state.cache, requests.slot)
-    _, rows_cache = model.forward_cached(requests.prefix_ids, positions, rows_cache)
+    _, window = model.forward_cached(requests.prefix_ids, positions, _key_window(rows_cache, key_len))
+    rows_cache = _put_key_window(rows_cache, window) if key_len is not None else window
     rows = requests.slot
 
     def put(field: jax.Array, value: jax.Array) -> jax.Array:
