@@ -1,4 +1,5 @@
-"""Multi-turn rollouts with and without the JAX engine's prefix reuse (issue #15's budget).
+"""Multi-turn rollouts with and without the JAX engine's prefix reuse (issue #15's budget),
+and with the prefill of before session 45 (one call per admission, over the whole cache).
 
 A turn of an agent conversation prompts the engine with the whole history again. Without
 prefix reuse every turn prefills that history from scratch; with it, a turn prefills only
@@ -11,6 +12,12 @@ wall time, episodes/s, the prefilled and reused tokens and the success rate of e
 requests' seeds follow the order in which episodes reach the engine, which the timing
 decides, so the two engines sample different episodes: their success rates agree only
 within sampling noise (the exact equivalence is tests/test_jax_engine.py's).
+
+Systems (``--systems``): ``prefix_reuse`` (the engine as shipped: the requests admitted
+together prefill in one call per width bucket, each over the cache window its rows reach),
+``one_prefill_call`` (the same reuse, but all admitted requests in one call padded to the
+widest and attending all ``max_len`` cache positions: the engine before session 45) and
+``full_prefill`` (no reuse). The headline compares the first two given.
 
     python benchmarks/multiturn_rollout.py --config configs/textworld_agentic_text.yaml \\
         --model runs/textworld_agentic_text/warmstart_model --rounds 3
@@ -42,7 +49,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-load-excess", type=float, default=DEFAULT_MAX_LOAD_EXCESS)
     parser.add_argument("--allow-busy", action="store_true", help="keep rounds taken on a busy machine")
-    return parser.parse_args(argv)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    args = parser.parse_args(argv)
+    if len(args.systems) < 2:
+        parser.error("--systems: give at least two (the headline compares the first two)")
+    return args
+
+
+SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill")
+
+
+def make_engine(system: str, model, engine_kwargs: dict):
+    """The JaxEngine of ``system`` (see the module docstring)."""
+    from rollout_bridge.engine.jax_engine import JaxEngine
+
+    if system == "full_prefill":
+        return JaxEngine(model, prefix_reuse=False, **engine_kwargs)
+    engine = JaxEngine(model, **engine_kwargs)
+    if system == "one_prefill_call":
+        engine.min_key_window = engine_kwargs["max_len"]           # attend the whole cache
+        engine._prefill_groups = lambda admitted: [admitted]       # one call, padded to the widest
+    return engine
 
 
 def build(args):
@@ -68,12 +95,11 @@ def build(args):
     return view, chat, agent, engine_kwargs, model
 
 
-def play(view, chat, agent, engine_kwargs, model, episodes: int, prefix_reuse: bool) -> dict:
-    from rollout_bridge.engine.jax_engine import JaxEngine
+def play(view, chat, agent, engine_kwargs, model, episodes: int, system: str) -> dict:
     from rollout_bridge.job import success_rollouts
 
     async def run():
-        engine = JaxEngine(model, prefix_reuse=prefix_reuse, **engine_kwargs)
+        engine = make_engine(system, model, engine_kwargs)
         try:
             start = time.perf_counter()
             successes, trials = await success_rollouts(engine, view, chat, agent, engine_kwargs["num_slots"],
@@ -93,27 +119,26 @@ def main(argv=None) -> None:
     view, chat, agent, engine_kwargs, model = build(args)
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{args.threads} threads; load {os.getloadavg()[0]:.2f}", flush=True)
-    results: dict[str, list[dict]] = {"prefix_reuse": [], "full_prefill": []}
+    results: dict[str, list[dict]] = {name: [] for name in args.systems}
 
-    def system(name: str, reuse: bool):
+    def system(name: str):
         def call():
-            record = play(view, chat, agent, engine_kwargs, model, args.episodes, reuse)
+            record = play(view, chat, agent, engine_kwargs, model, args.episodes, name)
             results[name].append(record)
             return record["seconds"]
         return call
 
-    for name, reuse in (("prefix_reuse", True), ("full_prefill", False)):  # compile every shape once
-        print(f"warm-up {name}: {play(view, chat, agent, engine_kwargs, model, 1, reuse)}", flush=True)
-    timings = interleaved_rounds({"prefix_reuse": system("prefix_reuse", True),
-                                  "full_prefill": system("full_prefill", False)},
+    for name in args.systems:  # compile every shape once
+        print(f"warm-up {name}: {play(view, chat, agent, engine_kwargs, model, 1, name)}", flush=True)
+    timings = interleaved_rounds({name: system(name) for name in args.systems},
                                  args.rounds, max_load_excess=args.max_load_excess, self_timed=True)
     for name, records in results.items():
         episodes = records[0]["episodes"]
         median, low, high = timings.summary(name, args.allow_busy)
-        print(f"{name:13s} {median:7.1f} s [{low:.1f}, {high:.1f}]  {episodes / median:6.2f} episodes/s  "
+        print(f"{name:16s} {median:7.1f} s [{low:.1f}, {high:.1f}]  {episodes / median:6.2f} episodes/s  "
               f"prefilled {records[0]['prefilled']} tokens, reused {records[0]['reused']}  "
               f"success per round {[round(r['success'], 3) for r in records]}", flush=True)
-    print(headline(timings, "prefix_reuse", "full_prefill", args.allow_busy), flush=True)
+    print(headline(timings, args.systems[0], args.systems[1], args.allow_busy), flush=True)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@ def stage_key(cfg, *sections: str) -> dict:
     ``DEPLOYMENT_FIELDS`` are left out). ``warmstart.group_by_length`` (added after keys
     were first written) is keyed only where it changes an output, a warm start that is
     trained with it on; so records written before it existed stay valid. ``env.rename_episodes``
-    (added later too) is keyed only when it is not 0."""
+    (added later too) is keyed only when it is not 0. ``rollout.prefix_reuse_across_publish``
+    is never keyed: it changes nothing a fixed policy plays (no publish happens there), and
+    a resumed run may change it."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
     for name, fields in DEPLOYMENT_FIELDS.items():
         for field in fields:
@@ -82,6 +84,7 @@ def stage_key(cfg, *sections: str) -> dict:
         key["warmstart"].pop("group_by_length", None)
     if "env" in key and not cfg.env.rename_episodes:
         key["env"].pop("rename_episodes", None)
+    key.get("rollout", {}).pop("prefix_reuse_across_publish", None)
     return key
 
 

@@ -48,3 +48,17 @@ def test_a_rerun_into_another_folder_reads_the_prior(tmp_path):
     again_log, again = _prior_stage(tmp_path, "b")
     assert "from an earlier run" in again_log and again == first
     assert len(list((tmp_path / "cache").glob("prior-*.json"))) == 1
+
+
+def test_prefix_reuse_across_publish_is_never_keyed():
+    """It changes nothing a fixed policy plays (no publish there): records and checkpoints
+    stay valid whichever way it is set."""
+    from rollout_bridge.job import checkpoint_key, stage_key
+    from spopp_jax.config import load_config
+
+    plain = load_config([])
+    across = load_config(["--rollout.prefix_reuse_across_publish", "true"])
+    assert "prefix_reuse_across_publish" not in stage_key(across, "rollout")["rollout"]
+    assert stage_key(across, "rollout") == stage_key(plain, "rollout")
+    assert checkpoint_key(across) == checkpoint_key(plain)
+    assert stage_key(load_config(["--rollout.temperature", "0.5"]), "rollout") != stage_key(plain, "rollout")

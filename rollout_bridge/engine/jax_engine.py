@@ -248,6 +248,7 @@ class JaxEngine(RolloutEngine):
     ):
         self.publish_stats = PublishStats()
         self.prefix_stats = PrefixStats()
+        self.min_key_window = _MIN_KEY_WINDOW  # max_len: every prefill attends the whole cache
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         graphdef, params = nnx.split(model)
@@ -526,8 +527,8 @@ class JaxEngine(RolloutEngine):
             return
         for group in self._prefill_groups(admitted):
             rows = _bucket(len(group), 1, self._num_slots)
-            width = self._width_bucket(group[0][1])
-            key_len = _bucket(max(len(r.prompt_ids) - 1 for _, r in group), max(width, _MIN_KEY_WINDOW),
+            width = max(self._width_bucket(r) for _, r in group)
+            key_len = _bucket(max(len(r.prompt_ids) - 1 for _, r in group), max(width, self.min_key_window),
                               self._max_len)
             batch = _requests_batch(group, rows, width, self._num_slots, self._max_stop_tokens)
             self._state = self._transitions.admit(self._param_leaves, self._state, batch, key_len)
