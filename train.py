@@ -114,7 +114,7 @@ class Job:
         if self.servers is not None:
             return self.servers.metrics()
         stats = getattr(engine, "prefix_stats", None)
-        return {} if stats is None else {f"engine/{k}": float(v) for k, v in dataclasses.asdict(stats).items()}
+        return {} if stats is None else {k: float(v) for k, v in dataclasses.asdict(stats).items()}
 
 
 async def rl_loop(job: Job, policy: Path, chat, alpha0, beta0):
