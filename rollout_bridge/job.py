@@ -62,29 +62,29 @@ def enable_compilation_cache(directory: str | None) -> str | None:
     return directory
 
 
-# Where the rollouts run, not what they are: a prior or a checkpoint stays reusable when a
-# run continues on other launched servers (one more, other GPUs). (rollout.server_urls stays
-# in the key: checkpoints written before rollout.servers existed hold it.)
-DEPLOYMENT_FIELDS = {"rollout": ("servers",), "prior": ("cache_dir",)}
+# Settings no stage key holds, so a prior, an evaluation or a checkpoint stays reusable when
+# they change: where the rollouts run, not what they are (a run may continue on other
+# launched servers: one more, other GPUs; rollout.server_urls stays in the key, checkpoints
+# written before rollout.servers existed hold it), and rollout.prefix_reuse_across_publish,
+# which acts only across publishes (a fixed policy's prior and evaluations have none; a
+# resumed run may change it).
+UNKEYED_FIELDS = {"rollout": ("servers", "prefix_reuse_across_publish"), "prior": ("cache_dir",)}
 
 
 def stage_key(cfg, *sections: str) -> dict:
     """The settings an output depends on (reuse it only if they are unchanged; the
-    ``DEPLOYMENT_FIELDS`` are left out). ``warmstart.group_by_length`` (added after keys
+    ``UNKEYED_FIELDS`` are left out). ``warmstart.group_by_length`` (added after keys
     were first written) is keyed only where it changes an output, a warm start that is
     trained with it on; so records written before it existed stay valid. ``env.rename_episodes``
-    (added later too) is keyed only when it is not 0. ``rollout.prefix_reuse_across_publish``
-    is never keyed: it changes nothing a fixed policy plays (no publish happens there), and
-    a resumed run may change it."""
+    (added later too) is keyed only when it is not 0."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
-    for name, fields in DEPLOYMENT_FIELDS.items():
+    for name, fields in UNKEYED_FIELDS.items():
         for field in fields:
             key.get(name, {}).pop(field, None)
     if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
         key["warmstart"].pop("group_by_length", None)
     if "env" in key and not cfg.env.rename_episodes:
         key["env"].pop("rename_episodes", None)
-    key.get("rollout", {}).pop("prefix_reuse_across_publish", None)
     return key
 
 

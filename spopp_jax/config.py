@@ -239,10 +239,8 @@ class EvaluationSection:
     heldout_rollouts: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("train_rollouts", "heldout_rollouts"):
-            value = getattr(self, name)
-            if value is not None:
-                _positive("evaluation", self, name)
+        _positive("evaluation", self, *(name for name in ("train_rollouts", "heldout_rollouts")
+                                        if getattr(self, name) is not None))
 
     def rollouts(self, prior: "PriorSection", which: str) -> int:
         """Rollouts per task of ``which`` ("train" or "heldout")."""

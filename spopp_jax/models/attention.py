@@ -74,6 +74,7 @@ def causal_block_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                          f"{key.shape}, query {query.shape}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+
     def attend_block(q, k, v, query_index, query_segment, key_valid, key_segment):
         mask = mask_block(query_index, query_segment, key_valid, key_segment)
         return grouped_query_attention(q, k, v, mask)
