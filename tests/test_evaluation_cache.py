@@ -62,3 +62,17 @@ def test_prefix_reuse_across_publish_is_never_keyed():
     assert stage_key(across, "rollout") == stage_key(plain, "rollout")
     assert checkpoint_key(across) == checkpoint_key(plain)
     assert stage_key(load_config(["--rollout.temperature", "0.5"]), "rollout") != stage_key(plain, "rollout")
+
+
+def test_blind_control_is_never_keyed():
+    """env.blind_control names a finished run printed beside the agent's success: the
+    prior, the evaluations and the checkpoints of a job do not depend on it."""
+    from rollout_bridge.job import checkpoint_key, stage_key
+    from spopp_jax.config import load_config
+
+    plain = load_config([])
+    control = load_config(["--env.blind_control", "runs/blind"])
+    assert "blind_control" not in stage_key(control, "env")["env"]
+    assert stage_key(control, "env") == stage_key(plain, "env")
+    assert checkpoint_key(control) == checkpoint_key(plain)
+    assert stage_key(load_config(["--env.max_turns", "5"]), "env") != stage_key(plain, "env")

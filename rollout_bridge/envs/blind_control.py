@@ -53,7 +53,8 @@ def load_blind_control(run_dir: str | Path, tasks: Mapping[str, Any]) -> tuple[d
     for field in ("train_games", "heldout_games"):
         if control.get(field) != tasks.get(field):
             raise UserError(f"env.blind_control={run_dir}: its {field} {control.get(field)!r} are not this "
-                            f"job's {tasks.get(field)!r}; the control must play the same games")
+                            f"job's {tasks.get(field)!r}; the control must play the same games (run the "
+                            "blind control of these games, or --env.blind_control null to go without it)")
     references, ses = {}, {}
     for name, prefix in ESTIMATES.items():
         estimate = summary.get(f"{prefix}_after_rl_estimate")
