@@ -58,3 +58,26 @@ def test_shipped_warm_start_is_the_recorded_one_and_loads():
     record = check_shipped_warm_start(ASSET, ROOT / "configs" / "default.yaml",
                                       "You are in a kitchen. Actions:\nopen fridge\ngo east\n")
     assert len(record["losses"]) == 6144 and record["losses"][-1] < 0.5 * record["losses"][0]
+
+
+def test_shipped_blind_control_is_a_blind_run_of_the_default_game_sets():
+    """env.blind_control (assets/textworld_blind_control): a blind run's summary whose game
+    sets are the ones configs/default.yaml generates, so the job prints it beside the agent's
+    success instead of refusing it."""
+    import train
+    from rollout_bridge.envs.blind_control import describe_tasks, load_blind_control
+    from rollout_bridge.envs.textworld_games import GameSetSpec
+
+    cfg = train.parse_config([])
+    env = cfg.env
+    control = ROOT / env.blind_control
+    recorded = json.loads((control / "summary.json").read_text())["env"]
+    train_set = GameSetSpec("train", env.num_games, env.game_seed, env.world_size, env.nb_objects, env.quest_length)
+    heldout = GameSetSpec("heldout", env.heldout_games, env.heldout_seed, env.world_size, env.nb_objects,
+                          env.quest_length)
+    assert recorded["train_games"] == train_set.folder_name
+    assert recorded["heldout_games"].startswith(heldout.folder_name + "_x")   # + the training set's digest
+    references, ses = load_blind_control(control, describe_tasks(recorded["train_games"], recorded["heldout_games"],
+                                                                 prompt_blind=False))
+    assert set(references) == {"prompt_blind_ceiling", "heldout_prompt_blind_ceiling"}
+    assert all(0.0 <= references[k] < 0.01 and ses[k] >= 0.0 for k in references)   # the control wins ~nothing
