@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
 from tiny_run import tiny_train_args
 
@@ -50,29 +52,26 @@ def test_a_rerun_into_another_folder_reads_the_prior(tmp_path):
     assert len(list((tmp_path / "cache").glob("prior-*.json"))) == 1
 
 
-def test_prefix_reuse_across_publish_is_never_keyed():
-    """It changes nothing a fixed policy plays (no publish there): records and checkpoints
-    stay valid whichever way it is set."""
+# (field, value, another field of its section that IS keyed, its value)
+UNKEYED = [
+    # changes nothing a fixed policy plays (no publish there)
+    ("rollout.prefix_reuse_across_publish", "true", "rollout.temperature", "0.5"),
+    # a finished run printed beside the agent's success, read for the report only
+    ("env.blind_control", "runs/blind", "env.max_turns", "5"),
+]
+
+
+@pytest.mark.parametrize("field, value, keyed, keyed_value", UNKEYED)
+def test_unkeyed_fields_change_no_key(field, value, keyed, keyed_value):
+    """Records and checkpoints stay valid whichever way an unkeyed field is set; a keyed
+    field of the same section (the control) does change the key."""
     from rollout_bridge.job import checkpoint_key, stage_key
     from spopp_jax.config import load_config
 
+    section, name = field.split(".")
     plain = load_config([])
-    across = load_config(["--rollout.prefix_reuse_across_publish", "true"])
-    assert "prefix_reuse_across_publish" not in stage_key(across, "rollout")["rollout"]
-    assert stage_key(across, "rollout") == stage_key(plain, "rollout")
-    assert checkpoint_key(across) == checkpoint_key(plain)
-    assert stage_key(load_config(["--rollout.temperature", "0.5"]), "rollout") != stage_key(plain, "rollout")
-
-
-def test_blind_control_is_never_keyed():
-    """env.blind_control names a finished run printed beside the agent's success: the
-    prior, the evaluations and the checkpoints of a job do not depend on it."""
-    from rollout_bridge.job import checkpoint_key, stage_key
-    from spopp_jax.config import load_config
-
-    plain = load_config([])
-    control = load_config(["--env.blind_control", "runs/blind"])
-    assert "blind_control" not in stage_key(control, "env")["env"]
-    assert stage_key(control, "env") == stage_key(plain, "env")
-    assert checkpoint_key(control) == checkpoint_key(plain)
-    assert stage_key(load_config(["--env.max_turns", "5"]), "env") != stage_key(plain, "env")
+    changed = load_config([f"--{field}", value])
+    assert name not in stage_key(changed, section)[section]
+    assert stage_key(changed, section) == stage_key(plain, section)
+    assert checkpoint_key(changed) == checkpoint_key(plain)
+    assert stage_key(load_config([f"--{keyed}", keyed_value]), section) != stage_key(plain, section)
