@@ -36,8 +36,8 @@ def test_a_control_without_held_out_games_gives_the_training_reference_only(tmp_
 
 @pytest.mark.parametrize("env, message", [
     ({**AGENT}, "was not trained blind"),
-    ({**AGENT, "prompt_blind": True, "heldout_games": "heldout_other"}, "heldout_games .* are not this job's"),
-    ({**AGENT, "prompt_blind": True, "train_games": "train_other"}, "train_games .* are not this job's"),
+    ({**AGENT, "prompt_blind": True, "heldout_games": "heldout_other"}, "heldout_games .* are not this job's.*--env.blind_control null"),
+    ({**AGENT, "prompt_blind": True, "train_games": "train_other"}, "train_games .* are not this job's.*--env.blind_control null"),
 ])
 def test_a_control_that_is_not_comparable_is_refused(tmp_path, env, message):
     with pytest.raises(UserError, match=message):
