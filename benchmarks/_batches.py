@@ -45,7 +45,8 @@ def learner_batch(batch: int, seq: int, vocab: int, rng: np.random.Generator):
 
 def jitted_train_step(args):
     """(step, state, batch) of our jitted SPO++ train step on the random benchmark model of
-    ``args`` (shape, batch, seq, micro_batches) and `learner_batch` (seed 0)."""
+    ``args`` (shape, batch, seq, micro_batches, optional mini_batches = PPO K) and
+    `learner_batch` (seed 0)."""
     import tempfile
 
     import jax.numpy as jnp
@@ -59,6 +60,7 @@ def jitted_train_step(args):
         model = from_pretrained(folder, dtype="float32")
     batch_np = learner_batch(args.batch, args.seq, args.vocab, np.random.default_rng(0))
     batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
-    config = learner.LearnerConfig(num_micro_batches=args.micro_batches)
+    config = learner.LearnerConfig(num_micro_batches=args.micro_batches,
+                                   num_mini_batches=getattr(args, "mini_batches", 1))
     model_def, state = learner.init_train_state(model, config)
     return learner.make_train_step(model_def, config), state, batch

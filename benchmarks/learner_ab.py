@@ -43,6 +43,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--mini-batches", type=int, default=1,
+                        help="PPO mini-batches K (AdamW steps per train step; the main job: 4)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-load-excess", type=float, default=0.5)
@@ -155,7 +157,7 @@ def main(args) -> None:
     print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/"
           f"{load[1]:.1f}/{load[2]:.1f} (shared machine); {args.threads} threads; model "
           f"{args.model}: hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, batch "
-          f"{args.batch} x {args.seq}, M={args.micro_batches}", flush=True)
+          f"{args.batch} x {args.seq}, M={args.micro_batches}, K={args.mini_batches}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         workers = []
         try:

@@ -37,6 +37,7 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--mini-batches", type=int, default=1, help="PPO mini-batches K")
     parser.add_argument("--steps", type=int, default=3, help="traced steps")
     parser.add_argument("--top", type=int, default=25, help="ops listed")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -10,8 +10,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from spopp_jax.models.attention import (causal_block_attention, causal_query_block,
-                                        chunked_attention)
+from spopp_jax.models.attention import (ATTENTION_REMAT_SCORE_BYTES, Attention,
+                                        causal_block_attention, causal_query_block,
+                                        causal_scores_bytes, chunked_attention)
 from spopp_jax.models.masks import sequence_layout
 
 BATCH, KV_HEADS, GROUPS, HEAD_DIM = 3, 2, 2, 8
@@ -86,6 +87,36 @@ def test_block_sizes():
     assert causal_query_block(256) == 64
     assert causal_query_block(1024) == 128
     assert causal_query_block(10) == 64  # one block: the dense attention
+
+
+def test_causal_scores_bytes_counts_each_block_against_its_keys():
+    # T = 10, blocks of 4: [0, 4) x 4 keys, [4, 8) x 8, [8, 10) x 10 = 68 scores per row and head
+    assert causal_scores_bytes(2, 3, 10, 4) == 4 * 2 * 3 * (16 + 32 + 20)
+    assert causal_scores_bytes(1, 1, 8, 8) == 4 * 64  # one block: the dense scores
+    # the main job's PPO mini-batch (4 rows x 1,792 tokens, 4 heads, blocks of 224) keeps
+    # its scores; a 16-head, 8,192-token row is rematerialised
+    assert causal_scores_bytes(4, 4, 1792, 224) < ATTENTION_REMAT_SCORE_BYTES
+    assert causal_scores_bytes(1, 16, 8192, 1024) > ATTENTION_REMAT_SCORE_BYTES
+
+
+@pytest.mark.parametrize("budget,rematerialised", [(0, True), (ATTENTION_REMAT_SCORE_BYTES, False)])
+def test_attention_rematerialises_blocks_only_over_the_score_budget(budget, rematerialised):
+    from flax import nnx
+
+    from spopp_jax.models.testing import tiny_config
+
+    config = tiny_config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    attention = Attention(config, dtype=jnp.float32, rngs=nnx.Rngs(0), chunk_size=16,
+                          remat_score_bytes=budget)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 40, 32)), jnp.float32)
+    layout = sequence_layout(jnp.zeros((2, 40), jnp.int32))
+    graphdef, state = nnx.split(attention)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x, layout) ** 2)
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(state, x))
+    assert ("remat" in jaxpr or "checkpoint" in jaxpr) == rematerialised
 
 
 def test_blocks_need_a_full_forward():

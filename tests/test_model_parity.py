@@ -251,10 +251,13 @@ def test_remat_gives_the_same_gradients():
 
 def test_chunked_attention_matches_transformers(tmp_path):
     """A call longer than the chunk (T = 40, chunk 16): causal query blocks of 16, each
-    rematerialised in the backward pass; same logits as transformers, with left padding;
-    same gradients as the call within one chunk (blocks of 64 queries, no remat)."""
+    rematerialised in the backward pass (a score budget of 0 bytes); same logits as
+    transformers, with left padding; same gradients as the call within one chunk (blocks of
+    64 queries, no remat: its scores are far under `ATTENTION_REMAT_SCORE_BYTES`)."""
     hf_model, _ = load_pair(tmp_path, seed=10, rope_theta=1e6)
     chunked = from_pretrained(str(tmp_path), attention_chunk_size=16)
+    for layer in chunked.model.layers:
+        layer.mixer.remat_score_bytes = 0
     whole = from_pretrained(str(tmp_path), attention_chunk_size=64)
     rng = np.random.default_rng(11)
     ids = rng.integers(0, 128, size=(2, 40))

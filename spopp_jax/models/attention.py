@@ -11,8 +11,9 @@ first writes this call's k/v at their positions, then attends over the whole cac
 The full forward of up to `chunk_size` tokens attends by cuDNN's fused kernel
 (`jax.nn.dot_product_attention(implementation="cudnn")`) on a GPU with 16-bit inputs,
 elsewhere by causal query blocks, each skipping the keys after it (`causal_block_attention`;
-longer calls too, each block rematerialised in the backward pass, so one block's scores are
-live at a time); multi-token decode calls (prefill) attend chunk by chunk over all keys
+longer calls too; each block is rematerialised in the backward pass, so one block's scores
+are live at a time, only when the scores all blocks would keep exceed
+`ATTENTION_REMAT_SCORE_BYTES`); multi-token decode calls (prefill) attend chunk by chunk over all keys
 (`chunked_attention`); a
 one-token decode step attends with `single_query_attention`: the cache is read in place
 (no transposed copy) and only up to the longest live context, by blocks.
@@ -33,7 +34,7 @@ from spopp_jax.models.layers import (MASKED_SCORE, Linear, OffsetRMSNorm, RMSNor
 from spopp_jax.models.masks import TokenLayout, mask_block
 
 # Queries per attention block at most: a longer full forward attends by causal blocks of at
-# most this many queries, each rematerialised in the backward pass, and a longer prefill
+# most this many queries (rematerialised per `ATTENTION_REMAT_SCORE_BYTES`), and a longer prefill
 # scans query chunks of this size, so the float32 scores are [B, H, chunk, S], not [B, H, T, S].
 DEFAULT_ATTENTION_CHUNK = 1024
 # Keys per block of a decode step's attention: the cache is read block by block only up
@@ -44,11 +45,25 @@ DECODE_KEY_BLOCK = 512
 # scores; T = 1024: 8 blocks of 128, 56%).
 CAUSAL_MAX_QUERY_BLOCKS = 8
 CAUSAL_MIN_QUERY_BLOCK = 64
+# A full forward's causal blocks are rematerialised in the backward pass only when the
+# float32 scores of all its blocks (`causal_scores_bytes`) exceed this many bytes per layer
+# call. Keeping them is faster: the main job's PPO mini-batch (4 rows x 1,792 tokens,
+# 4 heads: 115 MB) trains 12% faster per step than rematerialised (docs/PERFORMANCE.md);
+# a long call of a big model (16 heads x 8,192 tokens: 2.4 GB per row) is rematerialised.
+ATTENTION_REMAT_SCORE_BYTES = 256 * 2**20
 
 
 def causal_query_block(time: int) -> int:
     """Queries per causal block for a T-token call: max(64, ceil(T / 8))."""
     return max(CAUSAL_MIN_QUERY_BLOCK, -(-time // CAUSAL_MAX_QUERY_BLOCKS))
+
+
+def causal_scores_bytes(batch: int, heads: int, time: int, block_size: int) -> int:
+    """Bytes of the float32 scores [B, H, e - a, e] of all causal blocks [a, e) of a
+    T-token full forward (`causal_block_attention`): 4 B H sum_blocks (e - a) e."""
+    ends = [min(start + block_size, time) for start in range(0, time, block_size)]
+    return 4 * batch * heads * sum((end - start) * end
+                                   for start, end in zip(range(0, time, block_size), ends))
 
 
 def causal_block_attention(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -281,8 +296,10 @@ class Attention(nnx.Module):
     """Qwen3 / Qwen2 attention token mixer (HF name: `self_attn`)."""
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs,
-                 chunk_size: int = DEFAULT_ATTENTION_CHUNK):
+                 chunk_size: int = DEFAULT_ATTENTION_CHUNK,
+                 remat_score_bytes: int = ATTENTION_REMAT_SCORE_BYTES):
         self.chunk_size = chunk_size
+        self.remat_score_bytes = remat_score_bytes
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -340,8 +357,9 @@ class Attention(nnx.Module):
         `chunk_size` tokens by cuDNN's fused kernel on a GPU with 16-bit inputs
         (`fused_attention_implementation`), else by causal query blocks of
         min(`chunk_size`, `causal_query_block`) queries (`causal_block_attention`), each
-        rematerialised in the backward pass when the call is longer than `chunk_size`.
-        Skipping the keys after each block matters most for long calls: at T = 1536 dense
+        rematerialised in the backward pass when the scores of all blocks
+        (`causal_scores_bytes`) exceed `remat_score_bytes`. Skipping the keys after each
+        block matters most for long calls: at T = 1536 dense
         query chunks computed ~2.4x the scores of causal blocks."""
         q, k, v, gate = self._project(x, layout.positions)
         time = q.shape[1]
@@ -349,9 +367,10 @@ class Attention(nnx.Module):
         if implementation is not None and time <= self.chunk_size:
             attended = fused_attention(q, k, v, layout, implementation)
         else:
-            attended = causal_block_attention(
-                q, k, v, layout, min(self.chunk_size, causal_query_block(time)),
-                remat=time > self.chunk_size)
+            block = min(self.chunk_size, causal_query_block(time))
+            scores_bytes = causal_scores_bytes(q.shape[0], self.num_heads, time, block)
+            attended = causal_block_attention(q, k, v, layout, block,
+                                              remat=scores_bytes > self.remat_score_bytes)
         return self._output(attended, gate)
 
     def decode(self, x: jax.Array, layout: TokenLayout,
