@@ -51,8 +51,10 @@ ORCHESTRATOR_KNOBS = {
     "spo_rho_max": "tracker.spo_rho_max", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
     "task_sampler": "sampler.impl",
     "pad_to_multiple": "rollout.pad_to_multiple",  # null: agent.max_total_tokens, every batch [B, max_seq_len]
+    "pack_rows": "rollout.pack_rows",
 }
 ORCHESTRATOR_DERIVED = {
+    "pack_row_multiple": "rollout.pack_rows: components.pack_row_multiple (optim mini x micro-batches)",
     "z0": "0: the prior's coordinate (SPEC 2)",
     "keep_history": "False: bounded memory, records stream to the metric sinks",
     "tune_gc": "True (the default): train.py is the whole process, so the process-wide collector tuning is its to make",
@@ -162,7 +164,24 @@ def build_agent_config(cfg, max_turns: int) -> AgentConfig:
 def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> OrchestratorConfig:
     values = knobs(cfg, ORCHESTRATOR_KNOBS)
     values["pad_to_multiple"] = values["pad_to_multiple"] or agent.max_total_tokens  # null: one width, one compile
+    if values["pack_rows"]:
+        values["pack_row_multiple"] = pack_row_multiple(cfg)
     return OrchestratorConfig(z0=0.0, keep_history=False, seed=seed, **values)
+
+
+def pack_row_multiple(cfg) -> int:
+    """Rows of a packed learner batch are a multiple of this: the PPO mini-batches x
+    micro-batches, and with several learner processes (rows sharded over data x fsdp) also
+    of data x fsdp."""
+    import math
+
+    import jax
+
+    rows = cfg.optim.num_mini_batches * cfg.optim.num_micro_batches
+    if jax.process_count() > 1:
+        fsdp = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else jax.device_count() // (cfg.mesh.data * cfg.mesh.tensor)
+        rows = math.lcm(rows, cfg.mesh.data * fsdp)
+    return rows
 
 
 def check_engine_choice(cfg) -> None:

@@ -170,6 +170,8 @@ class OrchestratorConfig:
     train_on_failed: bool = False
     max_consecutive_failures: int = 256  # a broken engine/env stops the run instead of spinning
     pad_to_multiple: int = 64
+    pack_rows: bool = False  # several trajectories per learner row, rows <= agent max_total_tokens wide
+    pack_row_multiple: int = 1  # packed rows: a multiple of this (the learner's mini- x micro-batches)
     keep_history: bool = True  # keep every event / record in memory (tests, analysis); False for long runs
     tune_gc: bool = True  # process-wide gc.freeze + young threshold at the first run (docstring, "Host cost")
     result_delay_s: float = 0.0  # hold each finished result U(0, this) seconds before receipt (docstring); 0: off
@@ -190,6 +192,8 @@ class OrchestratorConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
+        if self.pack_row_multiple < 1:
+            raise ValueError(f"pack_row_multiple must be >= 1, got {self.pack_row_multiple}")
         if not (self.result_delay_s >= 0.0 and np.isfinite(self.result_delay_s)):
             raise ValueError(f"result_delay_s must be finite and >= 0, got {self.result_delay_s}")
         methods.method_class(self.method).check_config(self)
@@ -254,6 +258,10 @@ class Orchestrator:
             )
         self.engine, self.env_factory, self.chat, self.learner = engine, env_factory, chat, learner
         self.num_tasks, self.config, self.agent_config = num_tasks, config, agent_config
+        self._pack_width = agent_config.max_total_tokens if config.pack_rows else None
+        if self._pack_width is not None and self._pack_width % config.pad_to_multiple:
+            raise ValueError(f"pack_rows: rows of max_total_tokens={self._pack_width} must be a multiple of "
+                             f"pad_to_multiple={config.pad_to_multiple}")
         self.on_update = on_update
         alpha = np.full(num_tasks, 0.5, np.float32) if prior_alpha is None else np.asarray(prior_alpha, np.float32)
         beta = np.full(num_tasks, 0.5, np.float32) if prior_beta is None else np.asarray(prior_beta, np.float32)
@@ -528,7 +536,8 @@ class Orchestrator:
         lengths = baselines.action_lengths(trajectories)
         raw = self.method.advantages(trajectories)
         whitened = baselines.whiten(raw, lengths, self.config.measure, self.config.whiten_eps)
-        batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple)
+        batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple,
+                                 pack_width=self._pack_width, row_multiple=self.config.pack_row_multiple)
         learner_input = LearnerInput(batch, trajectories, self.method.learner_extras(trajectories))
         lag = np.array([self.policy_event - t.policy_event for t in trajectories], dtype=np.int64)
         start = asyncio.get_running_loop().time()

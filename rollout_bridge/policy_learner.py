@@ -11,7 +11,9 @@ thread), the new weights for publishing and, when the method asks for a divergen
   * π_now of each task's previous response y′ after the update, and
     D_i = token-mean |π_then − π_now| over y′'s action tokens.
 
-The engine's rollout log-probs never enter D.
+The engine's rollout log-probs never enter D. A packed batch (``rollout.pack_rows``: several
+trajectories per row, ``TrainBatch.segment_ids``) trains as it is; ``trained_logp`` is read
+back to one row per trajectory (`rollout_bridge.trajectory.unpack_rows`).
 
 In-flight publishing (``rollout.drain none``): the orchestrator starts the next update while
 the engine still copies the published weights, and the jitted step DONATES its TrainState,
@@ -39,6 +41,7 @@ import numpy as np
 from rollout_bridge import baselines
 from rollout_bridge.background_publish import snapshot_params
 from rollout_bridge.methods import LearnerInput, LearnerOutput
+from rollout_bridge.trajectory import unpack_rows
 from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, make_compute_logprobs,
                                make_optimizer, make_train_step)
 from spopp_jax.sharding import shard_global_batch, shard_train_state, train_state_sharding
@@ -107,6 +110,9 @@ class PolicyLearner:
         if learner_input.previous is None:
             return LearnerOutput(self._timed_weights(metrics), metrics)
         logp_then = np.asarray(to_host(logp_then))
+        if learner_input.batch.segment_ids is not None:  # packed rows -> one row per trajectory
+            logp_then = unpack_rows(logp_then, np.asarray(learner_input.batch.segment_ids),
+                                    count=len(learner_input.trajectories))
         divergence = self.previous_divergences(learner_input.previous, logp_then)
         return LearnerOutput(self._timed_weights(metrics), metrics, divergence, trained_logp=logp_then)
 

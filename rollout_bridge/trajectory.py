@@ -150,14 +150,26 @@ def pack_train_arrays(
     pad_to_multiple: int = 1,
     pad_id: int = 0,
     max_length: int | None = None,
+    pack_width: int | None = None,
+    row_multiple: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Right-pad trajectories into the ``TrainBatch`` arrays of docs/DESIGN.md.
+    """The ``TrainBatch`` arrays of docs/DESIGN.md: one right-padded row per trajectory, or
+    several trajectories per row (``pack_width`` given).
 
     Returns ``input_ids`` int32, ``attention_mask`` bool, ``action_mask`` bool,
     ``rollout_logp`` float32 (engine log-prob of token t, 0 off actions) and
-    ``advantages`` float32 (trajectory i's whitened advantage on every token of row i;
+    ``advantages`` float32 (a trajectory's whitened advantage on every one of its tokens;
     the loss only reads it under ``action_mask``), all ``[B, T]`` with
     ``T = ceil(max_len / pad_to_multiple) * pad_to_multiple`` (fewer shapes to compile).
+
+    Packed (``pack_width``, a multiple of ``pad_to_multiple``): the layout of
+    `packed_layout` ([R, W], R a multiple of ``row_multiple``, the least padded area R·W
+    for any width up to ``pack_width``), plus ``segment_ids`` int32 [R, W]: trajectory i's
+    tokens carry i + 1 (0 = padding), so attention, positions and log-probs stay within
+    each trajectory (`spopp_jax.learner.TrainBatch`). Rows past the last trajectory are
+    all padding. Every token keeps its value; only its place changes, so the token-mean
+    loss over all action tokens is the same sum (`unpack_rows` reads values back per
+    trajectory).
     """
     if len(trajectories) == 0:
         raise ValueError("trajectories must be non-empty")
@@ -172,25 +184,106 @@ def pack_train_arrays(
     longest = int(lengths.max())
     if max_length is not None and longest > max_length:
         raise ValueError(f"a trajectory has {longest} tokens > max_length={max_length}")
-    width = -(-max(longest, 1) // pad_to_multiple) * pad_to_multiple
-    batch = len(trajectories)
-    # row-major scatter of the concatenated streams: one NumPy call per array, no row loop
-    attention_mask = np.arange(width)[None, :] < lengths[:, None]
-    input_ids = np.full((batch, width), pad_id, dtype=np.int32)
-    input_ids[attention_mask] = np.concatenate([t.token_ids for t in trajectories])
-    action_mask = np.zeros((batch, width), dtype=bool)
-    action_mask[attention_mask] = np.concatenate([t.action_mask for t in trajectories])
-    rollout_logp = np.zeros((batch, width), dtype=np.float32)
-    rollout_logp[attention_mask] = np.concatenate([t.rollout_logp for t in trajectories])
+    if pack_width is None:
+        width = -(-max(longest, 1) // pad_to_multiple) * pad_to_multiple
+        rows, starts, num_rows = np.arange(len(trajectories)), np.zeros_like(lengths), len(trajectories)
+    else:
+        if any(t.action_mask[0] for t in trajectories if len(t.token_ids)):
+            raise ValueError("a packed trajectory cannot start with an action token (its log-prob "
+                             "would be read from the previous trajectory's last token)")
+        rows, starts, num_rows, width = packed_layout(lengths, pack_width, pad_to_multiple, row_multiple)
+    # flat index of every token in the [num_rows, width] arrays, trajectory by trajectory
+    flat = np.concatenate([np.arange(n) + row * width + start
+                           for n, row, start in zip(lengths, rows, starts)]).astype(np.int64)
+
+    def scatter(values, dtype, fill=0):
+        out = np.full(num_rows * width, fill, dtype=dtype)
+        out[flat] = values
+        return out.reshape(num_rows, width)
+
+    attention_mask = scatter(True, bool, False)
+    action_mask = scatter(np.concatenate([t.action_mask for t in trajectories]), bool, False)
+    rollout_logp = scatter(np.concatenate([t.rollout_logp for t in trajectories]), np.float32)
     rollout_logp[~action_mask] = 0.0  # the contract: 0 off actions, whatever a caller stored
-    advantage_rows = np.broadcast_to(advantages[:, None], (batch, width)).astype(np.float32)
-    return dict(
-        input_ids=input_ids,
+    arrays = dict(
+        input_ids=scatter(np.concatenate([t.token_ids for t in trajectories]), np.int32, pad_id),
         attention_mask=attention_mask,
         action_mask=action_mask,
         rollout_logp=rollout_logp,
-        advantages=np.where(attention_mask, advantage_rows, 0.0).astype(np.float32),
+        advantages=scatter(np.repeat(advantages, lengths), np.float32),
     )
+    if pack_width is not None:
+        arrays["segment_ids"] = scatter(np.repeat(np.arange(1, len(lengths) + 1), lengths), np.int32)
+    return arrays
+
+
+def first_fit_rows(lengths: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """First-fit decreasing bin packing of sequences into rows of ``width`` tokens:
+    (row [n], start [n], number of rows). The longest goes first (ties by index), each into
+    the first row with room left; deterministic. Raises ValueError if one is longer than
+    ``width``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and int(lengths.max()) > width:
+        raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit a row of {width}")
+    rows = np.zeros(len(lengths), np.int64)
+    starts = np.zeros(len(lengths), np.int64)
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, filled in enumerate(used) if filled + lengths[i] <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        rows[i], starts[i] = row, used[row]
+        used[row] += int(lengths[i])
+    return rows, starts, len(used)
+
+
+def packed_layout(lengths: Sequence[int], pack_width: int, pad_to_multiple: int = 1,
+                  row_multiple: int = 1) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(row [n], start [n], rows R, width W) of the packed batch: for every width W from
+    the longest sequence rounded up to ``pad_to_multiple`` up to ``pack_width`` (in steps
+    of ``pad_to_multiple``), `first_fit_rows` into rows of W, rows rounded up to a
+    multiple of ``row_multiple`` (the learner's mini- x micro-batches); the (R, W) of
+    least padded area R·W wins, the narrower on a tie (less attention work per row: the
+    per-row attention grows as W², the rest as W). The narrowest W with one sequence per
+    row is the unpacked layout, so the area never exceeds it (when ``row_multiple``
+    divides n)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if pack_width < 1 or pad_to_multiple < 1 or row_multiple < 1 or pack_width % pad_to_multiple:
+        raise ValueError(f"pack_width ({pack_width}) must be a positive multiple of pad_to_multiple "
+                         f"({pad_to_multiple}); row_multiple ({row_multiple}) >= 1")
+    narrowest = -(-max(int(lengths.max()), 1) // pad_to_multiple) * pad_to_multiple
+    if narrowest > pack_width:
+        raise ValueError(f"a trajectory of {int(lengths.max())} tokens does not fit "
+                         f"pack_width={pack_width}")
+    best = None
+    for width in range(narrowest, pack_width + 1, pad_to_multiple):
+        rows, starts, used = first_fit_rows(lengths, width)
+        num_rows = -(-used // row_multiple) * row_multiple
+        if best is None or num_rows * width < best[2] * best[3]:
+            best = (rows, starts, num_rows, width)
+    return best
+
+
+def unpack_rows(values: np.ndarray, segment_ids: np.ndarray, count: int | None = None,
+                width: int | None = None) -> np.ndarray:
+    """Per-token ``values`` [R, W] of a packed batch back to one right-padded row per
+    trajectory, [count, width] (row i = the tokens whose ``segment_ids`` is i + 1, in
+    order; 0 after them); ``count`` defaults to the largest id, ``width`` to the longest
+    trajectory."""
+    values, segment_ids = np.asarray(values), np.asarray(segment_ids)
+    if values.shape != segment_ids.shape:
+        raise ValueError(f"values {values.shape} and segment_ids {segment_ids.shape} differ")
+    flat_ids, flat_values = segment_ids.reshape(-1), values.reshape(-1)
+    count = int(flat_ids.max(initial=0)) if count is None else count
+    if flat_ids.min(initial=0) < 0 or flat_ids.max(initial=0) > count:
+        raise ValueError(f"segment_ids must lie in [0, {count}]")
+    lengths = np.bincount(flat_ids, minlength=count + 1)[1:]
+    width = int(lengths.max(initial=0)) if width is None else width
+    out = np.zeros((count, width), values.dtype)
+    order = np.argsort(flat_ids, kind="stable")[int((flat_ids == 0).sum()):]  # real tokens, by trajectory
+    offsets = np.arange(order.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out[np.repeat(np.arange(count), lengths), offsets] = flat_values[order]
+    return out
 
 
 def pack_train_batch(trajectories: Sequence[Trajectory], advantages, **kwargs):

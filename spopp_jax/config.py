@@ -420,7 +420,10 @@ class RolloutSection:
     conversation again. `pad_to_multiple` (a divisor of max_seq_len): learner batches are
     [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len
     always, one compile; a smaller multiple trains short batches faster at the cost of one
-    compile per width).
+    compile per width). `pack_rows`: several trajectories share a learner row (rows at most
+    max_seq_len wide, each trajectory attending only to itself): the [R, W] of least padded
+    area, R a multiple of optim mini- x micro-batches, so fewer padding tokens are trained
+    (same loss and gradient; a few more shapes to compile; docs/PERFORMANCE.md).
     `result_delay_s` (an experiment knob; 0 = off): each finished episode is held a seeded
     U(0, result_delay_s) seconds before the orchestrator receives it, as a fleet's uneven
     latency would, so results come back out of event order on one machine (the regime
@@ -449,6 +452,7 @@ class RolloutSection:
     engine_steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
     pad_to_multiple: Optional[int] = None
+    pack_rows: bool = False
     result_delay_s: float = 0.0
     server_urls: Optional[str] = None
     servers: ServersSection = field(default_factory=ServersSection)

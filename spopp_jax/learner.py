@@ -133,6 +133,11 @@ class TrainBatch:
     ``rollout_logp``: engine log-prob of token t (0 where not an action).
     ``advantages``: the whitened trajectory advantage broadcast to its tokens.
     ``old_logp``: optional log-probs of the old policy (see `make_compute_logprobs`).
+    ``segment_ids``: optional int [B, T] for packed rows (several trajectories per row,
+    `rollout_bridge.trajectory.pack_train_arrays`): tokens attend only within their
+    segment and positions restart at each segment's start; None = one sequence per row.
+    A segment's first token must not be an action (its log-prob would be read from the
+    previous segment's last token).
     """
 
     input_ids: jax.Array
@@ -141,6 +146,7 @@ class TrainBatch:
     rollout_logp: jax.Array
     advantages: jax.Array
     old_logp: jax.Array | None = None
+    segment_ids: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -184,15 +190,19 @@ class ModelDef:
         state = jax.tree.unflatten(self.param_state_def, [flat[p] for p in self.param_paths])
         return nnx.merge(self.graphdef, state, self.rest_state)
 
-    def apply(self, params: Params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        """logits[B, T, V] (float32) = model(input_ids, attention_mask)."""
-        return self.merge(params)(input_ids, attention_mask=attention_mask)
+    def apply(self, params: Params, input_ids: jax.Array, attention_mask: jax.Array,
+              segment_ids: jax.Array | None = None) -> jax.Array:
+        """logits[B, T, V] (float32) = model(input_ids, attention_mask, segment_ids)."""
+        return self.merge(params)(input_ids, attention_mask=attention_mask,
+                                  segment_ids=segment_ids)
 
     def apply_hidden(
-        self, params: Params, input_ids: jax.Array, attention_mask: jax.Array
+        self, params: Params, input_ids: jax.Array, attention_mask: jax.Array,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Final-norm hidden states [B, T, H]; ``head(params, ·)`` of them = `apply`."""
-        return self.merge(params).hidden_states(input_ids, attention_mask=attention_mask)
+        return self.merge(params).hidden_states(input_ids, attention_mask=attention_mask,
+                                                segment_ids=segment_ids)
 
     def head(self, params: Params, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] of hidden states [..., H] (the LM head)."""
@@ -331,13 +341,15 @@ def model_token_logprobs(
     input_ids: jax.Array,
     attention_mask: jax.Array,
     logprob_chunk_size: int | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Token log-probs [B, T] of the model: `token_logprobs` of the full logits when
-    `logprob_chunk_size` is None, else `chunked_token_logprobs` of the hidden states."""
+    `logprob_chunk_size` is None, else `chunked_token_logprobs` of the hidden states.
+    `segment_ids`: packed rows (`TrainBatch.segment_ids`)."""
     if logprob_chunk_size is None:
-        logits = model_def.apply(params, input_ids, attention_mask)
+        logits = model_def.apply(params, input_ids, attention_mask, segment_ids)
         return token_logprobs(logits, input_ids)
-    hidden = model_def.apply_hidden(params, input_ids, attention_mask)
+    hidden = model_def.apply_hidden(params, input_ids, attention_mask, segment_ids)
     return chunked_token_logprobs(model_def.head, params, hidden, input_ids, logprob_chunk_size)
 
 
@@ -351,6 +363,9 @@ def _check_batch(batch: TrainBatch) -> None:
     }
     if batch.old_logp is not None:
         fields["old_logp"] = batch.old_logp
+    if batch.segment_ids is not None:
+        fields["segment_ids"] = batch.segment_ids
+        _checks.check_integer("segment_ids", batch.segment_ids)
     _checks.check_same_shape(fields)
     _checks.check_rank("input_ids", batch.input_ids, 2)
     _checks.check_integer("input_ids", batch.input_ids)
@@ -425,7 +440,8 @@ def make_compute_logprobs(
     def compute_logprobs(params: Params, batch: TrainBatch) -> jax.Array:
         _check_batch(batch)
         logp = model_token_logprobs(
-            model_def, params, batch.input_ids, batch.attention_mask, logprob_chunk_size
+            model_def, params, batch.input_ids, batch.attention_mask, logprob_chunk_size,
+            batch.segment_ids,
         )
         return jnp.where(batch.action_mask != 0, logp, 0.0)
 
@@ -457,7 +473,8 @@ def _accumulate_grads(
 
     def micro_loss(p, micro):
         logp = model_token_logprobs(
-            model_def, p, micro.input_ids, micro.attention_mask, logprob_chunk_size
+            model_def, p, micro.input_ids, micro.attention_mask, logprob_chunk_size,
+            micro.segment_ids,
         )
         loss_sum, count, metrics = token_loss(logp, micro)
         return loss_sum / denom, (count, metrics)
@@ -662,7 +679,8 @@ def _starting_old_logp(
 
     def piece_logp(piece: TrainBatch) -> jax.Array:
         return model_token_logprobs(
-            model_def, params, piece.input_ids, piece.attention_mask, config.logprob_chunk_size
+            model_def, params, piece.input_ids, piece.attention_mask, config.logprob_chunk_size,
+            piece.segment_ids,
         )
 
     logp = jax.lax.stop_gradient(_merge_rows(jax.lax.map(piece_logp, pieces)))

@@ -57,9 +57,10 @@ class JaxLearner(PolicyLearner):
         return output
 
 
-@pytest.mark.parametrize("method,drain", [("spopp", "finish"), ("spo", "finish"), ("grpo", "finish"),
-                                          ("rloo", "finish"), ("spopp", "none")])
-def test_updates_end_to_end_with_jax_engine(tokenizer, method, drain):
+@pytest.mark.parametrize("method,drain,pack", [("spopp", "finish", False), ("spo", "finish", False),
+                                               ("grpo", "finish", False), ("rloo", "finish", False),
+                                               ("spopp", "none", False), ("spo", "none", True)])
+def test_updates_end_to_end_with_jax_engine(tokenizer, method, drain, pack):
     chat = ChatFormat.from_tokenizer(tokenizer)
     config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -71,7 +72,8 @@ def test_updates_end_to_end_with_jax_engine(tokenizer, method, drain):
                                   min_prefill_len=MAX_LEN)
     agent_config = AgentConfig(max_turns=2, max_total_tokens=MAX_LEN, sampling=SamplingParams(max_new_tokens=6))
     orch_config = OrchestratorConfig(method=method, group_size=4, batch_size=BATCH, max_in_flight=8,
-                                     drain=drain, pad_to_multiple=MAX_LEN, seed=0)
+                                     drain=drain, pad_to_multiple=MAX_LEN // 4 if pack else MAX_LEN,
+                                     pack_rows=pack, pack_row_multiple=2, seed=0)
     # An offline prior with different success counts per task: baselines (and so the
     # advantages) differ across tasks even when the random model never succeeds.
     prior_alpha, prior_beta = jeffreys_prior(np.arange(NUM_TASKS) % 9, np.full(NUM_TASKS, 8))
@@ -103,8 +105,10 @@ def test_updates_end_to_end_with_jax_engine(tokenizer, method, drain):
     first = learner.inputs[0]
     assert all(t.policy_event == 0 for t in first.trajectories)
     batch = first.batch
+    # packed: several trajectories per row (segment ids), fewer rows than trajectories
+    assert (batch.segment_ids is not None and batch.input_ids.shape[0] < BATCH) == pack
     logits = jax.jit(learner.model_def.apply)(learner.initial_params, jnp.asarray(batch.input_ids),
-                                              jnp.asarray(batch.attention_mask))
+                                              jnp.asarray(batch.attention_mask), batch.segment_ids)
     logp = np.asarray(learner_lib.token_logprobs(logits, jnp.asarray(batch.input_ids)))
     mask = np.asarray(batch.action_mask)
     assert mask.sum() > 0
