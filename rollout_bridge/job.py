@@ -68,7 +68,7 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 # written before rollout.servers existed hold it), and rollout.prefix_reuse_across_publish,
 # which acts only across publishes (a fixed policy's prior and evaluations have none; a
 # resumed run may change it), and env.blind_control, a finished run read for the report only.
-UNKEYED_FIELDS = {"rollout": ("servers", "prefix_reuse_across_publish"), "prior": ("cache_dir",),
+UNKEYED_FIELDS = {"rollout": ("servers", "prefix_reuse_across_publish", "pack_rows"), "prior": ("cache_dir",),
                   "env": ("blind_control",)}
 
 

@@ -546,6 +546,9 @@ class Orchestrator:
         diagnostics.update(event_span_diagnostics(trajectories))
         diagnostics.update(
             reward_mean=float(np.mean([t.reward for t in trajectories])),
+            learner_rows=float(batch.input_ids.shape[0]),  # [rows, width] of the learner batch
+            learner_width=float(batch.input_ids.shape[1]),
+            learner_pad_fraction=float(1.0 - np.mean(batch.attention_mask)),  # padding tokens trained through
             policy_lag_mean=float(lag.mean()),
             policy_lag_max=float(lag.max()),
             failed_total=float(self.failed),

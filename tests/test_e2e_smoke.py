@@ -93,6 +93,10 @@ def test_updates_end_to_end_with_jax_engine(tokenizer, method, drain, pack):
     assert orch.updates == UPDATES and orch.policy_event == UPDATES and engine.policy_event == UPDATES
     for record in orch.records:
         assert np.isfinite(record.learner_metrics["loss"]) and record.learner_metrics["tokens"] > 0
+        rows, width = record.diagnostics["learner_rows"], record.diagnostics["learner_width"]
+        real = sum(len(t.token_ids) for t in record.trajectories)
+        assert record.diagnostics["learner_pad_fraction"] == pytest.approx(1 - real / (rows * width))
+        assert rows == BATCH or (pack and rows < BATCH)
         assert np.all(record.policy_lag >= 0)
         assert all(t.usable for t in record.trajectories)
         for t in record.trajectories:  # drain none: tokens of newer events only, never older
