@@ -47,8 +47,8 @@ CAUSAL_MAX_QUERY_BLOCKS = 8
 CAUSAL_MIN_QUERY_BLOCK = 64
 # A full forward's causal blocks are rematerialised in the backward pass only when the
 # float32 scores of all its blocks (`causal_scores_bytes`) exceed this many bytes per layer
-# call. Keeping them is faster: the main job's PPO mini-batch (4 rows x 1,792 tokens,
-# 4 heads: 115 MB) trains 12% faster per step than rematerialised (docs/PERFORMANCE.md);
+# call. Keeping them is faster: with the main job's PPO mini-batches (4 rows x 1,792 tokens,
+# 4 heads: 115 MB) the train step took 2.80 s against 2.97 s rematerialised (docs/PERFORMANCE.md);
 # a long call of a big model (16 heads x 8,192 tokens: 2.4 GB per row) is rematerialised.
 ATTENTION_REMAT_SCORE_BYTES = 256 * 2**20
 

@@ -1,0 +1,144 @@
+"""Learner train step on a packed batch (several trajectories per row, `rollout.pack_rows`)
+against the same trajectories one per row, in interleaved rounds (benchmarks/_protocol.py).
+
+    python benchmarks/packed_batches.py                      # the main job's shapes
+    python benchmarks/packed_batches.py --lengths 300 1600 --batches 6 --rounds 3
+
+Each round draws nothing: `--batches` batches of `--batch` trajectories are drawn once
+(seeded), lengths uniform in [--lengths], a prompt of a quarter of each, the rest actions
+with an observation span; every batch is laid out both ways with
+`rollout_bridge.trajectory.pack_train_batch` (width = longest rounded up to
+`--pad-to-multiple`, or packed rows up to `--pack-width` of least padded area, rows a
+multiple of the K PPO mini-batches), each layout's shapes are compiled first, and a round
+times one pass over all batches per layout. The model is the main job's (128-wide,
+2 layers, vocab 1,024; `--hidden` etc. override), K = 4. Prints the padding share of each
+layout, the load per round, medians and the same-run ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
+
+JOB_SHAPE = dict(vocab=1024, hidden=128, ffn=384, layers=2, heads=4, kv_heads=2, head_dim=32)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(parser)
+    parser.add_argument("--batch", type=int, default=16, help="trajectories per update")
+    parser.add_argument("--lengths", type=int, nargs=2, default=[400, 1600],
+                        help="trajectory lengths, uniform in [lo, hi] (the main job: mean ~930, "
+                             "longest of a batch ~1,400)")
+    parser.add_argument("--batches", type=int, default=6, help="batches per round")
+    parser.add_argument("--pad-to-multiple", type=int, default=256)
+    parser.add_argument("--pack-width", type=int, default=2048)
+    parser.add_argument("--mini-batches", type=int, default=4, help="PPO mini-batches K")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--max-load-excess", type=float, default=0.5)
+    parser.add_argument("--allow-busy", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for flag, value in JOB_SHAPE.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    resolve_shape(args)
+    args.seq = args.pack_width  # positions the benchmark model must hold (_batches.learner_hf_config)
+    return args
+
+
+def random_trajectories(rng, count: int, low: int, high: int, vocab: int):
+    from rollout_bridge.trajectory import DispatchStamp, Trajectory
+
+    out = []
+    for i in range(count):
+        length = int(rng.integers(low, high + 1))
+        prompt = length // 4
+        mask = np.zeros(length, bool)
+        mask[prompt:] = True
+        middle = prompt + (length - prompt) // 2
+        mask[middle:middle + 8] = False  # an observation span
+        logp = np.where(mask, rng.normal(-6.2, 0.3, length), 0.0)
+        out.append(Trajectory(DispatchStamp(i, i, 0, 0.0, 0.5, 0.0),
+                              rng.integers(0, vocab, length).astype(np.int32), mask,
+                              logp.astype(np.float32), prompt, float(i % 2), 0.0))
+    return out
+
+
+def main(args):
+    import jax
+    import jax.numpy as jnp
+
+    from _batches import learner_hf_config
+    from _hardware import cpu_model
+    from rollout_bridge.trajectory import pack_train_batch
+    from spopp_jax import learner
+    from spopp_jax.models import from_pretrained
+    from spopp_jax.models.testing import random_hf_model
+    import tempfile
+
+    rng = np.random.default_rng(args.seed)
+    batches = {"one per row": [], "packed": []}
+    for _ in range(args.batches):
+        trajectories = random_trajectories(rng, args.batch, *args.lengths, args.vocab)
+        advantages = rng.normal(size=args.batch).astype(np.float32)
+        batches["one per row"].append(pack_train_batch(
+            trajectories, advantages, pad_to_multiple=args.pad_to_multiple))
+        batches["packed"].append(pack_train_batch(
+            trajectories, advantages, pad_to_multiple=args.pad_to_multiple,
+            pack_width=args.pack_width, row_multiple=args.mini_batches))
+    batches = {name: [jax.tree.map(jnp.asarray, b) for b in bs] for name, bs in batches.items()}
+    with tempfile.TemporaryDirectory() as folder:
+        random_hf_model(learner_hf_config(args), seed=0).save_pretrained(folder)
+        model = from_pretrained(folder, dtype="float32")
+    config = learner.LearnerConfig(learning_rate=1e-4, num_mini_batches=args.mini_batches)
+    model_def, state = learner.init_train_state(model, config)
+    step = learner.make_train_step(model_def, config)
+
+    load = os.getloadavg()
+    print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/{load[1]:.1f}/"
+          f"{load[2]:.1f}; {args.threads} threads; jax {jax.__version__}; model: hidden "
+          f"{args.hidden} x {args.layers} layers, vocab {args.vocab}; K = {args.mini_batches}; "
+          f"{args.batches} batches of {args.batch} trajectories, lengths U[{args.lengths[0]}, "
+          f"{args.lengths[1]}]", flush=True)
+    holders = {}
+    for name, bs in batches.items():
+        real = sum(int(jnp.sum(b.attention_mask)) for b in bs)
+        slots = sum(b.input_ids.size for b in bs)
+        shapes = sorted({tuple(b.input_ids.shape) for b in bs})
+        holders[name] = {"state": jax.tree.map(jnp.copy, state)}
+        start = time.perf_counter()
+        for b in bs + bs:  # compiles every shape (twice for the first: a fresh state's placement differs)
+            holders[name]["state"], _ = step(holders[name]["state"], b)
+        jax.block_until_ready(holders[name]["state"])
+        print(f"{name}: shapes {shapes}, padding {1 - real / slots:.1%} of {slots} token slots; "
+              f"two warm-up passes (compiles) {time.perf_counter() - start:.1f} s", flush=True)
+
+    def one_pass(name):
+        def run():
+            for b in batches[name]:
+                holders[name]["state"], metrics = step(holders[name]["state"], b)
+            jax.block_until_ready((holders[name]["state"], metrics))
+        return run
+
+    timings = _protocol.interleaved_rounds({name: one_pass(name) for name in batches}, args.rounds,
+                                           max_load_excess=args.max_load_excess)
+    _protocol.report(timings, args.batches, "batch", args.allow_busy)
+    print("headline: " + _protocol.headline(timings, "packed", "one per row", args.allow_busy))
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    import _protocol
+
+    _protocol.pin_threads(ARGS.threads)
+    import numpy as np
+
+    main(ARGS)
