@@ -111,7 +111,7 @@ def main(args):
     load = os.getloadavg()[0]
     total = sum(totals.values())
     print(f"spopp_jax from {os.path.dirname(spopp_jax.__file__)}")
-    print(f"model {args.model}, batch {args.batch} x {args.seq}, M={args.micro_batches}; "
+    print(f"model {args.model}, batch {args.batch} x {args.seq}, M={args.micro_batches}, K={args.mini_batches}; "
           f"load avg {load:.1f} (shared machine: read shares, not ms); op time "
           f"{total / args.steps / 1e6:.1f} ms/step over {XLA_THREAD_PREFIX} threads")
     kinds = collections.Counter()

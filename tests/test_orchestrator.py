@@ -549,6 +549,16 @@ def test_config_validation():
         OrchestratorConfig(method="grpo", batch_size=10, group_size=3)
 
 
+def test_packed_rows_need_a_row_width_in_steps_of_pad_to_multiple(chat):
+    world = World(chat, 4, reward_table(4), lambda task, visit: 0.0)
+    with pytest.raises(ValueError, match="pack_rows: rows of max_total_tokens=40"):
+        Orchestrator(world.engine, world.env, world.chat, FakeLearner(), 4,
+                     OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=16, pack_rows=True),
+                     AgentConfig(max_total_tokens=40))
+    with pytest.raises(ValueError, match="pack_row_multiple"):
+        OrchestratorConfig(pack_rows=True, pack_row_multiple=0)
+
+
 def test_a_broken_environment_stops_the_run_instead_of_spinning(chat):
     world = World(chat, 4, reward_table(11), uneven_latency(11), fault=lambda task, visit: True)
     config = OrchestratorConfig(batch_size=2, max_in_flight=3, max_consecutive_failures=12, pad_to_multiple=8)

@@ -49,6 +49,18 @@ def test_packed_layout_places_every_sequence_once_inside_its_row(lengths, multip
     assert num_rows * width <= unpacked_rows * narrowest
 
 
+def test_unpack_rows_refuses_mismatched_or_out_of_range_ids():
+    ids = np.array([[1, 1, 2, 0]])
+    with pytest.raises(ValueError, match="differ"):
+        unpack_rows(np.zeros((1, 3)), ids)
+    with pytest.raises(ValueError, match=r"lie in \[0, 1\]"):
+        unpack_rows(np.zeros((1, 4)), ids, count=1)
+    with pytest.raises(ValueError, match="lie in"):
+        unpack_rows(np.zeros((1, 4)), -ids, count=2)
+    # a trailing trajectory with no tokens still gets its (empty) row
+    assert unpack_rows(np.arange(4.0)[None], ids, count=3).tolist() == [[0, 1], [2, 0], [0, 0]]
+
+
 def test_first_fit_rows_fills_the_longest_first_and_refuses_overlong():
     rows, starts, used = first_fit_rows([5, 3, 6, 2], 8)
     # 6 -> row 0, 5 -> row 1, 3 -> row 1 (5 + 3), 2 -> row 0 (6 + 2)

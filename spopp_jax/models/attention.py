@@ -61,9 +61,11 @@ def causal_query_block(time: int) -> int:
 def causal_scores_bytes(batch: int, heads: int, time: int, block_size: int) -> int:
     """Bytes of the float32 scores [B, H, e - a, e] of all causal blocks [a, e) of a
     T-token full forward (`causal_block_attention`): 4 B H sum_blocks (e - a) e."""
-    ends = [min(start + block_size, time) for start in range(0, time, block_size)]
-    return 4 * batch * heads * sum((end - start) * end
-                                   for start, end in zip(range(0, time, block_size), ends))
+    scores = 0
+    for start in range(0, time, block_size):
+        end = min(start + block_size, time)
+        scores += (end - start) * end
+    return 4 * batch * heads * scores
 
 
 def causal_block_attention(query: jax.Array, key: jax.Array, value: jax.Array,
