@@ -20,7 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rollout_bridge.engine.base import SamplingParams
-from rollout_bridge.engine.jax_engine import JaxEngine, prng_key_data
+from rollout_bridge.engine.jax_engine import JaxEngine, _fine_bucket, prng_key_data
 from rollout_bridge.engine.sampling_ops import allowed_token_mask, sample_tokens, scaled_log_probs
 from rollout_bridge.engine.slot_decode import chunk_uniforms
 from spopp_jax.models import ModelConfig, init_model
@@ -390,8 +390,8 @@ def test_publish_lets_running_requests_finish_and_starts_queued_ones_on_new_weig
 
 
 def test_prefill_is_bucketed_and_decode_compiles_once(model_a):
-    """10 prompt lengths admitted one at a time: at most the 3 prefix-width buckets of
-    max_len 64 (16, 32, 64) compile for admission, and decode compiles at most once."""
+    """10 prompt lengths admitted one at a time: at most the 5 prefix-width buckets of
+    max_len 64 (16, 24, 32, 48, 64) compile for admission, and decode compiles at most once."""
     lengths = [1, 2, 5, 9, 17, 20, 31, 33, 47, 60]
 
     async def body(engine):
@@ -403,8 +403,18 @@ def test_prefill_is_bucketed_and_decode_compiles_once(model_a):
         return before, after
 
     (admit0, decode0), (admit1, decode1) = run(with_engine(model_a, body))
-    assert admit1 - admit0 <= 3
+    assert admit1 - admit0 <= 5
     assert decode1 - decode0 <= 1
+
+
+@pytest.mark.parametrize("n", list(range(1, 130)) + [1000, 1025, 1537, 2047])
+def test_fine_bucket_pads_less_than_half(n):
+    """Sizes 2^k or 3 * 2^(k-1): never below n, under 1.5 n, clipped to [minimum, maximum]."""
+    size = _fine_bucket(n, 1, 1 << 20)
+    assert n <= size < 1.5 * n + 1
+    assert size & (size - 1) == 0 or (size % 3 == 0 and (size // 3) & (size // 3 - 1) == 0)
+    assert _fine_bucket(n, 256, 1 << 20) == max(256, size)
+    assert _fine_bucket(n, 1, 64) == min(size, 64)
 
 
 def test_publish_rejects_weights_of_another_shape(model_a):

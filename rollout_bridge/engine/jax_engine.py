@@ -10,12 +10,12 @@ of ``slot_decode``:
 * One background thread runs the scheduler; each host round-trip runs ``steps_per_call``
   jitted decode steps (``lax.scan``, fixed shapes: one compile). JAX releases the GIL while
   computing, so the asyncio event loop of the callers stays responsive.
-* Prefill shapes are bucketed (powers of two in rows and prefix length, at least
-  ``min_prefill_len``), bounding recompiles to O(log S * log^2 max_len). The requests
-  admitted together prefill in one call per width bucket (a conversation's first turn,
-  hundreds of new tokens, does not pad its later turns, tens, to its width), and each call
-  attends only the cache window its rows reach (a power of two, at least 256 positions),
-  not all ``max_len`` positions.
+* Prefill shapes are bucketed (rows, new tokens and cache window each rounded up to
+  2^k or 3 * 2^(k-1): at most 1.5x padding per axis), bounding recompiles to
+  O(log S * log^2 max_len). The requests admitted together prefill in one call per
+  power-of-two width class (a conversation's first turn, hundreds of new tokens, does not
+  pad its later turns, tens, to its width), and each call attends only the cache window
+  its rows reach (at least 256 positions), not all ``max_len`` positions.
 * Prefix reuse (multi-turn agents): a finished request leaves its slot's cache rows
   holding its prompt and all its tokens but the last. A later request whose prompt
   extends that whole sequence (the next turn of the same conversation: history, reply,
@@ -185,14 +185,23 @@ def prng_key_data(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
 
 
-# Smallest cache window a prefill attends (`slot_decode.admit`'s key_len): a power of two,
-# so a run compiles few (width, window) pairs.
+# Smallest cache window a prefill attends (`slot_decode.admit`'s key_len), so a run
+# compiles few (width, window) pairs.
 _MIN_KEY_WINDOW = 256
 
 
 def _bucket(n: int, minimum: int, maximum: int) -> int:
     size = max(minimum, 1 << max(0, n - 1).bit_length())
     return min(size, maximum)
+
+
+def _fine_bucket(n: int, minimum: int, maximum: int) -> int:
+    """The smallest size >= n of the form 2^k or 3 * 2^(k-1) (1, 2, 3, 4, 6, 8, 12, ...),
+    clipped to [minimum, maximum]: at most 1.5x padding where powers of two pad up to 2x,
+    for about twice as many shapes to compile."""
+    power = 1 << max(0, n - 1).bit_length()
+    size = power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power
+    return min(max(minimum, size), maximum)
 
 
 @dataclasses.dataclass
@@ -526,10 +535,11 @@ class JaxEngine(RolloutEngine):
         if not admitted:
             return
         for group in self._prefill_groups(admitted):
-            rows = _bucket(len(group), 1, self._num_slots)
-            width = max(self._width_bucket(r) for _, r in group)
-            key_len = _bucket(max(len(r.prompt_ids) - 1 for _, r in group), max(width, self.min_key_window),
-                              self._max_len)
+            rows = _fine_bucket(len(group), 1, self._num_slots)
+            width = _fine_bucket(max(len(r.prompt_ids) - 1 - r.start for _, r in group), self._min_prefill_len,
+                                 self._max_len)
+            key_len = _fine_bucket(max(len(r.prompt_ids) - 1 for _, r in group), max(width, self.min_key_window),
+                                   self._max_len)
             batch = _requests_batch(group, rows, width, self._num_slots, self._max_stop_tokens)
             self._state = self._transitions.admit(self._param_leaves, self._state, batch, key_len)
         for slot, request in admitted:
@@ -544,7 +554,8 @@ class JaxEngine(RolloutEngine):
                 self.prefix_stats.stale_reused_tokens += request.start
 
     def _width_bucket(self, request: _Request) -> int:
-        """Prefill width of ``request``: its new tokens rounded up to a power of two."""
+        """Prefill width class of ``request``: its new tokens rounded up to a power of two
+        (the call's width is `_fine_bucket` of its group's longest)."""
         return _bucket(len(request.prompt_ids) - 1 - request.start, self._min_prefill_len, self._max_len)
 
     def _prefill_groups(self, admitted: list[tuple[int, _Request]]) -> list[list[tuple[int, _Request]]]:
