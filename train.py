@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
@@ -169,9 +170,11 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
         for sink in sinks:
             getattr(sink, "close", lambda: None)()
         n = cfg.evaluation.rollouts(cfg.prior, "train")
-        log(f"evaluation: {n} rollouts x {job.env.num_tasks} tasks with the final policy")
+        tasks = cfg.evaluation.train_task_ids(job.env.num_tasks)
+        log(f"evaluation: {n} rollouts x {len(tasks)} tasks with the final policy"
+            + (f" (training tasks 0-{len(tasks) - 1} of {job.env.num_tasks})" if len(tasks) < job.env.num_tasks else ""))
         successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                                   n, "eval", cfg.progress, evaluation_seed(cfg.seed, "train"))
+                                                   n, "eval", cfg.progress, evaluation_seed(cfg.seed, "train"), tasks)
         extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
                                         cfg.evaluation.rollouts(cfg.prior, "heldout"), "after RL", cfg.progress,
                                         cfg.seed)
@@ -221,6 +224,7 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     after_record = {"successes": successes.tolist(), "trials": trials.tolist(), "success_rate": after}
     write_json_atomic(paths.eval_after, after_record)
     rows = read_metrics(paths.root / "metrics.jsonl")
+    prior = None if prior is None else same_tasks(prior, after_record)
     before = None if prior is None else prior["success_rate"]
     summary = {"success_before_rl": before, "success_after_rl": after,
                "success_per_step": [r.get("success_rate") for r in rows], "rl_wall_s": time.time() - start}
@@ -233,6 +237,18 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
         summary[f"{name}_after_rl"] = after_extra[name]
     write_json_atomic(paths.summary, summary)
     return summary
+
+
+def same_tasks(prior: dict, evaluated: dict) -> dict:
+    """The prior's record restricted to the tasks ``evaluated`` played (``evaluation.train_games``
+    evaluates a subset after RL): before and after RL then compare the same games."""
+    played = np.asarray(evaluated["trials"]) > 0
+    if played.all():
+        return prior
+    successes = np.where(played, prior["successes"], 0)
+    trials = np.where(played, prior["trials"], 0)
+    return {"successes": successes.tolist(), "trials": trials.tolist(),
+            "success_rate": float(successes.sum() / max(trials.sum(), 1))}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -33,6 +33,7 @@ LEARNER_KNOBS = {
     "adam_b1": "optim.adam_b1", "adam_b2": "optim.adam_b2", "adam_eps": "optim.adam_eps",
     "max_grad_norm": "optim.max_grad_norm", "num_micro_batches": "optim.num_micro_batches",
     "num_mini_batches": "optim.num_mini_batches", "logprob_chunk_size": "optim.logprob_chunk_size",
+    "action_logits_fraction": "optim.action_logits_fraction",
     "clip_low": "loss.clip_low", "clip_high": "loss.clip_high", "dual_clip": "loss.dual_clip",
     "is_cap": "loss.is_cap", "old_logp_source": "loss.old_logp_source",
     "max_consecutive_skips": "optim.max_consecutive_skips",

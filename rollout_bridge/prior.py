@@ -31,10 +31,12 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
                             num_tasks: int, rollouts_per_task: int,
                             agent_config: AgentConfig, max_concurrency: int = 16,
                             on_done: Callable[[int], None] | None = None,
-                            crn_seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                            crn_seed: int | None = None,
+                            task_ids: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(successes, trials) per task, [num_tasks] int64 each, from `rollouts_per_task`
-    episodes of every task with the engine's current policy. Failed or aborted episodes
-    are not counted as trials (no evidence either way).
+    episodes of every task in `task_ids` (None: all `num_tasks`; the others keep 0 trials)
+    with the engine's current policy. Failed or aborted episodes are not counted as trials
+    (no evidence either way).
 
     `crn_seed`: episode r of task t plays with episode seed ``derived_seed(crn_seed, t, r)``
     (`run_episode`), so every policy evaluated with the same `crn_seed` meets the same
@@ -43,6 +45,9 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
     if num_tasks < 1 or rollouts_per_task < 1 or max_concurrency < 1:
         raise ValueError(f"num_tasks, rollouts_per_task and max_concurrency must be >= 1, got "
                          f"{num_tasks}, {rollouts_per_task}, {max_concurrency}")
+    task_ids = range(num_tasks) if task_ids is None else [int(t) for t in task_ids]
+    if not task_ids or len(set(task_ids)) != len(task_ids) or not all(0 <= t < num_tasks for t in task_ids):
+        raise ValueError(f"task_ids must be distinct task ids in [0, {num_tasks}), at least one")
     successes = np.zeros(num_tasks, np.int64)
     trials = np.zeros(num_tasks, np.int64)
     semaphore = asyncio.Semaphore(max_concurrency)
@@ -71,7 +76,7 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
             on_done(finished)
 
     # interleave tasks (round r of every task, then round r+1) so progress is even
-    jobs = [(r * num_tasks + t, t, r) for r in range(rollouts_per_task) for t in range(num_tasks)]
+    jobs = [(r * num_tasks + t, t, r) for r in range(rollouts_per_task) for t in task_ids]
     await asyncio.gather(*(one(i, t, r) for i, t, r in jobs))
     return successes, trials
 

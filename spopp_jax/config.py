@@ -233,14 +233,21 @@ class EvaluationSection:
     policy, compared with the prior's rollouts of the initial policy;
     `heldout_rollouts`: rollouts of every task of the env kind's evaluation sets (held-out
     games, Math-TIR without its tool) before and after RL. None: `prior.rollouts_per_task`
-    (one rollout per task on 1,024 training games leaves 4 per held-out game, say)."""
+    (one rollout per task on 1,024 training games leaves 4 per held-out game, say).
+    `train_games`: only the training tasks 0..train_games-1 are evaluated after RL (paired
+    with the prior's rollouts of the same tasks); None: every training task."""
 
     train_rollouts: Optional[int] = None
     heldout_rollouts: Optional[int] = None
+    train_games: Optional[int] = None
 
     def __post_init__(self):
-        _positive("evaluation", self, *(name for name in ("train_rollouts", "heldout_rollouts")
+        _positive("evaluation", self, *(name for name in ("train_rollouts", "heldout_rollouts", "train_games")
                                         if getattr(self, name) is not None))
+
+    def train_task_ids(self, num_tasks: int) -> range:
+        """The training tasks evaluated after RL: the first `train_games` (all if None or more)."""
+        return range(num_tasks if self.train_games is None else min(self.train_games, num_tasks))
 
     def rollouts(self, prior: "PriorSection", which: str) -> int:
         """Rollouts per task of ``which`` ("train" or "heldout")."""
@@ -335,6 +342,10 @@ class OptimSection:
     # Log-probs in chunks of this many positions from the final hidden states, so no
     # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
     logprob_chunk_size: Optional[int] = None
+    # The LM head only at the action tokens, gathered into this fraction of each row's
+    # positions (a batch with a row of more action tokens runs it everywhere): the same
+    # log-probs, without most of the [B, T, V] logits of observation tokens; null = everywhere.
+    action_logits_fraction: Optional[float] = None
     # A step with a non-finite loss or gradient is skipped (parameters and optimizer state
     # unchanged); this many skipped steps in a row stop the run with a message.
     max_consecutive_skips: int = 5
@@ -346,6 +357,9 @@ class OptimSection:
             _check(0.0 <= getattr(self, name) < 1.0, f"optim.{name}", "in [0, 1)", getattr(self, name))
         if self.logprob_chunk_size is not None:
             _positive("optim", self, "logprob_chunk_size")
+        if self.action_logits_fraction is not None:
+            _check(0.0 < self.action_logits_fraction <= 1.0, "optim.action_logits_fraction", "in (0, 1]",
+                   self.action_logits_fraction)
         _check(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
         if self.max_grad_norm is not None:
             _positive("optim", self, "max_grad_norm")

@@ -19,6 +19,7 @@ functions merge them back inside the trace.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Literal
 
 import flax.struct
@@ -42,6 +43,7 @@ __all__ = [
     "token_logprobs",
     "chunked_token_logprobs",
     "model_token_logprobs",
+    "action_token_logprobs",
     "split_micro_batches",
     "split_mini_batches",
     "make_compute_logprobs",
@@ -77,6 +79,12 @@ class LearnerConfig:
     clipping. ``logprob_chunk_size``: None = log-probs from the full [B, T, V] logits;
     an int C = the LM head and logsumexp run over C positions at a time (rematerialised in
     the backward pass), so at most [B, C, V] logits are live (`chunked_token_logprobs`).
+    ``action_logits_fraction``: None = the LM head runs at every position; f = only at the
+    action tokens, gathered into ceil(f·T) positions per row (`action_token_logprobs`: the
+    loss reads no other log-prob; a batch with a row of more action tokens than that runs
+    the head everywhere). Same log-probs; for agent trajectories, where observations fill
+    most of a row, most of the [B, T, V] logits are skipped. Not combined with
+    ``logprob_chunk_size`` (which takes precedence).
     ``max_consecutive_skips``: a `SkipGuard` built from this config stops the run after
     that many train steps in a row skipped for a non-finite loss or gradient.
     """
@@ -95,9 +103,14 @@ class LearnerConfig:
     is_cap: float = 2.0
     old_logp_source: Literal["current", "rollout"] = "current"
     logprob_chunk_size: int | None = None
+    action_logits_fraction: float | None = None
     max_consecutive_skips: int = 5
 
     def __post_init__(self):
+        if self.action_logits_fraction is not None and not 0.0 < self.action_logits_fraction <= 1.0:
+            raise ValueError(
+                f"action_logits_fraction must be in (0, 1] or None, got {self.action_logits_fraction!r}"
+            )
         if self.logprob_chunk_size is not None and not (
             isinstance(self.logprob_chunk_size, int) and self.logprob_chunk_size > 0
         ):
@@ -335,6 +348,54 @@ def chunked_token_logprobs(
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
+def action_capacity(length: int, fraction: float) -> int:
+    """Positions per row `action_token_logprobs` gathers for a T-token batch: ceil(f·T)
+    rounded up to a multiple of 8, at most T."""
+    return min(length, -(-math.ceil(fraction * length) // 8) * 8)
+
+
+def action_token_logprobs(
+    head: Callable[[Params, jax.Array], jax.Array],
+    params: Params,
+    hidden: jax.Array,
+    input_ids: jax.Array,
+    action_mask: jax.Array,
+    capacity: int,
+) -> jax.Array:
+    """`token_logprobs(head(params, hidden), input_ids)` at the action tokens, 0 elsewhere,
+    with the LM head run at `capacity` positions per row instead of T.
+
+    logp[b, t] = log_softmax(head(hidden[b, t-1]))[input_ids[b, t]] where action_mask[b, t]
+    (t >= 1; SPEC 5 token log-probs; the actor loss reads no other). Row b's action tokens
+    t_1 < t_2 < ... are gathered (hidden[b, t_j - 1], input_ids[b, t_j]) into
+    [B, capacity], the head and the float32 logsumexp run there, and the log-probs are
+    scattered back. A batch where some row has more than `capacity` action tokens takes the
+    full [B, T, V] path instead (`lax.cond`), so no token is dropped.
+    """
+    _check_per_position("hidden", hidden, input_ids)
+    _checks.check_rank("action_mask", action_mask, 2)
+    batch, length = input_ids.shape
+    if not (isinstance(capacity, int) and 0 < capacity <= length):
+        raise ValueError(f"`capacity` must be an int in [1, {length}], got {capacity!r}")
+    mask = (action_mask != 0).at[:, 0].set(False)   # position 0 has no log-prob (logp[:, 0] = 0)
+    counts = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+
+    def gathered():
+        index = jax.vmap(lambda row: jnp.nonzero(row, size=capacity, fill_value=0)[0])(mask)   # [B, A]
+        valid = jnp.arange(capacity)[None, :] < counts[:, None]
+        source = jnp.take_along_axis(hidden, jnp.maximum(index - 1, 0)[..., None], axis=1)
+        targets = jnp.take_along_axis(input_ids, index, axis=1)
+        logp = jnp.where(valid, _target_logprobs(head(params, source), targets), 0.0)
+        rows = jnp.arange(batch)[:, None]
+        return jnp.zeros((batch, length), jnp.float32).at[rows, jnp.where(valid, index, length)].set(
+            logp, mode="drop")
+
+    def everywhere():
+        return jnp.where(mask, token_logprobs(head(params, hidden), input_ids), 0.0)
+
+    return jax.lax.cond(jnp.max(counts) <= capacity, gathered, everywhere)
+
+
 def model_token_logprobs(
     model_def: ModelDef,
     params: Params,
@@ -342,10 +403,17 @@ def model_token_logprobs(
     attention_mask: jax.Array,
     logprob_chunk_size: int | None = None,
     segment_ids: jax.Array | None = None,
+    action_mask: jax.Array | None = None,
+    action_logits_fraction: float | None = None,
 ) -> jax.Array:
     """Token log-probs [B, T] of the model: `token_logprobs` of the full logits when
-    `logprob_chunk_size` is None, else `chunked_token_logprobs` of the hidden states.
-    `segment_ids`: packed rows (`TrainBatch.segment_ids`)."""
+    `logprob_chunk_size` is None, else `chunked_token_logprobs` of the hidden states;
+    with `action_mask` and `action_logits_fraction` (and no chunks), `action_token_logprobs`
+    (0 off the action mask). `segment_ids`: packed rows (`TrainBatch.segment_ids`)."""
+    if logprob_chunk_size is None and action_logits_fraction is not None and action_mask is not None:
+        hidden = model_def.apply_hidden(params, input_ids, attention_mask, segment_ids)
+        return action_token_logprobs(model_def.head, params, hidden, input_ids, action_mask,
+                                     action_capacity(input_ids.shape[1], action_logits_fraction))
     if logprob_chunk_size is None:
         logits = model_def.apply(params, input_ids, attention_mask, segment_ids)
         return token_logprobs(logits, input_ids)
@@ -427,7 +495,7 @@ def _merge_rows(x: jax.Array) -> jax.Array:
 
 
 def make_compute_logprobs(
-    model_def: ModelDef, logprob_chunk_size: int | None = None
+    model_def: ModelDef, logprob_chunk_size: int | None = None, action_logits_fraction: float | None = None
 ) -> Callable[[Params, TrainBatch], jax.Array]:
     """Jitted `compute_logprobs(params, batch) -> [B, T]` float32 (0 off the action mask).
 
@@ -441,7 +509,7 @@ def make_compute_logprobs(
         _check_batch(batch)
         logp = model_token_logprobs(
             model_def, params, batch.input_ids, batch.attention_mask, logprob_chunk_size,
-            batch.segment_ids,
+            batch.segment_ids, batch.action_mask, action_logits_fraction,
         )
         return jnp.where(batch.action_mask != 0, logp, 0.0)
 
@@ -463,6 +531,7 @@ def _accumulate_grads(
     token_loss: TokenLossFn,
     combine: Callable[[dict, dict], dict],
     logprob_chunk_size: int | None = None,
+    action_logits_fraction: float | None = None,
 ):
     """Σ_m ∇(loss_sum_m / N) and Σ_m loss_sum_m / N with N the batch's global token count.
 
@@ -474,7 +543,7 @@ def _accumulate_grads(
     def micro_loss(p, micro):
         logp = model_token_logprobs(
             model_def, p, micro.input_ids, micro.attention_mask, logprob_chunk_size,
-            micro.segment_ids,
+            micro.segment_ids, micro.action_mask, action_logits_fraction,
         )
         loss_sum, count, metrics = token_loss(logp, micro)
         return loss_sum / denom, (count, metrics)
@@ -557,6 +626,7 @@ def _loss_grads_sums(
         token_loss,
         combine,
         config.logprob_chunk_size,
+        config.action_logits_fraction,
     )
 
 
@@ -680,7 +750,7 @@ def _starting_old_logp(
     def piece_logp(piece: TrainBatch) -> jax.Array:
         return model_token_logprobs(
             model_def, params, piece.input_ids, piece.attention_mask, config.logprob_chunk_size,
-            piece.segment_ids,
+            piece.segment_ids, piece.action_mask, config.action_logits_fraction,
         )
 
     logp = jax.lax.stop_gradient(_merge_rows(jax.lax.map(piece_logp, pieces)))

@@ -144,3 +144,15 @@ def test_rollout_successes_with_one_crn_seed_agree_across_concurrency(chat, task
     assert counts(4, crn_seed=7) == counts(1, crn_seed=7)
     assert len({counts(2, crn_seed=seed) for seed in range(6)}) > 1   # the seeds decide the wins
     assert counts(2, crn_seed=None) == (0, 0)                          # unseeded: junk, never a win
+
+    # a subset of the tasks (evaluation.train_games) plays exactly those tasks' episodes
+    config = AgentConfig(max_turns=4, max_total_tokens=4096, sampling=SamplingParams(max_new_tokens=32))
+    subset = [asyncio.run(rollout_successes(FakeEngine(script), lambda: TextWorldEnv(tasks), chat, tasks.num_tasks,
+                                            6, config, 2, crn_seed=seed, task_ids=[1])) for seed in range(6)]
+    for seed, (successes, trials) in enumerate(subset):
+        assert trials.tolist() == [0, 6]
+        assert successes.tolist() == [0, counts(2, crn_seed=seed)[1]]
+    for bad in ([], [2], [-1], [1, 1]):
+        with pytest.raises(ValueError, match="task_ids"):
+            asyncio.run(rollout_successes(FakeEngine(script), lambda: TextWorldEnv(tasks), chat, tasks.num_tasks,
+                                          1, config, 2, task_ids=bad))

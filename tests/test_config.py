@@ -98,6 +98,7 @@ def test_resume_flag_forms():
     (["--prior.mass", "-8"], "prior.mass"),
     (["--evaluation.train_rollouts", "0"], "evaluation.train_rollouts"),
     (["--evaluation.heldout_rollouts=-2"], "evaluation.heldout_rollouts"),
+    (["--evaluation.train_games", "0"], "evaluation.train_games"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),
     (["--method", "grpo", "--rollout.batch_size", "12", "--rollout.group_size", "8"],
@@ -250,7 +251,7 @@ def test_section_owners_really_read_each_field_of_their_section():
                         components.check_inputs],
               "mesh": [components.build_mesh], "env": [kinds.build_env, kinds.textworld_bundle, kinds.math_tir_bundle, kinds.alfworld_bundle],
               "warmstart": [job.run_warmstart], "prior": [job.run_prior],
-              "evaluation": [EvaluationSection.rollouts]}
+              "evaluation": [EvaluationSection.rollouts, EvaluationSection.train_task_ids]}
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for section, functions in owners.items():
         source = "".join(inspect.getsource(f) for f in functions)

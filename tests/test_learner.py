@@ -586,6 +586,94 @@ def test_chunked_train_step_equals_full_logits_step(tiny, objective):
     assert_trees_close(chunk_state.params, full_state.params, rtol=1e-5, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- action-only head
+
+
+def _check_action_head_keeps_logprobs_and_gradient(length, capacity, seed, transform):
+    """`action_token_logprobs` == the full head's log-probs on the action mask (0 off it),
+    and the gradient of a weighted sum of them too (d/dkernel, d/dhidden), whether the
+    gathered path runs (every row has <= capacity action tokens) or the full one."""
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.normal(size=(3, length, 4)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(scale=2.0, size=(4, 9)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 9, size=(3, length)), jnp.int32)
+    mask = jnp.asarray(rng.random((3, length)) < 0.4)
+    weights = jnp.asarray(rng.normal(size=(3, length)), jnp.float32)
+
+    def head(p, h):
+        return h @ p
+
+    def full(p, h):
+        return jnp.where(mask, learner.token_logprobs(head(p, h), ids), 0.0).at[:, 0].set(0.0)
+
+    def gathered(p, h):
+        return learner.action_token_logprobs(head, p, h, ids, mask, capacity)
+
+    np.testing.assert_allclose(np.asarray(transform(gathered)(kernel, hidden)),
+                               np.asarray(transform(full)(kernel, hidden)), rtol=1e-6, atol=1e-6)
+    for want, got in zip(transform(jax.grad(lambda p, h: jnp.sum(weights * full(p, h)), argnums=(0, 1)))(kernel, hidden),
+                         transform(jax.grad(lambda p, h: jnp.sum(weights * gathered(p, h)), argnums=(0, 1)))(kernel, hidden)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=12, deadline=None)
+@given(length=st.integers(2, 16), capacity_share=st.floats(0.05, 1.0), seed=st.integers(0, 2**16))
+def test_property_action_head_never_changes_action_logprobs_or_their_gradient(length, capacity_share, seed):
+    """Capacities below and above the rows' action counts: the full-path fallback included."""
+    _check_action_head_keeps_logprobs_and_gradient(length, max(1, int(capacity_share * length)), seed, jax.jit)
+
+
+@pytest.mark.parametrize("capacity", [2, 16])   # 16 positions: gathered; 2: some row has more (full path)
+def test_action_head_keeps_logprobs_and_gradient_eager_and_jitted(maybe_jit, capacity):
+    _check_action_head_keeps_logprobs_and_gradient(16, capacity, 3, maybe_jit)
+
+
+def test_action_head_checks_capacity_and_shapes():
+    hidden, ids, mask = jnp.zeros((2, 5, 3)), jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 5), bool)
+    for capacity in (0, 6, 2.5):
+        with pytest.raises(ValueError, match="capacity"):
+            learner.action_token_logprobs(lambda p, h: h, None, hidden, ids, mask, capacity)
+    with pytest.raises(ValueError, match="hidden"):
+        learner.action_token_logprobs(lambda p, h: h, None, hidden[:, :4], ids, mask, 2)
+    assert [learner.action_capacity(t, 0.25) for t in (1, 8, 28, 1536)] == [1, 8, 8, 384]
+    with pytest.raises(ValueError, match="action_logits_fraction"):
+        learner.LearnerConfig(action_logits_fraction=0.0)
+
+
+def test_action_head_compute_logprobs_equals_full_logits(tiny):
+    """The tiny batch's longest row has 20 action tokens: fraction 0.75 (capacity 24 of 28)
+    gathers, 0.25 (8) falls back to the full head; both equal the full logits."""
+    model_def, params, batch, _ = tiny
+    full = learner.make_compute_logprobs(model_def)(params, batch)
+    for fraction in (0.75, 0.25):
+        got = learner.make_compute_logprobs(model_def, action_logits_fraction=fraction)(params, batch)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(full)).sum() > 0
+
+
+@pytest.mark.parametrize("num_mini_batches", [1, 4])
+def test_action_head_train_step_equals_full_logits_step(tiny, num_mini_batches):
+    """The policy train step (K = 1 and K = 4 PPO mini-batches) with the action-only head
+    gives the full head's loss, gradient norm and new parameters."""
+    model_def, params, batch, _ = tiny
+    results = []
+    for fraction in (None, 0.75):
+        config = learner.LearnerConfig(learning_rate=1e-3, num_mini_batches=num_mini_batches,
+                                       action_logits_fraction=fraction)
+        state = learner.TrainState(
+            params=copy_tree(params),
+            opt_state=learner.make_optimizer(config).init(params),
+            step=jnp.zeros((), jnp.int32),
+            policy_event=jnp.zeros((), jnp.int32),
+        )
+        results.append(learner.make_train_step(model_def, config)(state, batch))
+    (full_state, full_metrics), (state, metrics) = results
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(float(metrics[key]), float(full_metrics[key]), rtol=1e-5, err_msg=key)
+    assert float(full_metrics["grad_norm"]) > 1e-4
+    assert_trees_close(state.params, full_state.params, rtol=1e-5, atol=1e-6)
+
+
 def _array_shapes(jaxpr):
     """Shapes of every value in a jaxpr, its sub-jaxprs (scan/remat bodies) included."""
     shapes = set()

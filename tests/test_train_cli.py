@@ -106,12 +106,14 @@ def test_tiny_job_is_quiet_and_exports_the_policy(tmp_path):
 
 
 def test_compilation_cache_dir_keeps_executables_and_the_environment_wins(tmp_path):
-    """`compilation_cache_dir` turns on JAX's persistent cache (an executable lands in the
-    folder); a JAX_COMPILATION_CACHE_DIR already set is used instead and reported."""
+    """`compilation_cache_dir` turns on JAX's persistent cache (even this tiny program, far
+    under JAX's default 1 s of compile time, lands in the folder, unless
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise); a JAX_COMPILATION_CACHE_DIR
+    already set is used instead and reported."""
     code = ("import sys, jax; from rollout_bridge.job import enable_compilation_cache; "
             "print(enable_compilation_cache(sys.argv[1])); jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # store even this tiny program
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
 
     def run(folder: Path, extra: dict) -> str:
         done = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=ROOT, capture_output=True, text=True,
@@ -121,8 +123,11 @@ def test_compilation_cache_dir_keeps_executables_and_the_environment_wins(tmp_pa
 
     assert run(tmp_path / "config", {}) == str(tmp_path / "config")
     assert any((tmp_path / "config").iterdir())
-    assert run(tmp_path / "unused", {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env")}) == str(tmp_path / "env")
+    chosen = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    assert run(tmp_path / "unused", chosen) == str(tmp_path / "env")
     assert any((tmp_path / "env").iterdir()) and not (tmp_path / "unused").exists()
+    assert run(tmp_path / "slow_only", {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "100"}) == str(tmp_path / "slow_only")
+    assert not (tmp_path / "slow_only").exists() or not any((tmp_path / "slow_only").iterdir())
 
 
 def test_a_native_crash_prints_every_threads_python_stack(tmp_path):

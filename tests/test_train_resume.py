@@ -93,7 +93,8 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     assert refused.returncode != 0 and "--resume" in refused.stderr
 
     # the evaluation section is not part of the checkpoint key: it may change on resume
-    evaluation = ["--evaluation.train_rollouts", "2", "--evaluation.heldout_rollouts", "3"]
+    evaluation = ["--evaluation.train_rollouts", "2", "--evaluation.heldout_rollouts", "3",
+                  "--evaluation.train_games", "3"]
     resumed = subprocess.run(_tiny_job(tmp_path, steps=3) + ["--resume", *evaluation], capture_output=True,
                              text=True, cwd=ROOT, env=env, timeout=800)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -116,8 +117,10 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     assert 0.0 <= summary["event_order"]["fraction"] <= 1.0 and summary["event_order"]["received"] > 0
     assert summary["env"]["prompt_blind"] is False and summary["env"]["train_games"]  # what env.blind_control checks
     assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
-    # evaluation.*_rollouts, not prior.rollouts_per_task (1), per training / held-out game
-    assert json.loads((run / "eval_after.json").read_text())["trials"] == [2] * 4
+    # evaluation.*_rollouts, not prior.rollouts_per_task (1), per training / held-out game;
+    # evaluation.train_games: training tasks 0-2 only, compared with the prior on those 3
+    assert json.loads((run / "eval_after.json").read_text())["trials"] == [2, 2, 2, 0]
+    assert summary["train_before_rl_estimate"]["games"] == summary["train_after_rl_estimate"]["games"] == 3
     for when in ("before", "after"):
         assert summary[f"heldout_{when}_rl"]["trials"] == [3, 3]
     assert np.isfinite([r["learner/loss"] for r in rows]).all()
