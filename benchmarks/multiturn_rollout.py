@@ -16,8 +16,13 @@ within sampling noise (the exact equivalence is tests/test_jax_engine.py's).
 Systems (``--systems``): ``prefix_reuse`` (the engine as shipped: the requests admitted
 together prefill in one call per width bucket, each over the cache window its rows reach),
 ``one_prefill_call`` (the same reuse, but all admitted requests in one call padded to the
-widest and attending all ``max_len`` cache positions: the engine before session 45) and
-``full_prefill`` (no reuse). The headline compares the first two given.
+widest and attending all ``max_len`` cache positions: the engine before session 45),
+``full_prefill`` (no reuse) and ``power_of_two_buckets`` (prefill rows, width and cache
+window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): the engine before session
+49). The headline compares the first two given.
+
+    python benchmarks/multiturn_rollout.py --config configs/default.yaml \\
+        --model assets/textworld_text_warmstart --systems prefix_reuse power_of_two_buckets --episodes 1
 
     python benchmarks/multiturn_rollout.py --config configs/textworld_agentic_text.yaml \\
         --model runs/textworld_agentic_text/warmstart_model --rounds 3
@@ -56,16 +61,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill")
+SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets")
 
 
 def make_engine(system: str, model, engine_kwargs: dict):
     """The JaxEngine of ``system`` (see the module docstring)."""
-    from rollout_bridge.engine.jax_engine import JaxEngine
+    from rollout_bridge.engine.jax_engine import JaxEngine, _bucket
 
     if system == "full_prefill":
         return JaxEngine(model, prefix_reuse=False, **engine_kwargs)
     engine = JaxEngine(model, **engine_kwargs)
+    if system == "power_of_two_buckets":
+        engine.shape_bucket = _bucket                               # the engine before session 49
     if system == "one_prefill_call":
         engine.min_key_window = engine_kwargs["max_len"]           # attend the whole cache
         engine._prefill_groups = lambda admitted: [admitted]       # one call, padded to the widest

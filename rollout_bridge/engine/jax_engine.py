@@ -258,6 +258,7 @@ class JaxEngine(RolloutEngine):
         self.publish_stats = PublishStats()
         self.prefix_stats = PrefixStats()
         self.min_key_window = _MIN_KEY_WINDOW  # max_len: every prefill attends the whole cache
+        self.shape_bucket = _fine_bucket  # prefill rows, width and window (benchmarks compare `_bucket`)
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         graphdef, params = nnx.split(model)
@@ -535,11 +536,11 @@ class JaxEngine(RolloutEngine):
         if not admitted:
             return
         for group in self._prefill_groups(admitted):
-            rows = _fine_bucket(len(group), 1, self._num_slots)
-            width = _fine_bucket(max(len(r.prompt_ids) - 1 - r.start for _, r in group), self._min_prefill_len,
-                                 self._max_len)
-            key_len = _fine_bucket(max(len(r.prompt_ids) - 1 for _, r in group), max(width, self.min_key_window),
-                                   self._max_len)
+            rows = self.shape_bucket(len(group), 1, self._num_slots)
+            width = self.shape_bucket(max(len(r.prompt_ids) - 1 - r.start for _, r in group),
+                                      self._min_prefill_len, self._max_len)
+            key_len = self.shape_bucket(max(len(r.prompt_ids) - 1 for _, r in group),
+                                        max(width, self.min_key_window), self._max_len)
             batch = _requests_batch(group, rows, width, self._num_slots, self._max_stop_tokens)
             self._state = self._transitions.admit(self._param_leaves, self._state, batch, key_len)
         for slot, request in admitted:
