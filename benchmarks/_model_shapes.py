@@ -1,7 +1,9 @@
 """Named Qwen3 shapes the benchmarks share (transformers config names).
 
 "M": vocab 512, hidden 256, 4 layers, 8 / 2 heads x 32, ffn 768 (3.15M matmul params);
-"10m": vocab 2048, hidden 384, 5 layers, 6 / 2 heads x 64, ffn 1024 (~10M params).
+"10m": vocab 2048, hidden 384, 5 layers, 6 / 2 heads x 64, ffn 1024 (~10M params);
+"job": the main job's tiny policy (configs/default.yaml): vocab 1024, hidden 128, 2 layers,
+4 / 2 heads x 32, ffn 384.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ MODEL_SHAPES = {
                 num_attention_heads=6, num_key_value_heads=2, head_dim=64),
     "M": dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
               num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    "job": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
 
 # command-line flag -> transformers config name (benchmarks/learner_step.py, learner_ab.py)

@@ -30,12 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
 
-JOB_SHAPE = dict(vocab=1024, hidden=128, ffn=384, layers=2, heads=4, kv_heads=2, head_dim=32)
-
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser)
+    parser.set_defaults(model="job")   # the main job's policy shape
     parser.add_argument("--batch", type=int, default=16, help="trajectories per update")
     parser.add_argument("--lengths", type=int, nargs=2, default=[400, 1600],
                         help="trajectory lengths, uniform in [lo, hi] (the main job: mean ~930, "
@@ -54,9 +53,6 @@ def parse_args():
     parser.add_argument("--allow-busy", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for flag, value in JOB_SHAPE.items():
-        if getattr(args, flag) is None:
-            setattr(args, flag, value)
     resolve_shape(args)
     args.seq = args.lengths[1] + args.pad_to_multiple  # positions the model must hold
     return args
