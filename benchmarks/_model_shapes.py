@@ -37,3 +37,26 @@ def resolve_shape(args) -> None:
     for flag, name in SHAPE_FLAGS.items():
         if getattr(args, flag) is None:
             setattr(args, flag, shape[name])
+
+
+def add_job_batch_arguments(parser, batches: int) -> None:
+    """The arguments of the learner benchmarks on main-job batches (packed_batches.py,
+    action_head.py): the job's policy shape (``--model job``, flags override), trajectories
+    per batch and their lengths, ``batches`` batches per round, the job's padding and K,
+    and the interleaved-rounds protocol (benchmarks/_protocol.py)."""
+    import os
+
+    add_shape_arguments(parser)
+    parser.set_defaults(model="job")
+    parser.add_argument("--batch", type=int, default=16, help="trajectories per update")
+    parser.add_argument("--lengths", type=int, nargs=2, default=[400, 1600],
+                        help="trajectory lengths, uniform in [lo, hi] (the main job: mean ~930, "
+                             "longest of a batch ~1,400)")
+    parser.add_argument("--batches", type=int, default=batches, help="batches per round")
+    parser.add_argument("--pad-to-multiple", type=int, default=256)
+    parser.add_argument("--mini-batches", type=int, default=4, help="PPO mini-batches K")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--max-load-excess", type=float, default=0.5)
+    parser.add_argument("--allow-busy", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)

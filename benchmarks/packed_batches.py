@@ -24,26 +24,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _model_shapes import add_shape_arguments, resolve_shape  # noqa: E402
+from _model_shapes import add_job_batch_arguments, resolve_shape  # noqa: E402
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_arguments(parser)
-    parser.set_defaults(model="job")   # the main job's policy shape
-    parser.add_argument("--batch", type=int, default=16, help="trajectories per update")
-    parser.add_argument("--lengths", type=int, nargs=2, default=[400, 1600],
-                        help="trajectory lengths, uniform in [lo, hi] (the main job: mean ~930, "
-                             "longest of a batch ~1,400)")
-    parser.add_argument("--batches", type=int, default=6, help="batches per round")
-    parser.add_argument("--pad-to-multiple", type=int, default=256)
+    add_job_batch_arguments(parser, batches=6)
     parser.add_argument("--pack-width", type=int, default=2048)
-    parser.add_argument("--mini-batches", type=int, default=4, help="PPO mini-batches K")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--max-load-excess", type=float, default=0.5)
-    parser.add_argument("--allow-busy", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     resolve_shape(args)
     args.seq = args.pack_width  # positions the benchmark model must hold (_batches.learner_hf_config)

@@ -99,6 +99,8 @@ def test_resume_flag_forms():
     (["--evaluation.train_rollouts", "0"], "evaluation.train_rollouts"),
     (["--evaluation.heldout_rollouts=-2"], "evaluation.heldout_rollouts"),
     (["--evaluation.train_games", "0"], "evaluation.train_games"),
+    (["--optim.action_logits_fraction", "0"], "optim.action_logits_fraction"),
+    (["--optim.action_logits_fraction", "1.5"], "optim.action_logits_fraction"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),
     (["--method", "grpo", "--rollout.batch_size", "12", "--rollout.group_size", "8"],
