@@ -31,8 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _model_shapes import add_job_batch_arguments, resolve_shape  # noqa: E402
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(description: str = __doc__.split("\n\n")[0]):
+    """The job-batch arguments plus the agent trajectories' shape and the head fraction
+    (shared with benchmarks/old_policy_forward.py)."""
+    parser = argparse.ArgumentParser(description=description)
     add_job_batch_arguments(parser, batches=4)
     parser.add_argument("--prompt", type=int, default=300, help="first observation tokens")
     parser.add_argument("--reply", type=int, nargs=2, default=[4, 14], help="action tokens per turn, uniform")
@@ -47,6 +49,8 @@ def parse_args():
 
 def agent_trajectories(rng, args):
     """`args.batch` trajectories: prompt, then (reply, observation) turns up to the length."""
+    import numpy as np
+
     from rollout_bridge.trajectory import DispatchStamp, Trajectory
 
     out = []
@@ -65,18 +69,13 @@ def agent_trajectories(rng, args):
     return out
 
 
-def main(args):
-    import tempfile
-
+def agent_batches(args) -> list:
+    """`args.batches` packed TrainBatches of `agent_trajectories`, drawn once (seeded)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    from _batches import learner_hf_config
-    from _hardware import cpu_model
     from rollout_bridge.trajectory import pack_train_batch
-    from spopp_jax import learner
-    from spopp_jax.models import from_pretrained
-    from spopp_jax.models.testing import random_hf_model
 
     rng = np.random.default_rng(args.seed)
     batches = []
@@ -85,17 +84,28 @@ def main(args):
         advantages = rng.normal(size=args.batch).astype(np.float32)
         batches.append(jax.tree.map(jnp.asarray, pack_train_batch(
             trajectories, advantages, pad_to_multiple=args.pad_to_multiple)))
+    return batches
+
+
+def random_policy(args):
+    """A float32 NNX policy of the benchmark's shape, random (seed 0), via HF I/O."""
+    import tempfile
+
+    from _batches import learner_hf_config
+    from spopp_jax.models import from_pretrained
+    from spopp_jax.models.testing import random_hf_model
+
     with tempfile.TemporaryDirectory() as folder:
         random_hf_model(learner_hf_config(args), seed=0).save_pretrained(folder)
-        model = from_pretrained(folder, dtype="float32")
-    variants = {"full head": None, f"action head {args.fraction:g}": args.fraction}
-    steps, holders = {}, {}
-    for name, fraction in variants.items():
-        config = learner.LearnerConfig(learning_rate=1e-4, num_mini_batches=args.mini_batches,
-                                       action_logits_fraction=fraction)
-        model_def, state = learner.init_train_state(model, config)
-        steps[name] = learner.make_train_step(model_def, config)
-        holders[name] = state
+        return from_pretrained(folder, dtype="float32")
+
+
+def describe(args, batches, what: str) -> None:
+    """The header line: hardware, load, model, K, batch shapes and action share."""
+    import jax
+    import jax.numpy as jnp
+
+    from _hardware import cpu_model
 
     load = os.getloadavg()
     actions = sum(int(jnp.sum(b.action_mask)) for b in batches)
@@ -104,10 +114,20 @@ def main(args):
     print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/{load[1]:.1f}/"
           f"{load[2]:.1f}; {args.threads} threads; jax {jax.__version__}; model: hidden "
           f"{args.hidden} x {args.layers} layers, vocab {args.vocab}; K = {args.mini_batches}; "
-          f"{args.batches} batches of {args.batch} trajectories, lengths U[{args.lengths[0]}, "
+          f"{what}; {args.batches} batches of {args.batch} trajectories, lengths U[{args.lengths[0]}, "
           f"{args.lengths[1]}], shapes {sorted({tuple(b.input_ids.shape) for b in batches})}; action tokens "
           f"{actions / real:.1%} of the tokens, at most {most} in a row", flush=True)
-    for name in variants:
+
+
+def time_train_steps(args, batches, steps: dict, holders: dict, baseline: str, candidate: str) -> None:
+    """Compile every shape for each variant (printing its first loss and gradient norm, which
+    must agree across variants), then interleaved rounds of one pass over all batches per
+    variant; prints medians and the ``candidate`` / ``baseline`` headline. ``steps[name]``
+    is a `(state, batch) -> (state, metrics)` train step, ``holders[name]`` its state."""
+    import _protocol
+    import jax
+
+    for name in steps:
         start = time.perf_counter()
         first = None
         for b in batches + batches:  # compiles every shape (twice for the first: a fresh state's placement differs)
@@ -124,11 +144,28 @@ def main(args):
             jax.block_until_ready((holders[name], metrics))
         return run
 
-    timings = _protocol.interleaved_rounds({name: one_pass(name) for name in variants}, args.rounds,
+    timings = _protocol.interleaved_rounds({name: one_pass(name) for name in steps}, args.rounds,
                                            max_load_excess=args.max_load_excess)
     _protocol.report(timings, args.batches, "batch", args.allow_busy)
+    print("headline: " + _protocol.headline(timings, candidate, baseline, args.allow_busy))
+
+
+def main(args):
+    from spopp_jax import learner
+
+    batches = agent_batches(args)
+    model = random_policy(args)
+    variants = {"full head": None, f"action head {args.fraction:g}": args.fraction}
+    steps, holders = {}, {}
+    for name, fraction in variants.items():
+        config = learner.LearnerConfig(learning_rate=1e-4, num_mini_batches=args.mini_batches,
+                                       action_logits_fraction=fraction)
+        model_def, state = learner.init_train_state(model, config)
+        steps[name] = learner.make_train_step(model_def, config)
+        holders[name] = state
+    describe(args, batches, "old_logp_source current")
     names = list(variants)
-    print("headline: " + _protocol.headline(timings, names[1], names[0], args.allow_busy))
+    time_train_steps(args, batches, steps, holders, baseline=names[0], candidate=names[1])
 
 
 if __name__ == "__main__":
@@ -136,6 +173,4 @@ if __name__ == "__main__":
     import _protocol
 
     _protocol.pin_threads(ARGS.threads)
-    import numpy as np
-
     main(ARGS)

@@ -153,7 +153,7 @@ def sequential_reference(model_def, params, batch, config, objective="policy"):
 
 @pytest.mark.parametrize(
     "objective, source, num_mini_batches",
-    [("policy", "current", 2), ("policy", "rollout", 4)],
+    [("policy", "current", 2), ("policy", "current", 4), ("policy", "rollout", 4)],
 )
 def test_mini_batches_equal_sequential_single_steps(tiny, objective, source, num_mini_batches):
     """Params/moments within 1e-5 of K separate steps; metrics aggregated over the K steps
@@ -187,6 +187,33 @@ def test_mini_batches_equal_sequential_single_steps(tiny, objective, source, num
         )
         # the policy moved between mini-batches: the later steps see r != 1
         assert per_step[-1]["approx_kl"] > 1e-6 and float(metrics["ratio_max"]) > 1.0 + 1e-4
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("num_micro_batches", [1, 2])
+def test_starting_old_logp_forwards_mini_batches_two_to_k_only(tiny, jit, num_micro_batches):
+    """π_old ("current", K = 4): mini-batch 1 is flagged to take its own gradient forward's
+    log-probs and is NOT forwarded here (its rows stay 0, where a forward gives log-probs
+    < 0); mini-batches 2..4 hold the starting params' log-probs on the action mask, 0 off."""
+    model_def, params, batch = tiny
+    config = dataclasses.replace(
+        CONFIG, num_mini_batches=4, num_micro_batches=num_micro_batches
+    )
+    minis = learner.split_mini_batches(batch, 4, num_micro_batches)
+
+    def fn(params, batch, minis):
+        return learner._starting_old_logp(model_def, params, batch, minis, config)
+
+    old, current = (jax.jit(fn) if jit else fn)(params, batch, minis)
+    expected = learner.split_mini_batches(
+        dataclasses.replace(batch, old_logp=compute_logprobs(model_def)(params, batch)), 4
+    ).old_logp
+    assert old.shape == (4, B // 4, T)
+    np.testing.assert_array_equal(np.asarray(current), [True, False, False, False])
+    np.testing.assert_array_equal(np.asarray(old[0]), 0.0)
+    assert float(jnp.min(expected[0])) < -1.0  # a forward would have filled mini-batch 1
+    np.testing.assert_allclose(np.asarray(old[1:]), np.asarray(expected[1:]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(old[1:])[~np.asarray(minis.action_mask[1:])], 0.0)
 
 
 def test_micro_batches_inside_mini_batches(tiny):
