@@ -7,11 +7,12 @@ mini-batches 2..K only (mini-batch 1 takes its own gradient forward's log-probs,
     python benchmarks/old_policy_forward.py --mini-batches 2 --rounds 5
 
 Both variants run the job's learner config (``old_logp_source: current``,
-``action_logits_fraction`` `--fraction`). "forward over all K": π_old of every row by
-`make_compute_logprobs` at the step's starting params, passed as ``batch.old_logp`` (what
-the train step did before it skipped mini-batch 1), then the train step. "forward over
-2..K": the train step alone. Batches and model as in benchmarks/action_head.py; their first
-losses and gradient norms are printed (they must agree to float32 rounding).
+``action_logits_fraction`` `--fraction`). "forward over all K": π_old of every row at the
+step's starting params, computed as the train step did before session 50 (`lax.map` over
+all K·M micro-batch pieces) in its own jitted call and passed as ``batch.old_logp``, then
+the train step. "forward over 2..K": the train step alone. Batches and model as in
+benchmarks/action_head.py; their first losses and gradient norms are printed (they must
+agree to float32 rounding).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from action_head import parse_args  # noqa: E402
 
 
 def main(args):
+    import jax
+    import jax.numpy as jnp
     from action_head import agent_batches, describe, random_policy, time_train_steps
+
     from spopp_jax import learner
 
     batches = agent_batches(args)
@@ -35,10 +39,22 @@ def main(args):
                                    action_logits_fraction=args.fraction)
     model_def, state = learner.init_train_state(model, config)
     train_step = learner.make_train_step(model_def, config)
-    compute_logprobs = learner.make_compute_logprobs(model_def, None, args.fraction)
+    pieces = args.mini_batches * config.num_micro_batches
+
+    @jax.jit
+    def all_pieces_logp(params, batch):
+        """The train step's π_old before session 50: one no-grad forward over all K·M pieces
+        (`lax.map`, one micro-batch of rows at a time), 0 off the action mask."""
+        def piece_logp(piece):
+            return learner.model_token_logprobs(
+                model_def, params, piece.input_ids, piece.attention_mask, None, piece.segment_ids,
+                piece.action_mask, args.fraction)
+
+        logp = learner._merge_rows(jax.lax.map(piece_logp, learner.split_micro_batches(batch, pieces)))
+        return jnp.where(batch.action_mask != 0, logp, 0.0)
 
     def all_k_forward(state, batch):
-        old_logp = compute_logprobs(state.params, batch)
+        old_logp = all_pieces_logp(state.params, batch)
         return train_step(state, dataclasses.replace(batch, old_logp=old_logp))
 
     names = ("forward over all K", "forward over 2..K")
