@@ -17,14 +17,12 @@ Systems (``--systems``): ``prefix_reuse`` (the engine as shipped: the requests a
 together prefill in one call per width bucket, each over the cache window its rows reach),
 ``one_prefill_call`` (the same reuse, but all admitted requests in one call padded to the
 widest and attending all ``max_len`` cache positions: the engine before session 45),
-``full_prefill`` (no reuse), ``power_of_two_buckets`` (prefill rows, width and cache
-window rounded up to powers of two, not to 2^k or 3 * 2^(k-1), and decode over the whole
-cache: the engine before session 49) and ``whole_cache_decode`` (every decode chunk attends
-all ``max_len`` cache positions, not the window its running requests can reach: the engine
-before session 50). The headline compares the first two given.
+``full_prefill`` (no reuse) and ``power_of_two_buckets`` (prefill rows, width and cache
+window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): the engine before session
+49). The headline compares the first two given.
 
     python benchmarks/multiturn_rollout.py --config configs/default.yaml \\
-        --model assets/textworld_text_warmstart --systems prefix_reuse whole_cache_decode --episodes 1
+        --model assets/textworld_text_warmstart --systems prefix_reuse power_of_two_buckets --episodes 1
 
     python benchmarks/multiturn_rollout.py --config configs/textworld_agentic_text.yaml \\
         --model runs/textworld_agentic_text/warmstart_model --rounds 3
@@ -63,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets", "whole_cache_decode")
+SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets")
 
 
 def make_engine(system: str, model, engine_kwargs: dict):
@@ -75,9 +73,6 @@ def make_engine(system: str, model, engine_kwargs: dict):
     engine = JaxEngine(model, **engine_kwargs)
     if system == "power_of_two_buckets":
         engine.shape_bucket = _bucket                               # the engine before session 49
-        engine.decode_key_window = False
-    if system == "whole_cache_decode":
-        engine.decode_key_window = False                            # the engine before session 50
     if system == "one_prefill_call":
         engine.min_key_window = engine_kwargs["max_len"]           # attend the whole cache
         engine._prefill_groups = lambda admitted: [admitted]       # one call, padded to the widest

@@ -57,7 +57,7 @@ def hold_decode_for_publishes(engine: JaxEngine, at_chunks) -> set[int]:
     publish_number = {chunk: j for j, chunk in enumerate(at_chunks)}
     held_for: set[int] = set()
 
-    def held(param_leaves, state, num_steps, key_len):
+    def held(param_leaves, state, num_steps):
         j = publish_number.get(next(calls))
         if j is not None:
             held_for.add(j)
@@ -66,7 +66,7 @@ def hold_decode_for_publishes(engine: JaxEngine, at_chunks) -> set[int]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"publish {j} was never queued")
             time.sleep(0.001)
-        return decode(param_leaves, state, num_steps, key_len)
+        return decode(param_leaves, state, num_steps)
 
     engine._transitions = engine._transitions._replace(decode=held)
     return held_for

@@ -130,7 +130,7 @@ _RELEASE = jax.jit(slot_decode.release, donate_argnums=0)
 
 class _Transitions(NamedTuple):
     admit: Callable  # (param_leaves, state, requests, key_len) -> state
-    decode: Callable  # (param_leaves, state, num_steps, key_len) -> (state, output)
+    decode: Callable  # (param_leaves, state, num_steps) -> (state, output)
 
 
 @functools.lru_cache(maxsize=16)
@@ -146,13 +146,13 @@ def _transitions_for(graphdef: nnx.GraphDef, param_treedef: Any) -> _Transitions
         params = jax.tree.unflatten(param_treedef, param_leaves)
         return slot_decode.admit(graphdef, params, state, requests, key_len)
 
-    def decode(param_leaves, state, num_steps, key_len):
+    def decode(param_leaves, state, num_steps):
         params = jax.tree.unflatten(param_treedef, param_leaves)
-        return slot_decode.decode_steps(graphdef, params, state, num_steps, key_len)
+        return slot_decode.decode_steps(graphdef, params, state, num_steps)
 
     return _Transitions(
         admit=jax.jit(admit, static_argnums=3, donate_argnums=1),
-        decode=jax.jit(decode, static_argnums=(2, 3), donate_argnums=1),
+        decode=jax.jit(decode, static_argnums=2, donate_argnums=1),
     )
 
 
@@ -259,7 +259,6 @@ class JaxEngine(RolloutEngine):
         self.prefix_stats = PrefixStats()
         self.min_key_window = _MIN_KEY_WINDOW  # max_len: every prefill attends the whole cache
         self.shape_bucket = _fine_bucket  # prefill rows, width and window (benchmarks compare `_bucket`)
-        self.decode_key_window = True  # decode chunks attend a window of the cache (benchmarks compare False)
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         graphdef, params = nnx.split(model)
@@ -601,20 +600,8 @@ class JaxEngine(RolloutEngine):
     def _dispatch_chunk(self) -> tuple[slot_decode.DecodeOutput, int]:
         """Dispatch one decode chunk; returns its output and the policy event of the
         weights it runs on (the event of every token it samples)."""
-        self._state, output = self._transitions.decode(
-            self._param_leaves, self._state, self._steps_per_call, self._decode_key_len())
+        self._state, output = self._transitions.decode(self._param_leaves, self._state, self._steps_per_call)
         return output, self.policy_event
-
-    def _decode_key_len(self) -> int | None:
-        """The cache window of the next decode chunks (`slot_decode.decode_steps`' key_len):
-        no running request can reach position len(prompt) + max_new_tokens - 1, so the
-        longest such bound, rounded up by `shape_bucket` (at least `min_key_window`); None
-        (the whole cache, as with ``decode_key_window`` off) when that is ``max_len``."""
-        if not self.decode_key_window:
-            return None
-        bound = max((len(r.prompt_ids) + r.max_new_tokens for r in self._slots if r is not None), default=1)
-        key_len = self.shape_bucket(bound, self.min_key_window, self._max_len)
-        return None if key_len >= self._max_len else key_len
 
     def _some_request_outlives_chunk(self) -> bool:
         """True if a request will still be below its length limit after the chunk in flight

@@ -229,18 +229,12 @@ def _decode_step(model: nnx.Module, state: SlotState, uniform: jax.Array) -> tup
     return new_state, DecodeOutput(token_ids=tokens, logprobs=logprobs, emitted=state.active, finish=finish)
 
 
-def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, num_steps: int,
-                 key_len: int | None = None) -> tuple[SlotState, DecodeOutput]:
+def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, num_steps: int) -> tuple[SlotState, DecodeOutput]:
     """Run ``num_steps`` decode steps over all slots in one ``lax.scan`` (one host round-trip).
 
     A slot that finishes mid-chunk goes inactive (its positions become -1: no cache writes,
-    no emitted tokens) for the rest of the chunk. Shapes are fixed by (S, num_steps,
-    key_len): one compile each. The chunk's sampling uniforms are drawn before the scan
-    (``chunk_uniforms``). ``key_len`` (static; None = the whole cache): every step reads
-    and writes only cache positions < key_len (`_key_window`, put back once after the
-    chunk), so a step's attention reads S x key_len keys instead of S x max_len. Every
-    active slot must stay below it: position + num_steps <= key_len (the engine bounds it
-    by prompt length + max_new_tokens).
+    no emitted tokens) for the rest of the chunk. Shapes are fixed by (S, num_steps): one
+    compile. The chunk's sampling uniforms are drawn before the scan (``chunk_uniforms``).
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -250,10 +244,7 @@ def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, state: SlotState, nu
     def body(carry: SlotState, uniform: jax.Array) -> tuple[SlotState, DecodeOutput]:
         return _decode_step(model, carry, uniform)
 
-    if key_len is None:
-        return jax.lax.scan(body, state, uniforms)
-    windowed, output = jax.lax.scan(body, state.replace(cache=_key_window(state.cache, key_len)), uniforms)
-    return windowed.replace(cache=_put_key_window(state.cache, windowed.cache)), output
+    return jax.lax.scan(body, state, uniforms)
 
 
 def release(state: SlotState, slot_mask: jax.Array) -> SlotState:
