@@ -104,19 +104,9 @@ class Job:
     servers: object = None  # rollout.engine=vllm_server: the job's vLLM servers (started)
     policy_folder: Path | None = None  # the initial policy's HF folder (tokenizer of vLLM weight folders)
 
-    def engine(self, model, seed: int, policy_event: int = 0, num_slots: int | None = None):
+    def engine(self, model, seed: int, policy_event: int = 0):
         return build.build_engine(self.cfg, model, self.agent, self.orchestrator, policy_event, seed,
-                                  servers=self.servers, policy_folder=self.policy_folder, run_dir=self.paths.root,
-                                  num_slots=num_slots)
-
-    @property
-    def eval_slots(self) -> int:
-        """Episodes in flight (and JAX-engine slots) of the prior and the evaluations."""
-        return self.cfg.evaluation.slots(self.orchestrator.max_in_flight)
-
-    def eval_engine(self, model, seed: int, policy_event: int = 0):
-        """The engine of the prior and the evaluations (`eval_slots` slots)."""
-        return self.engine(model, seed, policy_event, num_slots=self.eval_slots)
+                                  servers=self.servers, policy_folder=self.policy_folder, run_dir=self.paths.root)
 
     def engine_metrics(self, engine=None) -> dict:
         """Per-update counters of the rollout servers (restarts, lost servers, publish times),
@@ -179,19 +169,13 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
         await orchestrator.close()
         for sink in sinks:
             getattr(sink, "close", lambda: None)()
-        if cfg.rollout.engine == "jax" and job.eval_slots != engine.num_slots:
-            await engine.close()   # the evaluations' own slot count: a fresh engine on the final weights
-            engine = job.eval_engine(learner.weights(), seed=cfg.seed + EXTRA_EVAL_SEED_OFFSET,
-                                     policy_event=orchestrator.policy_event)
-            log(f"evaluations after RL: {engine.num_slots} engine slots (evaluation.num_slots; RL had "
-                f"{job.orchestrator.max_in_flight})")
         n = cfg.evaluation.rollouts(cfg.prior, "train")
         tasks = cfg.evaluation.train_task_ids(job.env.num_tasks)
         log(f"evaluation: {n} rollouts x {len(tasks)} tasks with the final policy"
             + (f" (training tasks 0-{len(tasks) - 1} of {job.env.num_tasks})" if len(tasks) < job.env.num_tasks else ""))
-        successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.eval_slots,
+        successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
                                                    n, "eval", cfg.progress, evaluation_seed(cfg.seed, "train"), tasks)
-        extra = await extra_evaluations(engine, job.env, chat, job.agent, job.eval_slots,
+        extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
                                         cfg.evaluation.rollouts(cfg.prior, "heldout"), "after RL", cfg.progress,
                                         cfg.seed)
     finally:
@@ -221,9 +205,9 @@ async def evaluate_policy(job: Job, policy: Path, chat, rollouts: int | None = N
             log(f"evaluation {when} ({name}): reusing {cache_file(cfg.prior.cache_dir, 'evaluation', key)} "
                 f"from an earlier run: success {record['success_rate']:.3f}")
         return cached
-    engine = job.eval_engine(build.load_policy(policy, cfg.model), seed=cfg.seed + EXTRA_EVAL_SEED_OFFSET)
+    engine = job.engine(build.load_policy(policy, cfg.model), seed=cfg.seed + EXTRA_EVAL_SEED_OFFSET)
     try:
-        results = await extra_evaluations(engine, job.env, chat, job.agent, job.eval_slots,
+        results = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
                                           rollouts, when, cfg.progress, cfg.seed)
     finally:
         await engine.close()
@@ -323,8 +307,8 @@ def run_stages(cfg: TrainConfig, paths: RunPaths, env, start: float) -> dict:
 def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
     """The prior and RL (with its evaluations) on the job's engines."""
     cfg, paths, env = job.cfg, job.paths, job.env
-    alpha0, beta0, prior = run_prior(cfg, paths, policy, chat, env, job.agent, job.eval_engine, job.orchestrator.rho,
-                                     job.eval_slots)
+    alpha0, beta0, prior = run_prior(cfg, paths, policy, chat, env, job.agent, job.engine, job.orchestrator.rho,
+                                     job.orchestrator.max_in_flight)
     if cfg.stage == "prior":
         return {"prior": prior}
     summary = run_rl(job, policy, chat, alpha0, beta0, prior)

@@ -260,15 +260,12 @@ def build_rollout_servers(cfg, run_dir: Path, agent: AgentConfig, launcher_facto
 
 
 def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int, seed: int,
-                 servers=None, policy_folder: Path | None = None, run_dir: Path | None = None,
-                 num_slots: int | None = None):
+                 servers=None, policy_folder: Path | None = None, run_dir: Path | None = None):
     """The rollout engine of ``rollout.engine`` serving ``model`` as ``policy_event``:
     the embedded JAX engine; vLLM in this process (``vllm``: needs ``run_dir`` for its
     weight folders); a fleet over the job's servers (``vllm_server``: ``servers`` from
     `build_rollout_servers`, started). ``policy_folder``: tokenizer files for the vLLM
-    weight folders. Every stage (prior, evaluations, RL) builds its engine here.
-    ``num_slots``: the JAX engine's slots (None: ``orchestrator.max_in_flight``); the vLLM
-    engines keep theirs (their callers bound the episodes in flight)."""
+    weight folders. Every stage (prior, evaluations, RL) builds its engine here."""
     engine = cfg.rollout.engine
     if engine == "vllm_server":
         if servers is None:
@@ -280,7 +277,7 @@ def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfi
 
     engine_knobs = knobs(cfg, ENGINE_KNOBS)
     steps = min(engine_knobs["steps_per_call"], agent.sampling.max_new_tokens)
-    return JaxEngine(model, num_slots=num_slots or orchestrator.max_in_flight, max_len=agent.max_total_tokens,
+    return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
                      steps_per_call=steps, policy_event=policy_event, seed=seed,
                      prefix_reuse_across_publish=engine_knobs["prefix_reuse_across_publish"])
 

@@ -235,25 +235,15 @@ class EvaluationSection:
     games, Math-TIR without its tool) before and after RL. None: `prior.rollouts_per_task`
     (one rollout per task on 1,024 training games leaves 4 per held-out game, say).
     `train_games`: only the training tasks 0..train_games-1 are evaluated after RL (paired
-    with the prior's rollouts of the same tasks); None: every training task.
-    `num_slots`: episodes in flight in the prior and the evaluations, and the embedded JAX
-    engine's slots there (RL keeps `rollout.max_inflight`); None: `rollout.max_inflight`.
-    Per-episode common random numbers make the results independent of it; on 2 cores 8
-    slots play the main job's held-out games 1.15x faster than 16."""
+    with the prior's rollouts of the same tasks); None: every training task."""
 
     train_rollouts: Optional[int] = None
     heldout_rollouts: Optional[int] = None
     train_games: Optional[int] = None
-    num_slots: Optional[int] = None
 
     def __post_init__(self):
-        _positive("evaluation", self, *(name for name in ("train_rollouts", "heldout_rollouts", "train_games",
-                                                          "num_slots")
+        _positive("evaluation", self, *(name for name in ("train_rollouts", "heldout_rollouts", "train_games")
                                         if getattr(self, name) is not None))
-
-    def slots(self, max_in_flight: int) -> int:
-        """Episodes in flight (and JAX-engine slots) of the prior and the evaluations."""
-        return max_in_flight if self.num_slots is None else self.num_slots
 
     def train_task_ids(self, num_tasks: int) -> range:
         """The training tasks evaluated after RL: the first `train_games` (all if None or more)."""

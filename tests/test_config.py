@@ -99,7 +99,6 @@ def test_resume_flag_forms():
     (["--evaluation.train_rollouts", "0"], "evaluation.train_rollouts"),
     (["--evaluation.heldout_rollouts=-2"], "evaluation.heldout_rollouts"),
     (["--evaluation.train_games", "0"], "evaluation.train_games"),
-    (["--evaluation.num_slots", "0"], "evaluation.num_slots"),
     (["--optim.action_logits_fraction", "0"], "optim.action_logits_fraction"),
     (["--optim.action_logits_fraction", "1.5"], "optim.action_logits_fraction"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
@@ -254,7 +253,7 @@ def test_section_owners_really_read_each_field_of_their_section():
                         components.check_inputs],
               "mesh": [components.build_mesh], "env": [kinds.build_env, kinds.textworld_bundle, kinds.math_tir_bundle, kinds.alfworld_bundle],
               "warmstart": [job.run_warmstart], "prior": [job.run_prior],
-              "evaluation": [EvaluationSection.rollouts, EvaluationSection.train_task_ids, EvaluationSection.slots]}
+              "evaluation": [EvaluationSection.rollouts, EvaluationSection.train_task_ids]}
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for section, functions in owners.items():
         source = "".join(inspect.getsource(f) for f in functions)
