@@ -17,9 +17,10 @@ Systems (``--systems``): ``prefix_reuse`` (the engine as shipped: the requests a
 together prefill in one call per width bucket, each over the cache window its rows reach),
 ``one_prefill_call`` (the same reuse, but all admitted requests in one call padded to the
 widest and attending all ``max_len`` cache positions: the engine before session 45),
-``full_prefill`` (no reuse) and ``power_of_two_buckets`` (prefill rows, width and cache
+``full_prefill`` (no reuse), ``power_of_two_buckets`` (prefill rows, width and cache
 window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): the engine before session
-49). The headline compares the first two given.
+49) and ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
+episodes in flight). The headline compares the first two given.
 
     python benchmarks/multiturn_rollout.py --config configs/default.yaml \\
         --model assets/textworld_text_warmstart --systems prefix_reuse power_of_two_buckets --episodes 1
@@ -61,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets")
+SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets", "half_slots")
 
 
 def make_engine(system: str, model, engine_kwargs: dict):
@@ -70,6 +71,8 @@ def make_engine(system: str, model, engine_kwargs: dict):
 
     if system == "full_prefill":
         return JaxEngine(model, prefix_reuse=False, **engine_kwargs)
+    if system == "half_slots":
+        return JaxEngine(model, **{**engine_kwargs, "num_slots": max(1, engine_kwargs["num_slots"] // 2)})
     engine = JaxEngine(model, **engine_kwargs)
     if system == "power_of_two_buckets":
         engine.shape_bucket = _bucket                               # the engine before session 49
@@ -109,7 +112,7 @@ def play(view, chat, agent, engine_kwargs, model, episodes: int, system: str) ->
         engine = make_engine(system, model, engine_kwargs)
         try:
             start = time.perf_counter()
-            successes, trials = await success_rollouts(engine, view, chat, agent, engine_kwargs["num_slots"],
+            successes, trials = await success_rollouts(engine, view, chat, agent, engine.num_slots,
                                                        episodes, "play", False)
             return time.perf_counter() - start, successes, trials, engine.prefix_stats
         finally:
