@@ -19,8 +19,9 @@ together prefill in one call per width bucket, each over the cache window its ro
 widest and attending all ``max_len`` cache positions: the engine before session 45),
 ``full_prefill`` (no reuse), ``power_of_two_buckets`` (prefill rows, width and cache
 window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): the engine before session
-49) and ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
-episodes in flight). The headline compares the first two given.
+49), ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
+episodes in flight) and ``half_in_flight`` (the recipe's slots, half as many episodes in
+flight). The headline compares the first two given.
 
     python benchmarks/multiturn_rollout.py --config configs/default.yaml \\
         --model assets/textworld_text_warmstart --systems prefix_reuse power_of_two_buckets --episodes 1
@@ -62,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets", "half_slots")
+SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets", "half_slots",
+           "half_in_flight")
 
 
 def make_engine(system: str, model, engine_kwargs: dict):
@@ -112,7 +114,8 @@ def play(view, chat, agent, engine_kwargs, model, episodes: int, system: str) ->
         engine = make_engine(system, model, engine_kwargs)
         try:
             start = time.perf_counter()
-            successes, trials = await success_rollouts(engine, view, chat, agent, engine.num_slots,
+            in_flight = engine.num_slots // 2 if system == "half_in_flight" else engine.num_slots
+            successes, trials = await success_rollouts(engine, view, chat, agent, max(1, in_flight),
                                                        episodes, "play", False)
             return time.perf_counter() - start, successes, trials, engine.prefix_stats
         finally:
