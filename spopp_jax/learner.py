@@ -743,13 +743,12 @@ class SkipGuard:
 
 
 def _starting_old_logp(
-    model_def: ModelDef, params: Params, batch: TrainBatch, mini_batches: TrainBatch,
-    config: LearnerConfig,
+    model_def: ModelDef, params: Params, mini_batches: TrainBatch, config: LearnerConfig
 ) -> tuple[jax.Array, jax.Array]:
     """(π_old [K, B/K, T] in `mini_batches`' layout, old_is_current [K] bool).
 
-    π_old of every row, fixed for all K mini-batches of one train step: ``batch.old_logp``
-    when given, else the rollout log-probs (``old_logp_source="rollout"``), else
+    π_old of every row, fixed for all K mini-batches of one train step: ``old_logp`` when
+    the batch gives it, else the rollout log-probs (``old_logp_source="rollout"``), else
     (``"current"``) the log-probs under the step's STARTING `params`. Those come from one
     pass without gradient over mini-batches 2..K only, one training micro-batch of rows at
     a time (`lax.map`, so no more logits are live than in the gradient pass). Mini-batch 1
@@ -759,7 +758,7 @@ def _starting_old_logp(
     """
     num_mini = config.num_mini_batches
     not_current = jnp.zeros((num_mini,), bool)
-    if batch.old_logp is not None:
+    if mini_batches.old_logp is not None:
         return mini_batches.old_logp, not_current
     if config.old_logp_source == "rollout":
         return mini_batches.rollout_logp, not_current
@@ -806,9 +805,7 @@ def _mini_batch_steps(model_def, config, objective, optimizer, state: TrainState
     mini_batches = split_mini_batches(batch, config.num_mini_batches, config.num_micro_batches)
     old_is_current = jnp.zeros((config.num_mini_batches,), bool)
     if objective == "policy":
-        old_logp, old_is_current = _starting_old_logp(
-            model_def, state.params, batch, mini_batches, config
-        )
+        old_logp, old_is_current = _starting_old_logp(model_def, state.params, mini_batches, config)
         mini_batches = dataclasses.replace(mini_batches, old_logp=old_logp)
 
     def one_step(state: TrainState, mini: TrainBatch, current: jax.Array):

@@ -201,10 +201,10 @@ def test_starting_old_logp_forwards_mini_batches_two_to_k_only(tiny, jit, num_mi
     )
     minis = learner.split_mini_batches(batch, 4, num_micro_batches)
 
-    def fn(params, batch, minis):
-        return learner._starting_old_logp(model_def, params, batch, minis, config)
+    def fn(params, minis):
+        return learner._starting_old_logp(model_def, params, minis, config)
 
-    old, current = (jax.jit(fn) if jit else fn)(params, batch, minis)
+    old, current = (jax.jit(fn) if jit else fn)(params, minis)
     expected = learner.split_mini_batches(
         dataclasses.replace(batch, old_logp=compute_logprobs(model_def)(params, batch)), 4
     ).old_logp
