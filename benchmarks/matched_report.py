@@ -10,6 +10,8 @@ Reads `<root>/<arm>/seed<k>/{metrics.jsonl,summary.json}` and prints markdown:
     token-measure gain (paired by tracker and seed).
  4. The regime: policy-lag shares, results received out of event order, held-out success,
     and each 2x2 score regressed on the run's out-of-event-order share (slope per tracker).
+ 5. Held-out games (where the recipe has them): each arm's gain over the shared warm start,
+    runs past 2 SE, and the arms paired by seed (SPO++ vs SPO and GRPO, the 2x2).
 A plotted step is `updates_per_step` consecutive updates (8 x 16 = 128 trajectories).
 """
 
@@ -418,6 +420,58 @@ def scatter(pairs, path: Path, score: str) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- 5. held-out games
+
+
+def heldout_by_arm(runs) -> dict[str, dict[int, float]]:
+    """Held-out success of each run's final policy (games never trained on), where recorded."""
+    out = {}
+    for arm, by_seed in runs.items():
+        scores = {s: r.summary["heldout_after_rl"]["success_rate"] for s, r in by_seed.items()
+                  if (r.summary.get("heldout_after_rl") or {}).get("success_rate") is not None}
+        if scores:
+            out[arm] = scores
+    return out
+
+
+def heldout_section(runs) -> list[str]:
+    """Per arm: held-out success before/after RL, the runs' paired gains over the warm start
+    and how many pass 2 SE; then the arms paired by seed (every arm of a seed meets the same
+    held-out episodes from the same warm-start evaluation), SPO++ against SPO and GRPO and
+    the tracker x measure 2x2."""
+    held = heldout_by_arm(runs)
+    if not held:
+        return ["(no held-out evaluations in these runs)"]
+    lines = ["The final policy of each run on games never trained on, against the shared warm start on the "
+             "same episodes (common random numbers: the warm start's evaluation is the same for every arm of "
+             "a seed, so arms are paired by seed). Gain: a run's paired gain over the warm start (its SE "
+             "from per-game differences); 'past 2 SE': runs whose gain exceeds twice its own SE; mean ± "
+             "sample std over seeds.", "",
+             "| arm | runs | episodes per run | held-out before RL | held-out after RL | gain over warm start "
+             "| runs past 2 SE |", "|---|---|---|---|---|---|---|"]
+    for arm in present(runs):
+        if arm not in held:
+            continue
+        rs = [runs[arm][s] for s in sorted(held[arm])]
+        gains = [r.summary.get("heldout_gain_over_warm_start") or {} for r in rs]
+        past = sum(1 for g in gains if "gain" in g and g["gain"] > 2 * g.get("se", np.inf))
+        graded = sum(1 for g in gains if "gain" in g)
+        episodes = sorted({(r.summary.get("heldout_after_rl_estimate") or {}).get("episodes") for r in rs} - {None})
+        before = [b for r in rs if (b := (r.summary.get("heldout_before_rl") or {}).get("success_rate")) is not None]
+        cells = [" / ".join(map(str, episodes)) or "n/a", pm(before) if before else "n/a", pm(list(held[arm].values())),
+                 pm([g["gain"] for g in gains if "gain" in g]) if graded else "n/a",
+                 f"{past} of {graded}" if graded else "n/a"]
+        lines.append(f"| {LABELS.get(arm, arm)} | {len(rs)} | " + " | ".join(cells) + " |")
+    lines += ["", *PAIRED_HEADER]
+    for other in [a for a in ("spo", "grpo") if a in held and "spopp" in held]:
+        lines.append(paired_line(f"SPO++ − {LABELS[other]}, held-out after RL", held["spopp"], held[other]))
+    if all(arm in held for arm in CELLS.values()):
+        lines += ["", *two_by_two({key: held[arm] for key, arm in CELLS.items()}, "held-out after RL")]
+    else:
+        lines += ["", f"(held-out 2x2 incomplete: have {sorted(held)})"]
+    return lines
+
+
 # ----------------------------------------------------------------------------- entry
 
 
@@ -500,6 +554,9 @@ def order_effect_lines(runs, ups: int) -> list[str]:
     the event-time one (invariant to it)? The 2x2 cells only (same recipe otherwise)."""
     arms = [a for a in CELLS.values() if a in runs]
     scores = {"success after RL": {a: {s: r.summary.get("success_after_rl") for s, r in runs[a].items()} for a in arms}}
+    held = heldout_by_arm(runs)
+    if any(a in held for a in arms):
+        scores["held-out after RL"] = {a: held[a] for a in arms if a in held}
     if arms:
         auc, t = auc_by_arm(runs, ups, arms)
         scores[f"AUC (T = {t})"] = auc
@@ -549,6 +606,7 @@ def report(args) -> str:
              "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups),
              "", "### Length-advantage covariance and the loss-weighted centre", "",
              *covariance_section(runs, ups, args.figures),
+             "", "### Held-out games", "", *heldout_section(runs),
              "", "### Policy lag, event order and held-out success", "", *regime_section(runs),
              "", "Score against the out-of-event-order share:", "", *order_effect_lines(runs, ups)]
     text = "\n".join(lines) + "\n"

@@ -222,3 +222,34 @@ def test_the_evaluation_size_and_the_start_level_come_from_the_runs(tmp_path):
     assert "final policy on 8 rollouts x 16 tasks" in text and "(success before RL 0.20)" in text  # v1 summaries
     write_run(root, "spo", 0, [0.1] * 4, regime={"train_after_rl_estimate": {"episodes": 256}})
     assert "final policy on 256 episodes of the training games" in matched_report.report(args_for(root, tmp_path))
+
+
+def test_heldout_gains_and_arms_paired_by_seed_hand_derived(tmp_path):
+    root = tmp_path / "runs"
+    after = {"spopp": (0.25, 0.5), "spo": (0.125, 0.25), "grpo": (0.375, 0.375),
+             "event_traj": (0.125, 0.25), "receipt_token": (0.25, 0.25), "receipt_traj": (0.125, 0.125)}
+    gains = ({"gain": 0.05, "se": 0.02}, {"gain": 0.03, "se": 0.02})  # past 2 SE, then not
+    for arm, held in after.items():
+        for seed in (0, 1):
+            write_run(root, arm, seed, [0.2] * 20, regime={
+                "heldout_before_rl": {"success_rate": 0.1}, "heldout_after_rl": {"success_rate": held[seed]},
+                "heldout_after_rl_estimate": {"episodes": 2048}, "heldout_gain_over_warm_start": gains[seed]})
+    text = matched_report.report(args_for(root, tmp_path))
+    assert "| SPO++ | 2 | 2048 | 0.100 ± 0.000 | 0.375 ± 0.177 | 0.040 ± 0.014 | 1 of 2 |" in text
+    # per seed: SPO++ - SPO = +12.5, +25 points; SPO++ - GRPO = -12.5, +12.5
+    assert "| SPO++ − SPO, held-out after RL | +18.75 ± 8.84 | ++ (2+/0-) | +12.5, +25.0 |" in text
+    assert "| SPO++ − GRPO (G=8), held-out after RL | +0.00 ± 17.68 | -+ (1+/1-) | -12.5, +12.5 |" in text
+    assert "| held-out after RL: token − trajectory, event-time tracker | +18.75 ± 8.84 | ++ (2+/0-) |" in text
+    assert "| held-out after RL: token − trajectory, receipt-order tracker | +12.50 ± 0.00 |" in text
+    assert ("| held-out after RL: interaction (token gain at event-time − at receipt-order) | +6.25 ± 8.84 "
+            "| 0+ (1+/0-) |") in text
+
+
+def test_heldout_section_without_records_or_cells(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "spo", 0, [0.2] * 4)
+    assert "(no held-out evaluations in these runs)" in matched_report.report(args_for(root, tmp_path))
+    write_run(root, "spopp", 0, [0.2] * 4, regime={"heldout_after_rl": {"success_rate": 0.25}})
+    text = matched_report.report(args_for(root, tmp_path))
+    assert "| SPO++ | 1 | n/a | n/a | 0.250 | n/a | n/a |" in text
+    assert "(held-out 2x2 incomplete: have ['spopp'])" in text
