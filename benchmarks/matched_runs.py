@@ -35,7 +35,8 @@ Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
 under docs/results, so that a campaign spread over several sessions keeps its finished
 runs (`report --root D`); `run --root R --archive D` skips the runs D already holds and
 refuses a warm start whose weights differ from the archived one (sha256 of its
-safetensors), so runs added later stay matched.
+safetensors) and starts from the archived prior when its root has none, so runs added later
+stay matched.
 """
 
 from __future__ import annotations
@@ -188,6 +189,19 @@ def archive(root: Path, to: Path) -> int:
     return copied
 
 
+def use_archived_prior(archive_root: Path, root: Path) -> bool:
+    """A campaign continued on a fresh checkout starts from the archive's offline prior, the
+    very one its archived runs used, instead of computing it again (returns whether it did).
+    A prior already in ``root`` is kept."""
+    archived, prior = archive_root / "shared" / "prior.json", root / "shared" / "prior.json"
+    if prior.is_file() or not archived.is_file():
+        return False
+    prior.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(archived, prior)
+    print(f"shared prior: {archived} (the archived runs' own)", flush=True)
+    return True
+
+
 def check_archived_warm_start(archive_root: Path, model: Path) -> None:
     """The archive's runs started from these very weights, or refuse."""
     record = archive_root / "shared" / "warm_start.txt"
@@ -246,6 +260,8 @@ def run(args) -> None:
     if args.eval_rollouts is not None and args.eval_rollouts < 1:
         raise SystemExit(f"--eval-rollouts must be >= 1, got {args.eval_rollouts}")
     extra = ["--config_path", str(args.config.resolve()), *args.extra]
+    if args.archive is not None:
+        use_archived_prior(args.archive, args.root)
     model, prior = shared_stage(args.root, extra, args.warm_start)
     if args.archive is not None:
         check_archived_warm_start(args.archive, model)

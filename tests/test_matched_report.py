@@ -253,3 +253,21 @@ def test_heldout_section_without_records_or_cells(tmp_path):
     text = matched_report.report(args_for(root, tmp_path))
     assert "| SPO++ | 1 | n/a | n/a | 0.250 | n/a | n/a |" in text
     assert "(held-out 2x2 incomplete: have ['spopp'])" in text
+
+
+def test_a_continued_campaign_starts_from_the_archived_prior(tmp_path):
+    import matched_runs
+
+    kept, root = tmp_path / "kept", tmp_path / "runs"
+    assert not matched_runs.use_archived_prior(kept, root)  # nothing archived: the prior is computed
+    (kept / "shared").mkdir(parents=True)
+    (kept / "shared" / "prior.json").write_text('{"alpha": [1.0]}')
+    assert matched_runs.use_archived_prior(kept, root)
+    assert (root / "shared" / "prior.json").read_text() == '{"alpha": [1.0]}'
+    (kept / "shared" / "prior.json").write_text('{"alpha": [2.0]}')
+    assert not matched_runs.use_archived_prior(kept, root)  # the root's own prior is kept
+    assert (root / "shared" / "prior.json").read_text() == '{"alpha": [1.0]}'
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert matched_runs.shared_stage(root, [], warm_start=model) == (model.resolve(), root / "shared" / "prior.json")
