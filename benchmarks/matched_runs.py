@@ -14,6 +14,11 @@ prior, decoding, budget, optimizer and runtime).
     python benchmarks/matched_runs.py run --config configs/textworld_agentic_text.yaml \
         --warm-start runs/textworld_agentic_text/warmstart_model --drain config --steps 40 \
         --root runs/matched_text      # evidence v2 (issue #15): in-flight publishing, lag > 1
+    python benchmarks/matched_runs.py run --config configs/default.yaml \
+        --warm-start assets/textworld_text_warmstart --drain config --steps 120 \
+        --arms spopp spo grpo event_traj receipt_token receipt_traj --seeds 0 1 2 3 4 5 \
+        --root runs/matched_r120 --archive docs/results/evidence_r120
+        # the same on the default recipe at 120 updates (docs/RESULTS.md, session 51 on)
 
 `--warm-start` makes a finished warm start the shared one (no SFT is run; the shared stage
 only computes the offline prior from it). `--drain finish` (the default) pins the drain of
