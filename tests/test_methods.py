@@ -192,3 +192,31 @@ def test_spo_divergence_ignores_the_engine_vs_learner_mismatch():
         assert np.abs(learner_logp - (-3.0)).mean() > 0.5  # a real engine-vs-learner gap
     assert len(divergences) == 5  # task 0 repeats in batch 1, all revisit in batch 2
     assert max(divergences) < 1e-4
+
+
+def test_spo_with_a_fixed_retention_asks_the_learner_for_nothing_extra():
+    """ρ_min = ρ_max (the 2x2's receipt-order cells): no y′ is sent, no π_then is needed,
+    and the tracker moves in arrival order with ρ = 0.875, by hand:
+    task 0 (R = 1, then 1): α = (0.5·0.875 + 1)·0.875 + 1 = 2.2578125, β = 0.5·0.875² = 0.3828125;
+    task 1 (R = 0): α = 0.4375, β = 1.4375; task 2 untouched."""
+    from rollout_bridge.methods.base import LearnerOutput
+    from rollout_bridge.methods.spo import Spo
+
+    config = OrchestratorConfig(method="spo", batch_size=3, max_in_flight=3, spo_rho_min=0.875, spo_rho_max=0.875)
+    method = Spo(config, 3, np.full(3, 0.5, np.float32), np.full(3, 0.5, np.float32))
+    trajs = tuple(Trajectory(DispatchStamp(i, task, 0, 0.0, 0.5, 0.0), (1, 2, 3), (False, True, True), (0.0,) * 3, 1,
+                             reward, 0.0) for i, (task, reward) in enumerate([(0, 1.0), (1, 0.0), (0, 1.0)]))
+    assert not method.needs_divergence and method.learner_extras(trajs) is None
+    method.after_update(trajs, LearnerOutput(None, {}))  # no trained_logp, no divergence
+    np.testing.assert_allclose(np.asarray(method.tracker.alpha), [2.2578125, 0.4375, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(method.tracker.beta), [0.3828125, 1.4375, 0.5], rtol=1e-6)
+    assert method.previous == {}
+    restored = Spo(config, 3, np.full(3, 0.5, np.float32), np.full(3, 0.5, np.float32))
+    restored.load_state_dict(method.state_dict())  # a checkpoint with no y′ round-trips
+    np.testing.assert_array_equal(np.asarray(restored.tracker.alpha), np.asarray(method.tracker.alpha))
+    assert restored.previous == {}
+    interval = Spo(dataclasses.replace(config, spo_rho_max=0.96), 3, np.full(3, 0.5, np.float32),
+                   np.full(3, 0.5, np.float32))
+    assert interval.needs_divergence and len(interval.learner_extras(trajs)) == 3
+    with pytest.raises(ValueError, match="needs LearnerOutput.trained_logp"):
+        interval.after_update(trajs, LearnerOutput(None, {}))

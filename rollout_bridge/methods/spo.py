@@ -8,6 +8,11 @@ at that update's starting parameters, ``LearnerOutput.trained_logp``), π_now af
 current update. The engine's rollout log-probs never enter D (an engine-vs-learner
 mismatch, large with a bf16 vLLM pool, would otherwise drag ρ toward ρ_min).
 
+With a fixed retention (``spo_rho_min == spo_rho_max``, the tracker x measure 2x2's
+receipt-order cells) ρ does not depend on D, so no y′ is kept and the learner runs neither
+the π_then forward nor the y′ forward: those cells then differ from the event-time ones in
+the tracker only, not in learner time (which sets the async timing the 2x2 studies).
+
 State (``state_dict``): the tracker and, per task, y′ with its π_then.
 """
 
@@ -39,9 +44,17 @@ class Spo(SingleStreamMethod):
         super().__init__(config, num_tasks, prior_alpha, prior_beta)
         self.previous: dict[int, PreviousResponse] = {}
 
-    def learner_extras(self, trajectories: Sequence[Trajectory]) -> tuple[PreviousResponse | None, ...]:
+    @property
+    def needs_divergence(self) -> bool:
+        """D moves ρ only when the retention clip is an interval."""
+        return self.config.spo_rho_min < self.config.spo_rho_max
+
+    def learner_extras(self, trajectories: Sequence[Trajectory]) -> tuple[PreviousResponse | None, ...] | None:
         """y′ of each trajectory: the task's previous consumed response (an earlier row of
-        this batch when the task repeats in it), None on a first visit."""
+        this batch when the task repeats in it), None on a first visit; None for the whole
+        batch when the retention is fixed (no D needed)."""
+        if not self.needs_divergence:
+            return None
         latest: dict[int, PreviousResponse] = dict(self.previous)
         out = []
         for row, traj in enumerate(trajectories):
@@ -53,6 +66,10 @@ class Spo(SingleStreamMethod):
     def after_update(self, trajectories: Sequence[Trajectory], output: LearnerOutput) -> None:
         """SPO receipt-order tracker, applied after the actor update in arrival order; then
         each trajectory becomes its task's y′ with π_then = the learner's log-probs."""
+        if not self.needs_divergence:  # ρ = spo_rho_min whatever D: no y′ to keep
+            rho = jnp.full(len(trajectories), self.config.spo_rho_min, jnp.float32)
+            self._observe(trajectories, rho)
+            return
         if output.trained_logp is None:
             raise ValueError("method 'spo' needs LearnerOutput.trained_logp (the learner's log-probs of the "
                              "batch at the update's starting parameters: π_then of the next visit)")
@@ -62,16 +79,20 @@ class Spo(SingleStreamMethod):
         divergence = baselines.spo_divergences(len(trajectories), output.divergence)
         rho = _spo_retention(jnp.asarray(divergence), d_half=self.config.spo_d_half,
                              rho_min=self.config.spo_rho_min, rho_max=self.config.spo_rho_max)
-        tasks = np.array([t.task_id for t in trajectories])
-        updated = _spo_observe(self.tracker, tasks, np.array([t.reward for t in trajectories], np.float32), rho)
-        self._set_tracker({k: np.asarray(getattr(updated, k)) for k in ("alpha", "beta", "z_ref")})
-        self.refresh(np.unique(tasks))
+        self._observe(trajectories, rho)
         for row, traj in enumerate(trajectories):
             n = len(traj.token_ids)
             mask = np.asarray(traj.action_mask, bool)
             self.previous[traj.task_id] = PreviousResponse(
                 traj.task_id, np.asarray(traj.token_ids, np.int32), mask,
                 np.where(mask, trained_logp[row, :n], 0.0).astype(np.float32))
+
+    def _observe(self, trajectories: Sequence[Trajectory], rho) -> None:
+        """The receipt-order tracker update in arrival order with retentions ``rho``."""
+        tasks = np.array([t.task_id for t in trajectories])
+        updated = _spo_observe(self.tracker, tasks, np.array([t.reward for t in trajectories], np.float32), rho)
+        self._set_tracker({k: np.asarray(getattr(updated, k)) for k in ("alpha", "beta", "z_ref")})
+        self.refresh(np.unique(tasks))
 
     def state_dict(self) -> dict:
         tasks = sorted(self.previous)
