@@ -53,6 +53,7 @@ import httpx
 
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
 from rollout_bridge.engine.vllm_inprocess import check_prompt_ids, check_vllm_logprob_semantics, vllm_top_k
+from rollout_bridge.engine.vllm_upload import COMMIT_ROUTE, upload_policy
 from rollout_bridge.engine.vllm_weights import (
     folder_policy_event,
     prune_policy_folders,
@@ -63,6 +64,7 @@ from rollout_bridge.engine.vllm_worker_ext import UNKNOWN_POLICY_EVENT
 logger = logging.getLogger(__name__)
 
 READY, UPDATING, DEAD = "ready", "updating", "dead"
+WEIGHTS_TRANSPORTS = ("auto", "path", "http")
 WORKER_EXTENSION = "vllm_worker_ext.SpoppWorkerExtension"
 
 
@@ -101,6 +103,12 @@ class VllmFleetConfig:
       weights first) or "abort" (abort them; they return finish_reason "abort").
     max_attempts: tries per request over all servers before it fails.
     dispatch_wait_s: how long a request waits for a server that is updating.
+    weights_transport: how a published folder reaches a server: "path" (the server reads
+      the trainer's folder: a shared filesystem), "http" (the folder's files are uploaded
+      to the server, which must run ``python -m rollout_bridge.serve``; `vllm_upload`),
+      "auto" (per server: "http" when its ``/openapi.json`` lists the upload route).
+    outage_wait_s: when every server is out of rotation, how long a request waits for
+      one to rejoin before it fails (0: it fails at once).
     """
 
     servers: tuple[VllmServerSpec, ...]
@@ -121,6 +129,8 @@ class VllmFleetConfig:
     health_timeout_s: float = 5.0
     dispatch_wait_s: float = 600.0
     logprobs_mode: str = "raw_logprobs"
+    weights_transport: str = "auto"
+    outage_wait_s: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -132,6 +142,10 @@ class VllmFleetConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.keep_policies < 1:
             raise ValueError(f"keep_policies must be >= 1, got {self.keep_policies}")
+        if self.weights_transport not in WEIGHTS_TRANSPORTS:
+            raise ValueError(f"weights_transport must be one of {WEIGHTS_TRANSPORTS}, got {self.weights_transport!r}")
+        if not (self.outage_wait_s >= 0 and math.isfinite(self.outage_wait_s)):
+            raise ValueError(f"outage_wait_s must be finite and >= 0, got {self.outage_wait_s}")
         for name in ("request_timeout_s", "connect_timeout_s", "rpc_timeout_s", "health_interval_s",
                      "health_timeout_s", "dispatch_wait_s"):
             if getattr(self, name) <= 0:
@@ -301,6 +315,8 @@ class _Server:
     policy_event: int = UNKNOWN_POLICY_EVENT
     in_flight: dict[str, asyncio.Task] = field(default_factory=dict)
     keeps_requests_on_pause: bool = False  # its /pause takes mode=keep (probed on join)
+    receives_uploads: bool = False  # weights go to it over HTTP (weights_transport, probed on join)
+    uploaded: tuple[int, str] | None = None  # (policy event, its folder on the server) of the last upload
 
 
 @dataclass(frozen=True)
@@ -322,6 +338,8 @@ class FleetStats:
     drained_fallbacks: int = 0  # in-flight publishes a server took as a drained update
     last_export_s: float = 0.0  # the latest publish: writing the policy folder (a worker thread)
     last_publish_s: float = 0.0  # the latest publish: folder written and installed on every server
+    uploads: int = 0  # policy folders sent to a server over HTTP
+    last_upload_s: float = 0.0  # the latest such upload (one server)
 
 
 class VllmFleetEngine(RolloutEngine):
@@ -448,18 +466,21 @@ class VllmFleetEngine(RolloutEngine):
     async def _acquire(self) -> _Server | None:
         """The least-loaded READY server; waits while servers update; None when all are dead."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.dispatch_wait_s
+        start = loop.time()
+        deadline = start + self.config.dispatch_wait_s
+        outage_deadline = min(deadline, start + self.config.outage_wait_s)
         async with self._changed:
             while True:
                 ready = [s for s in self._servers if s.state == READY]
                 if ready:
                     return ready[least_loaded([(len(s.in_flight), s.spec.capacity) for s in ready])]
-                if all(s.state == DEAD for s in self._servers) or loop.time() >= deadline:
+                limit = outage_deadline if all(s.state == DEAD for s in self._servers) else deadline
+                if loop.time() >= limit:
                     return None
                 try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=deadline - loop.time())
+                    await asyncio.wait_for(self._changed.wait(), timeout=limit - loop.time())
                 except asyncio.TimeoutError:
-                    return None
+                    pass  # the loop looks again and gives up at its limit
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -469,6 +490,7 @@ class VllmFleetEngine(RolloutEngine):
         if server.state != DEAD:
             logger.warning("vLLM server %s is out of rotation", server.spec.url)
             server.state = DEAD
+            server.uploaded = None  # a restarted server has none of its uploads
             self.stats.servers_lost += 1
             await self._notify()
 
@@ -537,16 +559,17 @@ class VllmFleetEngine(RolloutEngine):
             await self._update(server)
             return
         try:
+            folder = await self._server_folder(server, policy)  # an upload runs before the pause
             await self._post_checked(server, "/pause", params={"mode": "keep"})
             try:
-                await self._rpc(server, "spopp_load_policy", policy.folder, str(policy.policy_event))
+                await self._rpc(server, "spopp_load_policy", folder, str(policy.policy_event))
                 confirmed = await self._rpc(server, "spopp_policy_event")
                 if confirmed != policy.policy_event:
                     raise ValueError(f"server reports policy {confirmed}, expected {policy.policy_event}")
                 server.policy_event = confirmed  # before resume: results from now on may hold it
             finally:
                 await self._post_checked(server, "/resume")
-        except (httpx.HTTPError, ValueError) as err:
+        except (httpx.HTTPError, ValueError, KeyError) as err:
             logger.warning("in-flight policy update failed on %s: %r", server.spec.url, err)
             await self._mark_dead(server)
             return
@@ -559,16 +582,42 @@ class VllmFleetEngine(RolloutEngine):
                                            timeout=self.config.rpc_timeout_s)
         response.raise_for_status()
 
-    async def _probe_keep_pause(self, server: _Server) -> bool:
-        """Whether the server's ``POST /pause`` takes ``mode`` (vLLM with pause "keep")."""
+    async def _probe_routes(self, server: _Server) -> None:
+        """From the server's ``/openapi.json``: whether its ``POST /pause`` takes ``mode``
+        (vLLM with pause "keep") and whether it takes policy uploads (`vllm_upload`);
+        ``weights_transport`` "http" refuses a server without the upload route."""
         try:
             response = await self._client.get(f"{server.spec.url}/openapi.json",
                                               timeout=self.config.health_timeout_s)
             response.raise_for_status()
-            parameters = response.json()["paths"]["/pause"]["post"].get("parameters", [])
+            paths = response.json()["paths"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return False
-        return any(p.get("name") == "mode" for p in parameters)
+            paths = {}
+        try:
+            parameters = paths["/pause"]["post"].get("parameters", [])
+        except (KeyError, TypeError, AttributeError):
+            parameters = []
+        server.keeps_requests_on_pause = any(p.get("name") == "mode" for p in parameters)
+        uploads = isinstance(paths, dict) and COMMIT_ROUTE in paths
+        if self.config.weights_transport == "http" and not uploads:
+            raise ValueError(f"{server.spec.url} takes no policy uploads (weights_transport=http): start it with "
+                             "`python -m rollout_bridge.serve`")
+        server.receives_uploads = uploads and self.config.weights_transport != "path"
+
+    async def _server_folder(self, server: _Server, policy: _Policy) -> str | None:
+        """Where ``server`` reads ``policy`` from: the trainer's folder, or (uploads) the
+        copy sent to it over HTTP, sent once per policy event."""
+        if not server.receives_uploads or policy.folder is None:
+            return policy.folder
+        if server.uploaded is not None and server.uploaded[0] == policy.policy_event:
+            return server.uploaded[1]
+        start = time.perf_counter()
+        folder = await upload_policy(self._client, server.spec.url, policy.folder, policy.policy_event,
+                                     self.config.rpc_timeout_s)
+        server.uploaded = (policy.policy_event, folder)
+        self.stats.uploads += 1
+        self.stats.last_upload_s = time.perf_counter() - start
+        return folder
 
     async def _folder_for(self, weights: Any, policy_event: int) -> str:
         if isinstance(weights, (str, os.PathLike)):
@@ -594,7 +643,7 @@ class VllmFleetEngine(RolloutEngine):
             return
         try:
             await self._load_current(server)
-        except (httpx.HTTPError, ValueError) as err:
+        except (httpx.HTTPError, ValueError, KeyError) as err:
             logger.warning("policy update failed on %s: %r", server.spec.url, err)
             await self._mark_dead(server)
             return
@@ -610,10 +659,12 @@ class VllmFleetEngine(RolloutEngine):
                 if held != UNKNOWN_POLICY_EVENT:
                     raise ValueError(f"server holds policy {held}; no folder to load {policy.policy_event} from")
                 await self._rpc(server, "spopp_set_policy_event", str(policy.policy_event))
-            elif held == UNKNOWN_POLICY_EVENT and await self._serves_folder(server, policy.folder):
+            elif (held == UNKNOWN_POLICY_EVENT and not server.receives_uploads
+                  and await self._serves_folder(server, policy.folder)):
                 await self._rpc(server, "spopp_set_policy_event", str(policy.policy_event))
             else:
-                await self._rpc(server, "spopp_load_policy", policy.folder, str(policy.policy_event))
+                folder = await self._server_folder(server, policy)
+                await self._rpc(server, "spopp_load_policy", folder, str(policy.policy_event))
                 await self._reset_prefix_cache(server)
         confirmed = await self._rpc(server, "spopp_policy_event")
         if confirmed != policy.policy_event:
@@ -640,11 +691,12 @@ class VllmFleetEngine(RolloutEngine):
         roots = {os.path.realpath(m.get("root", "")) for m in response.json().get("data", [])}
         return os.path.realpath(folder) in roots
 
-    async def _rpc(self, server: _Server, method: str, *args: str) -> int:
+    async def _rpc(self, server: _Server, method: str, *args: str, timeout_s: float | None = None) -> int:
+        timeout_s = self.config.rpc_timeout_s if timeout_s is None else timeout_s
         response = await self._client.post(
             f"{server.spec.url}/collective_rpc",
-            json={"method": method, "args": list(args), "timeout": self.config.rpc_timeout_s},
-            timeout=self.config.rpc_timeout_s,
+            json={"method": method, "args": list(args), "timeout": timeout_s},
+            timeout=timeout_s,
         )
         response.raise_for_status()
         return rpc_agreed_int(response.json())
@@ -663,14 +715,27 @@ class VllmFleetEngine(RolloutEngine):
         except httpx.HTTPError:
             return False
 
+    async def _holds_its_policy(self, server: _Server) -> bool:
+        """False when the server answers with another policy event than the one it was
+        confirmed at (it restarted from its start-up weights); True when it cannot say."""
+        try:
+            held = await self._rpc(server, "spopp_policy_event", timeout_s=self.config.health_timeout_s)
+        except (httpx.HTTPError, ValueError):
+            return True  # unreachable: the /health check takes it out
+        if held != server.policy_event:
+            logger.warning("vLLM server %s holds policy %d, not %d: it restarted", server.spec.url, held,
+                           server.policy_event)
+            return False
+        return True
+
     async def _try_join(self, server: _Server) -> bool:
         """DEAD -> READY when healthy and confirmed at the current policy (caller holds the lock)."""
         if not await self._healthy(server):
             return False
-        server.keeps_requests_on_pause = await self._probe_keep_pause(server)  # may have restarted
         try:
+            await self._probe_routes(server)  # may have restarted as another vLLM
             await self._load_current(server)
-        except (httpx.HTTPError, ValueError) as err:
+        except (httpx.HTTPError, ValueError, KeyError) as err:
             logger.warning("server %s cannot join: %r", server.spec.url, err)
             return False
         server.state = READY
@@ -683,6 +748,10 @@ class VllmFleetEngine(RolloutEngine):
             for server in self._servers:
                 if server.state == READY and not await self._healthy(server):
                     await self._mark_dead(server)
+            async with self._lock:  # no publish runs: a READY server holds exactly its policy
+                for server in self._servers:
+                    if server.state == READY and not await self._holds_its_policy(server):
+                        await self._mark_dead(server)  # restarted between two checks: rejoins below
             dead = [s for s in self._servers if s.state == DEAD]
             if dead:
                 async with self._lock:
