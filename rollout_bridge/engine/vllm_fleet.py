@@ -66,6 +66,13 @@ logger = logging.getLogger(__name__)
 READY, UPDATING, DEAD = "ready", "updating", "dead"
 WEIGHTS_TRANSPORTS = ("auto", "path", "http")
 WORKER_EXTENSION = "vllm_worker_ext.SpoppWorkerExtension"
+# what every fleet server runs with (besides VLLM_SERVER_DEV_MODE=1, `vllm_server_env`)
+FLEET_SERVER_FLAGS = (
+    ("--served-model-name", "policy"),
+    ("--generation-config", "vllm"),
+    ("--logprobs-mode", "raw_logprobs"),
+    ("--worker-extension-cls", WORKER_EXTENSION),
+)
 
 
 class FleetUnavailableError(RuntimeError):
@@ -263,19 +270,18 @@ def vllm_server_argv(
 
     ``--generation-config vllm``: ignore the checkpoint's sampling defaults (Qwen3 ships
     top_k 20, top_p 0.95); the bridge sends every sampling parameter explicitly anyway.
+    The fleet's flags are `FLEET_SERVER_FLAGS` (``rollout_bridge.serve`` adds the same).
     """
+    fleet = dict(FLEET_SERVER_FLAGS, **{"--served-model-name": served_model_name})
     return [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir,
-        "--served-model-name", served_model_name,
         "--host", host,
         "--port", str(port),
         "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs),
         "--dtype", dtype,
-        "--generation-config", "vllm",
-        "--logprobs-mode", "raw_logprobs",
-        "--worker-extension-cls", WORKER_EXTENSION,
+        *[word for flag, value in fleet.items() for word in (flag, value)],
         *extra,
     ]
 
@@ -763,6 +769,7 @@ class VllmFleetEngine(RolloutEngine):
 
 
 __all__ = [
+    "FLEET_SERVER_FLAGS",
     "FleetStats",
     "FleetUnavailableError",
     "VllmFleetConfig",

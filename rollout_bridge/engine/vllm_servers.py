@@ -12,7 +12,9 @@ evaluations, RL) gets its own `VllmFleetEngine` over the same servers from
   ``<run>/rollout_servers/logs/server-<i>.log``; ``<run>/rollout_servers/servers.json``
   lists each server's url, pid, state and restarts (rewritten on every restart / drop).
 * weights: the filesystem publish (`vllm_weights.write_policy_folder`: HF safetensors and
-  a policy-event marker). Each engine writes its stage's model as ``policy-<k>`` into a
+  a policy-event marker); a server started with ``python -m rollout_bridge.serve`` (no
+  shared filesystem needed) gets each folder's files over HTTP first (`vllm_upload`,
+  ``weights_transport``). Each engine writes its stage's model as ``policy-<k>`` into a
   folder of its own, ``<run>/rollout_servers/weights/engine-<n>``, and the servers load
   it before the stage's first request. A new engine first makes every server forget the
   policy event the previous engine installed: stages reuse event numbers (the prior and
@@ -23,7 +25,8 @@ evaluations, RL) gets its own `VllmFleetEngine` over the same servers from
   learner's next step runs during the export and the install.
 * metrics (`metrics`, one row per update): launcher restarts / drops, and of the newest
   engine the servers lost / rejoined, retried / failed requests, the latest publish's
-  export and install seconds.
+  export and install seconds, the folders uploaded over HTTP and the latest upload's
+  seconds.
 """
 
 from __future__ import annotations
@@ -66,13 +69,18 @@ class RolloutServersConfig:
     """run_dir: the job's run folder (logs, weights and servers.json go under
     ``<run_dir>/rollout_servers``). Exactly one of ``urls`` (running servers) and
     ``launch`` (servers to start). capacity: requests sent to one server at once.
-    health_interval_s: the launcher's and the fleet's health-check period."""
+    health_interval_s: the launcher's and the fleet's health-check period.
+    outage_wait_s / weights_transport: the fleet's (`VllmFleetConfig`): how long a request
+    waits for a server when none is in rotation; how weights reach a server ("auto":
+    over HTTP to a server started with ``python -m rollout_bridge.serve``, else a path)."""
 
     run_dir: str
     urls: tuple[str, ...] = ()
     launch: ServerLaunchConfig | None = None
     capacity: int = 8
     health_interval_s: float = 5.0
+    outage_wait_s: float = 0.0
+    weights_transport: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "urls", tuple(self.urls))
@@ -157,6 +165,8 @@ class RolloutServers:
         folder = write_policy_folder(model, root, int(policy_event), tokenizer)
         config = VllmFleetConfig(servers=specs, weights_root=root, tokenizer_dir=tokenizer, initial_folder=folder,
                                  health_interval_s=self.config.health_interval_s,
+                                 outage_wait_s=self.config.outage_wait_s,
+                                 weights_transport=self.config.weights_transport,
                                  drain="abort" if drain == "abort" else "finish")
         self._engine = VllmFleetEngine(config)
         return self._engine
@@ -188,7 +198,8 @@ class RolloutServers:
                        request_retries=float(fleet.retries), requests_failed=float(fleet.failed),
                        inflight_updates=float(fleet.inflight_updates),
                        drained_fallbacks=float(fleet.drained_fallbacks),
-                       publish_export_s=fleet.last_export_s, publish_install_s=fleet.last_publish_s)
+                       publish_export_s=fleet.last_export_s, publish_install_s=fleet.last_publish_s,
+                       weight_uploads=float(fleet.uploads), publish_upload_s=fleet.last_upload_s)
         return out
 
     def _on_launcher_events(self, events: list[tuple[int, str]]) -> None:
