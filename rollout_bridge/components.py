@@ -114,6 +114,7 @@ VLLM_TEMPERATURE = 1.0  # the vLLM engines report raw log-probs: exact sampling 
 SECTION_OWNERS = {
     "model": "rollout_bridge.components.model_folder / load_policy (model.*)",
     "mesh": "rollout_bridge.components.build_mesh (mesh.*)",
+    "node": "rollout_bridge.node_layout.apply_before_jax (node.*: train.py's first statement, before JAX loads)",
     "env": "rollout_bridge.envs.kinds (env.*)",
     "math_tir": "rollout_bridge.envs.math_tir.build_math_tir (math_tir.*, env.kind=math_tir)",
     "warmstart": "rollout_bridge.job.run_warmstart (warmstart.*)",

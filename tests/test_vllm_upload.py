@@ -232,3 +232,18 @@ def test_a_server_restarted_between_health_checks_is_caught_by_its_policy_event(
         stop(process)
     assert stats.servers_lost == 1 and stats.servers_rejoined == 1
     assert states[0][1:3] == ("ready", 1) and [event for _, event in loads] == [1]
+
+
+def test_serve_entry_point_adds_the_fleet_flags_and_refuses_conflicting_ones(capsys):
+    from rollout_bridge.engine.vllm_fleet import FLEET_SERVER_FLAGS
+    from rollout_bridge.serve import split_args
+
+    own, args = split_args(["--model", "/m", "--port", "9", "--weights-dir", "/w", "--served-model-name", "mine"])
+    assert own.weights_dir == "/w" and own.keep_policies == 2 and "--weights-dir" not in args
+    pairs = list(zip(args, args[1:]))
+    for flag, value in FLEET_SERVER_FLAGS:
+        assert (flag, "mine" if flag == "--served-model-name" else value) in pairs
+    assert args.count("--served-model-name") == 1  # the user's name is kept
+    with pytest.raises(SystemExit):
+        split_args(["--model", "/m", "--logprobs-mode=processed_logprobs"])
+    assert "the fleet needs --logprobs-mode raw_logprobs" in capsys.readouterr().err

@@ -203,10 +203,11 @@ def test_train_py_publishes_over_http_to_a_sandboxed_server_that_is_killed_and_r
     assert seen == {str(run): False, str(tmp_path / "policy"): False, str(server_dir): True}, seen
 
     rows = read_rows(run / "metrics.jsonl")
+    for row in rows:
+        print(f"[remote] update {row['step']}: policy_event={row.get('policy_event')}, " + ", ".join(
+            f"{k}={v}" for k, v in row.items() if k.startswith(("rollout/", "diag/failed", "diag/abort"))))
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no update lost
     last = rows[-1]
-    print("[remote] last row: " + ", ".join(f"{k}={v}" for k, v in last.items()
-                                            if k.startswith(("rollout/", "diag/failed", "diag/abort"))))
     assert last["rollout/servers_lost"] >= 1 and last["rollout/servers_rejoined"] >= 1
     assert last["diag/failed_total"] == 0 and last["rollout/requests_failed"] == 0
     assert last["diag/aborted_total"] == 0
