@@ -591,13 +591,16 @@ class VllmFleetEngine(RolloutEngine):
     async def _probe_routes(self, server: _Server) -> None:
         """From the server's ``/openapi.json``: whether its ``POST /pause`` takes ``mode``
         (vLLM with pause "keep") and whether it takes policy uploads (`vllm_upload`);
-        ``weights_transport`` "http" refuses a server without the upload route."""
+        ``weights_transport`` "http" refuses a server without the upload route. A server
+        without the document (404) has neither; one that cannot answer now raises
+        (``httpx.HTTPError``: it joins at a later health check), since guessing "no
+        uploads" would name a path it cannot read. The schema of vLLM's large app takes
+        seconds to build on a busy host: ``rpc_timeout_s``."""
+        response = await self._client.get(f"{server.spec.url}/openapi.json", timeout=self.config.rpc_timeout_s)
         try:
-            response = await self._client.get(f"{server.spec.url}/openapi.json",
-                                              timeout=self.config.health_timeout_s)
             response.raise_for_status()
             paths = response.json()["paths"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        except (httpx.HTTPStatusError, ValueError, KeyError, TypeError):
             paths = {}
         try:
             parameters = paths["/pause"]["post"].get("parameters", [])

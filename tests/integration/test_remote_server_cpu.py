@@ -10,10 +10,12 @@ server listens on 127.0.0.1).
 
 Checked: ``train.py`` (warm start, prior, 4 RL updates with in-flight publishes, the final
 evaluation) runs on that server alone, every policy reaching it over HTTP (the inbox holds
-the uploaded folders; the trainer's folders are never named to it); the server is SIGKILLed
-(its whole namespace) after the first update and restarted on its port: the fleet takes it
-out of rotation, requests wait for it (``rollout.servers.outage_wait_s``), and it rejoins
-at the current policy; no update, request or episode is lost.
+the uploaded folders; the trainer's folders are never named to it) and every RL publish
+in flight (pause "keep", reload, resume); the server is SIGKILLed (its whole namespace)
+after the second update and restarted on its port: the fleet takes it out of rotation,
+requests wait for it (``rollout.servers.outage_wait_s``), it rejoins at the current
+policy, and the publishes after that reach the restarted server in flight too (its own
+access log: uploads and ``/pause?mode=keep``); no update, request or episode is lost.
 
 Run: ``pytest -n 0 -m integration tests/integration/test_remote_server_cpu.py -s``.
 """
@@ -35,7 +37,7 @@ import pytest
 from vllm_venv import REPO, REQUIRES_VLLM_VENV, VLLM_PYTHON, VLLM_VENV
 
 STEPS = 4
-KILL_AFTER_UPDATES = 1
+KILL_AFTER_UPDATES = 2  # update 1's in-flight publish has reached the server by then
 NUM_GAMES = 4
 SERVER_START_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 1500.0
@@ -212,8 +214,12 @@ def test_train_py_publishes_over_http_to_a_sandboxed_server_that_is_killed_and_r
     assert last["diag/failed_total"] == 0 and last["rollout/requests_failed"] == 0
     assert last["diag/aborted_total"] == 0
     assert last["rollout/inflight_updates"] >= 1 and last["rollout/drained_fallbacks"] == 0
-    assert last["rollout/weight_uploads"] >= 2  # the RL policies reached the server over HTTP
+    assert last["rollout/weight_uploads"] >= 3  # RL start, update 1's publish, the rejoin
     assert last["policy_event"] >= STEPS - 2
+    # the restarted server's own access log: policies uploaded and installed in flight
+    after_restart = server_log.read_text(errors="replace").rsplit("policy uploads go to", 1)[1]
+    assert "PUT /spopp/policy/" in after_restart and "/commit HTTP/1.1\" 200" in after_restart
+    assert "POST /pause?mode=keep HTTP/1.1\" 200" in after_restart, "no in-flight publish after the restart"
     evaluation = json.loads((run / "eval_after.json").read_text())
     assert sum(evaluation["trials"]) == NUM_GAMES
     received = sorted(p.name for p in (server_dir / "inbox").iterdir() if p.name.startswith("policy-"))
