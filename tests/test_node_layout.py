@@ -178,3 +178,17 @@ def test_train_py_refuses_an_overlap_before_jax_is_imported(tmp_path):
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("config error: node layout: GPU 1 is given to the learner")
     assert seen is None  # JAX was never imported
+
+
+def test_the_pre_parse_defaults_are_train_configs():
+    """The pre-parse runs before the config is parsed; a key it does not find takes the
+    default TrainConfig has for it (one default per field)."""
+    from rollout_bridge.node_layout import DEFAULTS
+    from spopp_jax.config import TrainConfig
+
+    config = TrainConfig()
+    for key, default in DEFAULTS.items():
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        assert value == default, key

@@ -9,13 +9,18 @@
 * Failure handling: a connection error or time-out on a server that then also fails a
   health probe takes it out of rotation (DEAD); the request is re-dispatched after a
   backoff; with no
-  server left the request raises `FleetUnavailableError` at once (the agent records it
-  as a failed episode, so training never stalls). A health checker polls DEAD servers and
-  lets one rejoin only after it has loaded, and confirmed by RPC, the current policy.
+  server left the request raises `FleetUnavailableError` (the agent records it as a
+  failed episode, so training never stalls) at once, or after waiting up to
+  ``outage_wait_s`` for a server to rejoin. A health checker takes out READY servers that
+  fail ``/health`` or hold another policy event than they were confirmed at (restarted
+  between two checks), and lets a DEAD one rejoin only after it has loaded, and
+  confirmed by RPC, the current policy.
 * Publishing (`publish`): weights become a versioned folder (`vllm_weights`); every server
   stops receiving new requests, drains its in-flight ones (or aborts them), reloads the
   folder in place through the worker extension and confirms the loaded policy event
-  before it is READY again. Each result carries the policy event of the server that
+  before it is READY again. A server that shares no filesystem with the trainer (started
+  with ``python -m rollout_bridge.serve``; ``weights_transport``) is first sent the
+  folder's files over HTTP (`vllm_upload`), while it keeps serving, and reloads its copy. Each result carries the policy event of the server that
   generated it, so no trajectory mixes policies.
 * In-flight publish (`publish_inflight`, SPEC 3 "Publishing without a drain"): every
   server stays in rotation; per server ``POST /pause?mode=keep`` (requests freeze with
