@@ -258,9 +258,11 @@ def apply_before_jax(argv: Sequence[str], default_config: str | None = None,
                      environ: MutableMapping[str, str] | None = None) -> NodeLayout:
     """Read, check and apply the node layout (see the module docstring) to ``environ``
     (default: this process's). A bad layout prints one ``config error:`` line and exits 2.
-    Raises RuntimeError when JAX is already imported (the settings would not apply)."""
+    JAX already imported (by whatever ran train.py) gets a warning: the variables still
+    apply if no JAX backend has started yet, which this module cannot see without JAX."""
     if "jax" in sys.modules:
-        raise RuntimeError("the node layout must be applied before JAX is imported")
+        print("warning: JAX was imported before the node layout was applied; its GPU and memory settings "
+              "apply only if no JAX backend has started yet", file=sys.stderr)
     environ = os.environ if environ is None else environ
     values = read_layout_values(argv, default_config)
     try:
