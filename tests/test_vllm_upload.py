@@ -247,3 +247,55 @@ def test_serve_entry_point_adds_the_fleet_flags_and_refuses_conflicting_ones(cap
     with pytest.raises(SystemExit):
         split_args(["--model", "/m", "--logprobs-mode=processed_logprobs"])
     assert "the fleet needs --logprobs-mode raw_logprobs" in capsys.readouterr().err
+
+
+def test_a_server_whose_routes_cannot_be_read_yet_joins_later_with_uploads(tmp_path):
+    """An /openapi.json that times out (a busy server building vLLM's schema) must not be
+    read as "no upload route": the server would be named a trainer path it cannot read."""
+    from rollout_bridge.engine.vllm_upload import COMMIT_ROUTE, PolicyInbox
+
+    folder = publish_folder(tmp_path / "trainer", 0, write_weights(b"w" * 64))
+    inbox = PolicyInbox(str(tmp_path / "server"))
+    state = {"openapi_calls": 0, "event": -1, "loaded": []}
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/openapi.json":
+            state["openapi_calls"] += 1
+            if state["openapi_calls"] == 1:
+                raise httpx.ReadTimeout("schema still building", request=request)
+            return httpx.Response(200, json={"paths": {COMMIT_ROUTE: {"post": {}}}})
+        if request.method == "PUT":
+            _, _, _, event, _, name = path.split("/")
+            with inbox.open_file(event, name) as f:
+                f.write(request.content)
+            return httpx.Response(200, json={})
+        if path.endswith("/commit"):
+            return httpx.Response(200, json={"folder": inbox.commit(path.split("/")[3], json.loads(request.content)["files"])})
+        if path == "/collective_rpc":
+            body = json.loads(request.content)
+            if body["method"] == "spopp_load_policy":
+                state["loaded"].append(body["args"][0])
+                state["event"] = int(body["args"][1])
+            return httpx.Response(200, json={"results": [str(state["event"])]})
+        return httpx.Response(200, json={"success": True})
+
+    async def run():
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        engine = VllmFleetEngine(VllmFleetConfig(servers=(VllmServerSpec("http://10.0.0.9:8000"),),
+                                                 initial_folder=folder, health_interval_s=0.05), client=client)
+        await engine.start()
+        first = engine.server_states()[0][1]
+        for _ in range(100):
+            if engine.server_states()[0][1] == "ready":
+                break
+            await asyncio.sleep(0.02)
+        states = engine.server_states()
+        await engine.close()
+        return first, states
+
+    first, states = asyncio.run(run())
+    assert first == "dead" and states[0][1:3] == ("ready", 0)
+    assert state["loaded"] == [inbox.folder(0)]  # its own copy, never the trainer's path
