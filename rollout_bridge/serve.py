@@ -42,7 +42,7 @@ PROG = "python -m rollout_bridge.serve"
 def split_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """(this entry point's own options, the `vllm serve` arguments with the fleet's flags
     added where absent). Raises SystemExit(2) with one line on a conflicting flag."""
-    parser = argparse.ArgumentParser(prog=PROG, add_help=False)
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)  # vLLM flags pass untouched
     parser.add_argument("--weights-dir", default=None)
     parser.add_argument("--keep-policies", type=int, default=2)
     own, rest = parser.parse_known_args(list(argv))
