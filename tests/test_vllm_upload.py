@@ -59,10 +59,11 @@ def test_inbox_publishes_a_complete_marked_folder_and_refuses_a_partial_one(tmp_
     folder = inbox.commit(3, {"model.safetensors": 4})
     assert folder == inbox.folder(3) and open(os.path.join(folder, "model.safetensors"), "rb").read() == b"abcd"
     assert json.load(open(os.path.join(folder, POLICY_MARKER))) == {"policy_event": 3}
-    for event in (4, 5):
+    inbox.write_file(4, "model.safetensors", [b"x"])  # an upload that never commits
+    for event in (5, 6):
         inbox.write_file(event, "model.safetensors", [b"x"])
         inbox.commit(event, {"model.safetensors": 1})
-    assert sorted(os.listdir(inbox.root)) == ["policy-00000004", "policy-00000005"]  # the newest `keep`
+    assert sorted(os.listdir(inbox.root)) == ["policy-00000005", "policy-00000006"]  # the newest `keep`
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "", "a..b"])

@@ -121,11 +121,18 @@ class PolicyInbox:
         return final
 
     def prune(self, protect: int) -> list[int]:
-        """Remove all but the newest ``keep`` published folders (never ``protect``)."""
-        events = sorted(int(m.group(1)) for m in map(_FOLDER_RE.match, os.listdir(self.root)) if m)
+        """Remove all but the newest ``keep`` published folders (never ``protect``), and
+        the staging folders of uploads older than ``protect`` that never committed (the
+        trainer died or dropped this server mid-upload)."""
+        names = os.listdir(self.root)
+        events = sorted(int(m.group(1)) for m in map(_FOLDER_RE.match, names) if m)
         removed = [k for k in events[:-self.keep] if k != protect]
         for k in removed:
             shutil.rmtree(self.folder(k), ignore_errors=True)
+        for name in names:
+            match = _FOLDER_RE.match(name[len(STAGING_PREFIX):]) if name.startswith(STAGING_PREFIX) else None
+            if match and int(match.group(1)) < protect:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         return removed
 
 
