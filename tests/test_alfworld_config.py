@@ -101,6 +101,10 @@ def test_task_types_and_command_numbers_reach_the_task_sets(monkeypatch):
     assert seen["config"].task_types == ("look_at_obj_in_light",)
     assert seen["config"].command_numbers and seen["config"].style.max_feedback_chars == 240
     assert seen["config"].style.actions_per_line
+    assert seen["config"].alfred_filter and seen["config"].alfred_floor_plans    # the defaults
+    with pytest.raises(RuntimeError, match="stop after the config"):
+        build_env(_alfworld_cfg("--env.alfred_filter", "false", "--env.alfred_floor_plans", "false"), False)
+    assert not seen["config"].alfred_filter and not seen["config"].alfred_floor_plans
 
 
 def test_shipped_alfworld_warm_start_is_the_recorded_one_of_this_recipe_and_loads():
