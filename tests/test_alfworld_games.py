@@ -198,7 +198,7 @@ HEAT, COOL, CLEAN = ("pick_heat_then_place_in_recep", "pick_cool_then_place_in_r
 TWO, LIGHT = "pick_two_obj_and_place", "look_at_obj_in_light"
 
 
-@pytest.mark.parametrize("draw, objects, criterion", [
+EXCLUDED_CASES = [
     (_draw(LIGHT, 417, "SprayBottle", "", "FloorLamp"),
      [("SprayBottle", "Shelf"), ("FloorLamp", "CounterTop")], "room_type"),     # a bathroom
     (_draw(HEAT, 210), [("Apple", "CounterTop")], "room_type"),                  # a living room
@@ -212,9 +212,16 @@ TWO, LIGHT = "pick_two_obj_and_place", "look_at_obj_in_light"
     (_draw(TWO, 310, "Pen", "Desk"), [("Pen", "Shelf"), ("Pen", "Drawer"), ("Pencil", "Desk")],
      "goal_holds_object_type"),                   # ALFRED matches ids by substring
     (_draw(LIGHT, 310, "Book", "", "DeskLamp"), [("Book", "Bed")], "toggle_target"),
-])
+]
+
+
+@pytest.mark.parametrize("draw, objects, criterion", EXCLUDED_CASES)
 def test_each_alfred_criterion_excludes_its_case(draw, objects, criterion):
     assert [e.criterion for e in games.alfred_exclusions(draw, objects)] == [criterion]
+
+
+def test_every_criterion_has_a_case():
+    assert {case[-1] for case in EXCLUDED_CASES} == set(games.ALFRED_CRITERIA)
 
 
 @pytest.mark.parametrize("draw, objects", [
