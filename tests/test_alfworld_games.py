@@ -248,3 +248,15 @@ def test_floor_plan_splits_are_alfreds_lists():
                 assert draw.scene in plans
     with pytest.raises(ValueError, match="floor_plans"):
         games.AlfworldSetSpec("x", 1, 0, floor_plans="valid")
+
+
+def test_unfiltered_set_on_every_plan_keeps_the_folder_and_manifest_of_before():
+    """Sets cached before the filter and the floor-plan split existed are reused as they are."""
+    old = games.AlfworldSetSpec("train", 128, 0, max_distractors=2, max_receptacles=6,
+                                alfred_filter=False)
+    assert old.folder_name == "alfworld_train_t123456_d2_r6_s0_n128"
+    assert set(games._spec_record(old)) == {"name", "num_games", "base_seed", "task_types",
+                                            "max_distractors", "max_receptacles", "exclude_tasks"}
+    new = games.AlfworldSetSpec("train", 128, 0, max_distractors=2, max_receptacles=6,
+                                floor_plans="train")
+    assert new.folder_name == "alfworld_train_t123456_d2_r6_s0_n128_alfred_ptrain"
