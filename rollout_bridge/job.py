@@ -82,8 +82,14 @@ def stage_key(cfg, *sections: str) -> dict:
     ``UNKEYED_FIELDS`` are left out). ``warmstart.group_by_length`` (added after keys
     were first written) is keyed only where it changes an output, a warm start that is
     trained with it on; so records written before it existed stay valid. ``env.rename_episodes``
-    (added later too) is keyed only when it is not 0."""
+    (added later too) is keyed only when it is not 0; ``env.alfred_filter`` and
+    ``env.alfred_floor_plans`` only when on for generated ALFWorld games (the only games they
+    change; with both off those games are the ones made before they existed)."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
+    generated_alfworld = cfg.env.kind == "alfworld" and cfg.env.game_dir is None
+    for field in ("alfred_filter", "alfred_floor_plans"):
+        if "env" in key and not (generated_alfworld and getattr(cfg.env, field)):
+            key["env"].pop(field, None)
     for name, fields in UNKEYED_FIELDS.items():
         for field in fields:
             key.get(name, {}).pop(field, None)

@@ -161,6 +161,11 @@ class EnvSection:
     max_receptacles: Optional[int] = None
     # kind=alfworld only: task types generated (None = all six)
     alfworld_task_types: Optional[tuple[str, ...]] = None
+    # kind=alfworld, generated games: only tasks ALFRED's task sampler would make
+    # (rollout_bridge.envs.alfworld_games.alfred_exclusions), and training / warm-start games
+    # on ALFRED's training floor plans, held-out games on its test floor plans
+    alfred_filter: bool = True
+    alfred_floor_plans: bool = True
 
     def __post_init__(self):
         _check_literals("env", self)

@@ -101,6 +101,10 @@ def test_task_types_and_command_numbers_reach_the_task_sets(monkeypatch):
     assert seen["config"].task_types == ("look_at_obj_in_light",)
     assert seen["config"].command_numbers and seen["config"].style.max_feedback_chars == 240
     assert seen["config"].style.actions_per_line
+    assert seen["config"].alfred_filter and seen["config"].alfred_floor_plans    # the defaults
+    with pytest.raises(RuntimeError, match="stop after the config"):
+        build_env(_alfworld_cfg("--env.alfred_filter", "false", "--env.alfred_floor_plans", "false"), False)
+    assert not seen["config"].alfred_filter and not seen["config"].alfred_floor_plans
 
 
 def test_shipped_alfworld_warm_start_is_the_recorded_one_of_this_recipe_and_loads():
@@ -124,3 +128,20 @@ def test_shipped_alfworld_warm_start_is_the_recorded_one_of_this_recipe_and_load
     shape = json.loads((asset / "config.json").read_text())
     assert (shape["hidden_size"], shape["num_hidden_layers"]) == (cfg.model.tiny_hidden_size, cfg.model.tiny_num_layers)
     assert shape["vocab_size"] <= cfg.model.tiny_vocab_size   # BPE stops when the game texts have no more merges
+
+
+def test_alfred_fields_are_keyed_only_where_they_change_the_games():
+    """Priors, warm starts and checkpoints of TextWorld runs, of downloaded ALFWorld games and
+    of generated ALFWorld games made with both fields off stay reusable; the new sets are
+    keyed."""
+    from rollout_bridge.job import stage_key
+
+    textworld = load_config([])
+    assert not {"alfred_filter", "alfred_floor_plans"} & set(stage_key(textworld, "env")["env"])
+    generated = _alfworld_cfg()
+    assert stage_key(generated, "env")["env"]["alfred_filter"] is True
+    assert stage_key(generated, "env")["env"]["alfred_floor_plans"] is True
+    plain = stage_key(_alfworld_cfg("--env.alfred_filter", "false", "--env.alfred_floor_plans", "false"), "env")
+    assert not {"alfred_filter", "alfred_floor_plans"} & set(plain["env"])
+    downloaded = _alfworld_cfg("--env.game_dir", "/some/json_2.1.1/train")
+    assert "alfred_filter" not in stage_key(downloaded, "env")["env"]

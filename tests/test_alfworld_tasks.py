@@ -1,5 +1,6 @@
 """The ALFWorld env kind's entry point: train / held-out / warm-start sets with disjoint
-tasks, sized scenes, and an env factory that plays them."""
+tasks, sized scenes, training and warm-start games on ALFRED's training floor plans and
+held-out games on its test floor plans, and an env factory that plays them."""
 
 from __future__ import annotations
 
@@ -43,6 +44,28 @@ def test_sets_are_disjoint_sized_and_playable(tmp_path):
         again = build_task_sets(config)                    # cached: same files
         assert again.train.game_files == sets.train.game_files
         again.close()
+    finally:
+        sets.close()
+
+
+def _floor_plans(files) -> set[int]:
+    return {games.game_start_state(path)[0].scene for path in files}
+
+
+def test_no_training_game_uses_a_test_floor_plan_and_heldout_games_use_only_test_ones(tmp_path):
+    from alfworld.gen import constants
+
+    config = AlfworldTaskConfig(data_dir=str(tmp_path), num_games=6, heldout_games=3,
+                                warmstart_games=2, max_distractors=1, max_receptacles=5,
+                                workers=1)
+    sets = build_task_sets(config)
+    try:
+        trained_on = _floor_plans(sets.train.game_files) | _floor_plans(sets.warm.game_files)
+        assert trained_on <= set(constants.TRAIN_SCENE_NUMBERS)
+        assert _floor_plans(sets.heldout.game_files) <= set(constants.TEST_SCENE_NUMBERS)
+        for tasks in (sets.train, sets.heldout, sets.warm):
+            for path in tasks.game_files:
+                assert games.alfred_exclusions(*games.game_start_state(path)) == ()
     finally:
         sets.close()
 

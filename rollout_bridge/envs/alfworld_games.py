@@ -1,4 +1,4 @@
-"""ALFWorld games generated locally from the `alfworld` package's own data (issue #18).
+"""ALFWorld games generated locally from the `alfworld` package's own data.
 
 ALFWorld's released games (`alfworld-download`) cannot be fetched here, but the package
 ships what defines them: the PDDL domain (`alfworld/data/alfred.pddl`), the text grammar
@@ -17,6 +17,14 @@ mangled form (`Apple|+00.30|+00.90|-01.20` -> `Apple_bar__plus_00_dot_30_...`). 
 problem is written, the planner (fast-downward, `textworld[pddl]`) solves it under
 ALFWorld's wrappers, the walkthrough is replayed to a win and stored in the game file. A
 draw the planner cannot solve is re-drawn from the same rng (bounded, then an error).
+
+ALFRED's task sampler: with `alfred_filter` (the default) a draw that ALFRED's sampler
+would not make (`alfred_exclusions`: the room types a task type is sampled in, and
+`get_filter_crit`'s object and receptacle criteria, e.g. no heat task whose apple starts
+in the microwave or whose goal is the microwave) is re-drawn from the same rng, and the
+criteria of the re-drawn draws are recorded with the game. `floor_plans` restricts the
+draw to ALFRED's training or test floor plans (`split_floor_plans`: alfworld's
+`TRAIN_SCENE_NUMBERS` / `TEST_SCENE_NUMBERS`).
 
 Each game is a folder in ALFWorld's layout, `<task_type>-<Obj>-None-<Recep>-<scene>/
 trial_s<seed>/` with `game.tw-pddl` (keys `pddl_domain`, `grammar`, `pddl_problem`,
@@ -67,6 +75,8 @@ GRID_STEP_M = 0.25            # THOR's navigation grid (constants.AGENT_STEP_SIZ
 ROTATION_STEP_DEG = 90        # poses turn in quarter turns (constants.AGENT_ROTATE_ADJ)
 OBJECT_OFFSET_M = 0.30        # generated object positions: receptacle position +- this
 MAX_DRAWS_PER_GAME = 20       # planner-unsolvable draws re-drawn before giving up
+MAX_EXCLUDED_DRAWS = 500      # draws ALFRED's sampler would not make, re-drawn before giving up
+FLOOR_PLAN_SPLITS = ("all", "train", "test")
 MANIFEST = "manifest.json"
 GAME_FILE = "game.tw-pddl"
 TRAJ_DATA = "traj_data.json"
@@ -103,6 +113,31 @@ def scene_numbers() -> tuple[int, ...]:
         if (layouts / f"FloorPlan{number}-openable.json").exists():
             found.append(number)
     return tuple(sorted(found))
+
+
+def split_floor_plans(split: str) -> tuple[int, ...]:
+    """The floor plans (with layout files) of ALFRED's `split`, as `alfworld.gen.constants`
+    lists them: "train" = `TRAIN_SCENE_NUMBERS` (FloorPlan 7-30, 207-230, 307-330, 407-430:
+    the plans ALFRED samples training tasks on), "test" = `TEST_SCENE_NUMBERS` (1-6, 201-206,
+    301-306, 401-406: never seen in training), "all" = every plan."""
+    from alfworld.gen import constants
+
+    if split not in FLOOR_PLAN_SPLITS:
+        raise ValueError(f"floor_plans must be one of {FLOOR_PLAN_SPLITS}, got {split!r}")
+    if split == "all":
+        return scene_numbers()
+    listed = set(constants.TRAIN_SCENE_NUMBERS if split == "train" else constants.TEST_SCENE_NUMBERS)
+    return tuple(n for n in scene_numbers() if n in listed)
+
+
+def room_type(number: int) -> str:
+    """Kitchen, LivingRoom, Bedroom or Bathroom (`constants.SCENE_TYPE`)."""
+    from alfworld.gen import constants
+
+    for room, numbers in constants.SCENE_TYPE.items():
+        if number in numbers:
+            return room
+    raise ValueError(f"FloorPlan{number} has no room type in alfworld.gen.constants.SCENE_TYPE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +249,12 @@ def task_candidates(scene: Scene, task_type: str) -> list[TaskDraw]:
     return found
 
 
-def draw_task(rng: random.Random, task_type: str, exclude: frozenset = frozenset()) -> TaskDraw:
-    """A scene where `task_type` is possible, then one of its targets, uniformly; targets
-    whose `folder_name()` is in `exclude` (tasks of another set) are never drawn."""
-    scenes = list(scene_numbers())
+def draw_task(rng: random.Random, task_type: str, exclude: frozenset = frozenset(),
+              floor_plans: str = "all") -> TaskDraw:
+    """A floor plan of `floor_plans` (`split_floor_plans`) where `task_type` is possible,
+    then one of its targets, uniformly; targets whose `folder_name()` is in `exclude`
+    (tasks of another set) are never drawn."""
+    scenes = list(split_floor_plans(floor_plans))
     rng.shuffle(scenes)
     for number in scenes:
         candidates = [c for c in task_candidates(load_scene(number), task_type)
@@ -225,6 +262,73 @@ def draw_task(rng: random.Random, task_type: str, exclude: frozenset = frozenset
         if candidates:
             return rng.choice(candidates)
     raise RuntimeError(f"no floor plan allows task type {task_type!r}")
+
+
+# --------------------------------------------------------------------------- ALFRED's sampler
+
+@dataclasses.dataclass(frozen=True)
+class Exclusion:
+    """One reason ALFRED's task sampler would not make a task: `criterion` (one of
+    `ALFRED_CRITERIA`) and a sentence naming the objects involved."""
+
+    criterion: str
+    reason: str
+
+
+ALFRED_CRITERIA = ("room_type", "object_action", "object_in_appliance", "goal_is_appliance",
+                   "fewer_than_two", "goal_holds_object_type", "toggle_target")
+
+
+def alfred_exclusions(draw: TaskDraw, objects: Sequence[tuple[str, str]]) -> tuple[Exclusion, ...]:
+    """Why ALFRED's task sampler would not sample `draw` from this start state; empty when
+    it would. `objects`: (object type, receptacle type) of every object at the start.
+
+    The criteria are ALFRED's (`alfworld.gen.constants.GOALS_VALID` and
+    `TaskGameState.get_filter_crit` in `alfworld/gen/game_states/task_game_state.py`),
+    restated here for a start state given as types:
+    - room_type: the floor plan's room (`room_type`) is one the task type is sampled in
+      (light: living rooms, bedrooms; clean: kitchens, bathrooms; heat, cool: kitchens);
+    - object_action (clean / heat / cool): the target is Cleanable / Heatable / Coolable;
+    - object_in_appliance (clean / heat / cool): no object of the target's type starts in a
+      receptacle of the task's appliance type (SinkBasin / Microwave / Fridge);
+    - goal_is_appliance (clean / heat / cool): the goal receptacle is not of that type;
+    - fewer_than_two (pick two): at least two objects of the target's type;
+    - goal_holds_object_type (pick two): no receptacle of the goal's type holds an object
+      whose type name contains the target's (ALFRED tests the object id by substring, so a
+      Pencil counts for a Pen);
+    - toggle_target (light): the lamp is a Toggleable type and present (lamps start off).
+    """
+    from alfworld.gen import constants
+
+    found = []
+    kind, target = draw.task_type, draw.object_target
+    room = room_type(draw.scene)
+    if room not in constants.GOALS_VALID[kind]:
+        found.append(Exclusion("room_type", f"{kind} is not sampled in a {room} "
+                                            f"(FloorPlan{draw.scene})"))
+    if kind in STATE_CHANGE:
+        appliance, action_class = STATE_CHANGE[kind]
+        if not has_action_class(target, action_class):
+            found.append(Exclusion("object_action", f"{target} is not {action_class}"))
+        if any(otype == target and rtype == appliance for otype, rtype in objects):
+            found.append(Exclusion("object_in_appliance",
+                                   f"a {target} starts in the {appliance}"))
+        if draw.parent_target == appliance:
+            found.append(Exclusion("goal_is_appliance", f"the goal receptacle is the {appliance}"))
+    if kind == "pick_two_obj_and_place":
+        if sum(otype == target for otype, _ in objects) < 2:
+            found.append(Exclusion("fewer_than_two", f"fewer than two {target}s"))
+        holding = sorted({otype for otype, rtype in objects
+                          if rtype == draw.parent_target and target in otype})
+        if holding:
+            found.append(Exclusion("goal_holds_object_type",
+                                   f"a {draw.parent_target} already holds a {holding[0]}"))
+    if kind == "look_at_obj_in_light":
+        lamp = draw.toggle_target
+        if (lamp not in constants.VAL_ACTION_OBJECTS["Toggleable"]
+                or not any(otype == lamp for otype, _ in objects)):
+            found.append(Exclusion("toggle_target", f"no toggleable {lamp} in the scene"))
+    return tuple(found)
 
 
 def restrict_scene(rng: random.Random, scene: Scene, draw: TaskDraw,
@@ -316,6 +420,11 @@ class Placement:
     def put(self, rng: random.Random, otype: str, receptacle_id: str) -> None:
         oid = _object_id(rng, otype, receptacle_id, set(self.objects))
         self.objects[oid] = (otype, receptacle_id)
+
+    def types(self) -> list[tuple[str, str]]:
+        """(object type, receptacle type) of every object, in id order."""
+        return [(otype, Scene.receptacle_type(rid)) for _, (otype, rid)
+                in sorted(self.objects.items())]
 
 
 def place_objects(rng: random.Random, scene: Scene, draw: TaskDraw,
@@ -430,6 +539,27 @@ def read_game_file(path: str | os.PathLike) -> dict:
     return data
 
 
+def game_start_state(path: str | os.PathLike) -> tuple[TaskDraw, list[tuple[str, str]]]:
+    """What `alfred_exclusions` reads, from a game folder's files: the task (traj_data.json's
+    `task_type`, `pddl_params` and floor plan) and (object type, receptacle type) of every
+    object the PDDL problem puts in a receptacle at the start."""
+    folder = Path(path).parent
+    with open(folder / TRAJ_DATA) as f:
+        traj = json.load(f)
+    params = traj["pddl_params"]
+    scene = int(re.fullmatch(r"FloorPlan(\d+)", traj["scene"]["floor_plan"]).group(1))
+    draw = TaskDraw(traj["task_type"], scene, params["object_target"],
+                    params["parent_target"], params["toggle_target"])
+    init = read_game_file(path)["pddl_problem"].split("(:goal")[0]
+
+    def facts(predicate: str) -> dict:
+        return dict(re.findall(rf"\({predicate} (\S+) (\S+)\)", init))
+    otype, rtype = facts("objectType"), facts("receptacleType")
+    objects = sorted((otype[o].removesuffix("Type"), rtype[r].removesuffix("Type"))
+                     for o, r in facts("inReceptacle").items())
+    return draw, objects
+
+
 def planner_walkthrough(game: dict) -> list[str]:
     """Solve `game` (a game.tw-pddl dict) with the planner under ALFWorld's demangler, then
     replay the plan; return it if it wins, else raise RuntimeError."""
@@ -464,30 +594,51 @@ class GeneratedGame:
     traj_data: dict
 
     def record(self) -> dict:
-        return {"dir": self.relative_dir, "seed": self.traj_data["generated"]["seed"],
-                "task_type": self.traj_data["task_type"],
-                "task": self.traj_data["generated"]["task"],
-                "walkthrough": self.game["walkthrough"]}
+        generated = self.traj_data["generated"]
+        record = {"dir": self.relative_dir, "seed": generated["seed"],
+                  "task_type": self.traj_data["task_type"], "task": generated["task"],
+                  "walkthrough": self.game["walkthrough"]}
+        if "excluded" in generated:
+            record["excluded"] = generated["excluded"]
+        return record
 
 
 def generate_game(seed: int, task_type: str, max_distractors: int = 6,
                   max_receptacles: int | None = None,
-                  exclude: frozenset = frozenset()) -> GeneratedGame:
-    """The game of `seed` for `task_type` (deterministic), solved by the planner; its task
-    (`TaskDraw.folder_name()`) is not in `exclude`."""
+                  exclude: frozenset = frozenset(), floor_plans: str = "all",
+                  alfred_filter: bool = True) -> GeneratedGame:
+    """The game of `seed` for `task_type` (deterministic), on a floor plan of `floor_plans`
+    (`split_floor_plans`), solved by the planner; its task (`TaskDraw.folder_name()`) is not
+    in `exclude`. With `alfred_filter`, a draw ALFRED's sampler would not make
+    (`alfred_exclusions`) is re-drawn from the same rng; the criteria of the draws
+    re-drawn are counted in traj_data["generated"]["excluded"]."""
     if max_receptacles is not None and max_receptacles < 4:
         raise ValueError(f"max_receptacles must be None or >= 4, got {max_receptacles}")
     if task_type not in TASK_TYPES:
         raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
     if max_distractors < 0:
         raise ValueError(f"max_distractors must be >= 0, got {max_distractors}")
+    split_floor_plans(floor_plans)
     rng = random.Random(seed)
     data = package_data()
-    errors = []
-    for attempt in range(MAX_DRAWS_PER_GAME):
-        draw = draw_task(rng, task_type, exclude)
+    errors: list[str] = []
+    excluded: dict[str, int] = {}
+    rejected = 0
+    attempt = 0
+    while attempt < MAX_DRAWS_PER_GAME:
+        draw = draw_task(rng, task_type, exclude, floor_plans)
         scene = restrict_scene(rng, load_scene(draw.scene), draw, max_receptacles)
         placement = place_objects(rng, scene, draw, max_distractors)
+        if alfred_filter:
+            reasons = alfred_exclusions(draw, placement.types())
+            if reasons:
+                rejected += 1
+                for criterion in sorted({r.criterion for r in reasons}):
+                    excluded[criterion] = excluded.get(criterion, 0) + 1
+                if rejected >= MAX_EXCLUDED_DRAWS:
+                    raise RuntimeError(f"seed {seed} ({task_type}): {rejected} draws excluded "
+                                       f"by ALFRED's criteria: {excluded}")
+                continue
         task = task_description(rng, draw)
         problem = problem_pddl(f"plan_generated_s{seed}", scene, draw, placement,
                                agent_start(rng, scene))
@@ -498,11 +649,15 @@ def generate_game(seed: int, task_type: str, max_distractors: int = 6,
             game["walkthrough"] = planner_walkthrough(game)
         except RuntimeError as exc:
             errors.append(f"draw {attempt}: {exc}")
+            attempt += 1
             continue
+        generated = {"seed": seed, "task": task, "attempt": attempt,
+                     "by": "rollout_bridge.envs.alfworld_games"}
+        if alfred_filter:
+            generated["excluded"] = {"draws": rejected, **excluded}
         traj_data = {"task_type": task_type, "pddl_params": draw.pddl_params(),
                      "scene": {"floor_plan": f"FloorPlan{draw.scene}"},
-                     "generated": {"seed": seed, "task": task, "attempt": attempt,
-                                   "by": "rollout_bridge.envs.alfworld_games"}}
+                     "generated": generated}
         return GeneratedGame(f"{draw.folder_name()}/trial_s{seed:06d}", game, traj_data)
     raise RuntimeError(f"seed {seed} ({task_type}): no solvable draw in {MAX_DRAWS_PER_GAME} "
                        f"tries: {errors[-3:]}")
@@ -532,6 +687,8 @@ class AlfworldSetSpec:
     max_distractors: int = 6
     max_receptacles: int | None = None     # None: every receptacle of the floor plan
     exclude_tasks: tuple[str, ...] = ()    # task folder names of other sets, never drawn
+    floor_plans: str = "all"               # split_floor_plans: "all", "train" or "test"
+    alfred_filter: bool = True             # only draws ALFRED's sampler would make
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9_\-]+", self.name):
@@ -550,10 +707,14 @@ class AlfworldSetSpec:
         if self.max_receptacles is not None and self.max_receptacles < 4:
             raise ValueError(f"max_receptacles must be None or >= 4, got {self.max_receptacles}")
         object.__setattr__(self, "exclude_tasks", tuple(sorted(set(self.exclude_tasks))))
+        if self.floor_plans not in FLOOR_PLAN_SPLITS:
+            raise ValueError(f"floor_plans must be one of {FLOOR_PLAN_SPLITS}, "
+                             f"got {self.floor_plans!r}")
 
     def game_args(self, index: int) -> tuple:
         return (self.base_seed + index, self.task_types[index % len(self.task_types)],
-                self.max_distractors, self.max_receptacles, frozenset(self.exclude_tasks))
+                self.max_distractors, self.max_receptacles, frozenset(self.exclude_tasks),
+                self.floor_plans, self.alfred_filter)
 
     @property
     def folder_name(self) -> str:
@@ -563,11 +724,20 @@ class AlfworldSetSpec:
         if self.exclude_tasks:
             digest = hashlib.sha1("\n".join(self.exclude_tasks).encode()).hexdigest()[:10]
             name += f"_x{digest}"
+        if self.alfred_filter:
+            name += "_alfred"
+        if self.floor_plans != "all":
+            name += f"_p{self.floor_plans}"
         return name
 
 
 def _spec_record(spec: AlfworldSetSpec) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(spec)))
+    """The spec as the manifest stores it; the fields an unfiltered set on every floor plan
+    leaves at those values are left out, so its manifest reads as before they existed."""
+    record = json.loads(json.dumps(dataclasses.asdict(spec)))
+    if not spec.alfred_filter and spec.floor_plans == "all":
+        del record["alfred_filter"], record["floor_plans"]
+    return record
 
 
 def task_names(files: Sequence[str | os.PathLike]) -> set[str]:

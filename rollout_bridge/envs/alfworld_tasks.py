@@ -9,7 +9,11 @@ cached under `data_dir`: `num_games` training games (seeds `game_seed + i`), the
 `heldout_games` held-out games whose tasks (`<type>-<Obj>-None-<Recep>-<scene>`) never
 occur in the training set, and `warmstart_games` warm-start games whose tasks occur in
 neither (so the warm start teaches the skill, not the answers, and held-out success
-measures transfer).
+measures transfer). With `alfred_floor_plans` (default) the training and warm-start sets
+use only ALFRED's training floor plans (alfworld's `TRAIN_SCENE_NUMBERS`) and the held-out
+set only its test floor plans (`TEST_SCENE_NUMBERS`), so held-out games are in rooms never
+trained on; with `alfred_filter` (default) every set holds only tasks ALFRED's sampler
+would make (`alfworld_games.alfred_exclusions`).
 Downloaded games (`game_dir` = e.g. `$ALFWORLD_DATA/json_2.1.1/train`): `num_games` games
 picked by a seeded shuffle (0 = all); `heldout_dir` (e.g. `.../valid_unseen`) for the
 held-out set; the warm start needs generated games (or none).
@@ -51,6 +55,8 @@ class AlfworldTaskConfig:
     task_types: tuple[str, ...] = games.TASK_TYPES
     max_distractors: int = 6
     max_receptacles: Optional[int] = None
+    alfred_filter: bool = True        # only tasks ALFRED's sampler would make
+    alfred_floor_plans: bool = True   # train / warm start on ALFRED's training plans, held out on its test plans
     max_turns: int = ALFWORLD_MAX_TURNS
     max_feedback_chars: int = 2000
     numbered_actions: bool = False
@@ -75,10 +81,13 @@ class AlfworldTaskConfig:
                                 actions_per_line=self.actions_per_line)
 
     def spec(self, name: str, num_games: int, base_seed: int,
-             exclude: frozenset = frozenset()) -> games.AlfworldSetSpec:
+             exclude: frozenset = frozenset(), heldout: bool = False) -> games.AlfworldSetSpec:
+        """The set `name`; `heldout` sets draw from the test floor plans, others from the
+        training ones (both from every plan without `alfred_floor_plans`)."""
+        floor_plans = ("test" if heldout else "train") if self.alfred_floor_plans else "all"
         return games.AlfworldSetSpec(name, num_games, base_seed, self.task_types,
                                      self.max_distractors, self.max_receptacles,
-                                     tuple(sorted(exclude)))
+                                     tuple(sorted(exclude)), floor_plans, self.alfred_filter)
 
 
 @dataclasses.dataclass
@@ -127,7 +136,8 @@ def build_task_sets(config: AlfworldTaskConfig,
         exclude = games.task_names(files)
         heldout = None
         if config.heldout_games:
-            spec = config.spec("heldout", config.heldout_games, config.heldout_seed, exclude)
+            spec = config.spec("heldout", config.heldout_games, config.heldout_seed, exclude,
+                               heldout=True)
             heldout = _generated(spec, config, progress)[1]
     if heldout is not None:
         exclude |= games.task_names(heldout.game_files)
