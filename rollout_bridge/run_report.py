@@ -163,7 +163,8 @@ def before_after_text(summary: Mapping[str, Any], name: str, what: str) -> str |
         return None
     before = summary.get(f"{name}_before_rl_estimate")
     if before is None:
-        return f"{what} ({after['games']:,} games, {after['episodes']:,} episodes): {after['success_rate']:.3f} after RL"
+        return (f"{what} ({after['games']:,} games, {after['episodes']:,} episodes): "
+                f"{after['success_rate']:.3f} after RL")
     episodes = (f"{after['episodes']:,} episodes" if before["episodes"] == after["episodes"] else
                 f"{before['episodes']:,} episodes before RL, {after['episodes']:,} after")
     return (f"{what} ({after['games']:,} games, {episodes}): {before['success_rate']:.3f} before RL -> "

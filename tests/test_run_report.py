@@ -105,7 +105,8 @@ def test_the_final_line_states_before_and_after_on_the_same_tasks_rounded():
 
 def test_the_prior_says_what_its_success_is_over():
     record = {"successes": [1, 0, 0, 1] * 256, "trials": [1] * 1024, "success_rate": 0.5}
-    assert run_report.prior_text(record) == "the warm start's success on all 1,024 training tasks 0.500 (512/1024 episodes)"
+    assert run_report.prior_text(record) == ("the warm start's success on all 1,024 training tasks 0.500 "
+                                             "(512/1024 episodes)")
 
 
 def test_axis_limits_fit_a_curve_low_on_the_unit_interval():
