@@ -527,7 +527,8 @@ def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dic
 
     points = [(r["step"], r["success_rate"]) for r in rows if "success_rate" in r]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    shown = [*references.values(), *(e["success_rate"] + k * 2 * e["se"] for _, e in held_out.values() for k in (-1, 1))]
+    shown = [*references.values(),   # every plotted value: the success axis fits them
+             *(e["success_rate"] + k * 2 * e["se"] for _, e in held_out.values() for k in (-1, 1))]
     if points:
         steps, values = map(np.asarray, zip(*points))
         shown += [*values, *trailing_mean(values, TRAILING_WINDOW)]
