@@ -113,8 +113,9 @@ def regime_report(cfg, rows: Sequence[Mapping[str, Any]],
     measured = ", ".join(p for p in parts if p is not None) or "no updates"
     if changed:
         fields["differs"] = None
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         return fields, [f"async regime: {measured}; no tuned reference for this recipe (it changes "
-                        f"{', '.join(changed)})"]
+                        f"{', '.join(changed[:3])}{more})"]
     differs = []
     if seconds is not None and seconds > reference.max_seconds_per_update:
         differs.append(f"updates slower than {reference.max_seconds_per_update:g} s")

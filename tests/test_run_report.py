@@ -70,6 +70,9 @@ def test_another_recipe_gets_no_verdict(default_cfg):
     assert fields["differs"] is None
     assert "no tuned reference for this recipe (it changes rollout.batch_size 32 (tuned 16))" in lines[0]
     assert "DIFFERS" not in " ".join(lines)
+    smoke = load_config(config_path=ROOT / "configs" / "smoke.yaml")   # another task and model: a short list
+    assert re.search(r"no tuned reference for this recipe \(it changes .* and \d+ more\)$",
+                     regime_report(smoke, [])[1][0])
 
 
 def test_rl_wall_time_is_the_updates_alone():
