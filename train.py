@@ -71,6 +71,7 @@ from rollout_bridge.metrics import MetricsWriter, read_metrics
 from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, follow_process_0, start_distributed
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.run_report import final_line, log_regime, stage_times
 from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
 from spopp_jax.config import TrainConfig, format_config_error, load_config
 from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
@@ -234,9 +235,10 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     prior = None if prior is None else same_tasks(prior, after_record)
     before = None if prior is None else prior["success_rate"]
     summary = {"success_before_rl": before, "success_after_rl": after,
-               "success_per_step": [r.get("success_rate") for r in rows], "rl_wall_s": time.time() - start}
+               "success_per_step": [r.get("success_rate") for r in rows], **stage_times(rows, time.time() - start)}
     summary.update(report_run(paths, f"SPO++ ({job.cfg.method}) on {job.cfg.env.kind}", rows, prior, after_record,
                               before_extra, after_extra, job.env.reference_success, job.env.reference_se))
+    summary["async_regime"] = log_regime(job.cfg, rows, log)
     if job.env.tasks_record:
         summary["env"] = dict(job.env.tasks_record)
     for name in after_extra:  # e.g. heldout_before_rl / heldout_after_rl (ALFWorld), no_tool_* (Math-TIR)
@@ -321,8 +323,7 @@ def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
     summary = run_rl(job, policy, chat, alpha0, beta0, prior)
     summary["total_wall_s"] = time.time() - start  # the whole job: games, warm start, prior, RL
     write_json_atomic(paths.summary, summary)
-    log(f"done in {summary['total_wall_s']:.0f}s: success before RL {summary['success_before_rl']}, "
-        f"after RL {summary['success_after_rl']:.3f}; curve {paths.curve}")
+    log(final_line(summary, paths.curve))
     return summary
 
 

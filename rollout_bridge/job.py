@@ -21,6 +21,7 @@ from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
 from rollout_bridge.progress_lines import TenthLines
+from rollout_bridge.run_report import prior_text, reference_name, success_axis_limits
 from spopp_jax.run_errors import UserError
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
@@ -435,13 +436,13 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
     if paths.prior.exists():
         record = json.loads(paths.prior.read_text())
         if record.get("key") == key:
-            log(f"prior: reusing {paths.prior} (success before RL {record['success_rate']:.3f})")
+            log(f"prior: reusing {paths.prior} ({prior_text(record)})")
             alpha0, beta0 = read_prior_file(paths.prior, env.num_tasks)
             return alpha0, beta0, record
     record = read_cached(cfg.prior.cache_dir, "prior", key)
     if record is not None:
         log(f"prior: reusing {cache_file(cfg.prior.cache_dir, 'prior', key)} from an earlier run "
-            f"(success before RL {record['success_rate']:.3f})")
+            f"({prior_text(record)})")
         write_json_atomic(paths.prior, record)
         alpha0, beta0 = read_prior_file(paths.prior, env.num_tasks)
         return alpha0, beta0, record
@@ -463,8 +464,7 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
     record.update(key=key, wall_s=time.time() - start)
     write_json_atomic(paths.prior, record)
     write_cached(cfg.prior.cache_dir, "prior", key, record)
-    log(f"prior: success before RL {record['success_rate']:.3f} "
-        f"({int(successes.sum())}/{int(trials.sum())}) in {time.time() - start:.0f}s")
+    log(f"prior: {prior_text(record)} in {time.time() - start:.0f}s")
     return np.asarray(record["alpha0"], np.float32), np.asarray(record["beta0"], np.float32), record
 
 
@@ -533,8 +533,11 @@ def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dic
 
     points = [(r["step"], r["success_rate"]) for r in rows if "success_rate" in r]
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    shown = [*references.values(),   # every plotted value: the success axis fits them
+             *(e["success_rate"] + k * 2 * e["se"] for _, e in held_out.values() for k in (-1, 1))]
     if points:
         steps, values = map(np.asarray, zip(*points))
+        shown += [*values, *trailing_mean(values, TRAILING_WINDOW)]
         ax.plot(steps, values, "o-", ms=3, alpha=0.35, label="train success per update")
         ax.plot(steps, trailing_mean(values, TRAILING_WINDOW), "-", lw=2,
                 label=f"train success, trailing mean ({TRAILING_WINDOW})")
@@ -546,10 +549,10 @@ def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dic
             ax.axhline(value, ls=style, color="gray", label=f"{label}: {value:.2f}")
     ax.set_xlabel("learner update")
     ax.set_ylabel("success rate")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(*success_axis_limits(shown))
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -598,16 +601,17 @@ def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, tra
                                 *((name, extra_before.get(name), extra_after[name]) for name in extra_after)):
         ceiling = "prompt_blind_ceiling" if name == "train" else f"{name}_prompt_blind_ceiling"
         blind, blind_se = references.get(ceiling), reference_se.get(ceiling)
+        blind_name = reference_name(ceiling, blind_se is not None, games=False)
         after_estimate = success_estimate(after["successes"], after["trials"])
         fields[f"{name}_after_rl_estimate"] = after_estimate
-        lines.append(margin_line(f"{name} success after RL", after_estimate, blind, "prompt-blind ceiling", blind_se))
+        lines.append(margin_line(f"{name} success after RL", after_estimate, blind, blind_name, blind_se))
         if before is not None:
             before_estimate = success_estimate(before["successes"], before["trials"])
             gain = paired_gain(before, after)
             fields[f"{name}_before_rl_estimate"] = before_estimate
             fields[f"{name}_gain_over_warm_start"] = gain
             lines.append(margin_line(f"{name} success of the warm start", before_estimate, blind,
-                                     "prompt-blind ceiling", blind_se))
+                                     blind_name, blind_se))
             lines.append(f"{name} gain of RL over the warm start: {gain['gain']:+.3f} ± {gain['se']:.3f} "
                          f"(paired by game): {margin_text(gain['gain'], gain['se'])}")
             if name != "train":
@@ -624,7 +628,7 @@ def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, tra
                      f"{order['received']:.0f} ({order['fraction']:.1%})")
     curve_refs = {"train success before RL (warm start)": None if train_before is None else
                   success_estimate(train_before["successes"], train_before["trials"])["success_rate"]}
-    curve_refs.update({f"{name.replace('_', ' ')}": value for name, value in references.items()})
+    curve_refs.update({reference_name(name, name in reference_se): value for name, value in references.items()})
     plot_job_curve(rows, paths.curve, title, held_points, curve_refs)
     for line in lines:
         log(line)

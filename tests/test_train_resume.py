@@ -113,7 +113,13 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["success_after_rl"] <= 1.0
     assert len(summary["success_per_step"]) == 3
-    assert summary["total_wall_s"] >= summary["rl_wall_s"] > 0
+    assert summary["total_wall_s"] >= summary["rl_stage_wall_s"] > summary["evaluation_wall_s"] > 0
+    # RL time is the updates' own (both parts of the run); the evaluations are apart
+    assert summary["rl_wall_s"] == pytest.approx(sum(r["update_wall_s"] for r in rows))
+    assert summary["evaluation_wall_s"] == pytest.approx(summary["rl_stage_wall_s"] - rows[-1]["wall_s"])
+    assert re.search(r"done in \d+s: success on training tasks \(3 games, 3 episodes before RL, 6 after\): "
+                     r"\d\.\d{3} before RL -> \d\.\d{3} after RL; held-out games \(2 games, 6 episodes\)",
+                     resumed.stdout), resumed.stdout[-2000:]
     assert 0.0 <= summary["event_order"]["fraction"] <= 1.0 and summary["event_order"]["received"] > 0
     assert summary["env"]["prompt_blind"] is False and summary["env"]["train_games"]  # what env.blind_control checks
     assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
