@@ -20,7 +20,7 @@ from rollout_bridge.components import load_policy
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
-from rollout_bridge.progress_lines import TenthLines
+from rollout_bridge.progress_lines import TenthLines, show_bar
 from rollout_bridge.run_report import prior_text, reference_name, success_axis_limits
 from spopp_jax.run_errors import UserError
 
@@ -153,7 +153,8 @@ class UpdateLogger:
         self.window: list[tuple[float, float]] = []  # (success, mean policy lag) since the last line
         self.window_start_update = start_step
         self.last_time = self.start = self.window_start = time.time()
-        self.bar = tqdm(total=steps, initial=start_step, desc="RL", disable=not progress, dynamic_ncols=True)
+        self.bar = tqdm(total=steps, initial=start_step, desc="RL", disable=not show_bar(progress),
+                        dynamic_ncols=True)
 
     def __call__(self, record) -> None:
         now = time.time()
@@ -311,8 +312,8 @@ class SFTProgress:
         self.done_steps = done_steps  # resumed: steps done before this run
         self.every = max(1, total_steps // 10)
         self.window: list[float] = []
-        self.bar = tqdm(total=total_steps, initial=done_steps, desc="warm start (SFT)", disable=not progress,
-                        dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=done_steps, desc="warm start (SFT)",
+                        disable=not show_bar(progress), dynamic_ncols=True)
 
     def step(self, step: int, metrics: dict) -> None:
         self.window.append(metrics["loss"])
@@ -391,8 +392,9 @@ async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, w
     from tqdm import tqdm
 
     total = (env.num_tasks if task_ids is None else len(task_ids)) * n
-    bar = tqdm(total=total, desc=what, disable=not progress, leave=False)
-    lines = TenthLines(what, None if progress else log, total, unit=" episodes")
+    shown = show_bar(progress)
+    bar = tqdm(total=total, desc=what, disable=not shown, leave=False)
+    lines = TenthLines(what, None if shown else log, total, unit=" episodes")
     try:
         return await rollout_successes(engine, env.env_factory, chat, env.num_tasks, n, agent, concurrency,
                                        on_done=lambda _: (bar.update(1), lines.step()), crn_seed=crn_seed,

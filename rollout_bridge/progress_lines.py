@@ -1,10 +1,28 @@
-"""Progress for logs that no terminal shows (``--progress false``, nohup, CI): one line per
-tenth of a long stage's work, beside (not instead of) its tqdm bar."""
+"""Progress of long stages: a tqdm bar on a terminal; where no terminal shows it
+(``--progress false``, nohup, CI, a pipe) one line per tenth of the stage's work instead, so
+a log file holds lines, not carriage-return bar updates."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable
+
+
+def stderr_is_terminal() -> bool:
+    """Whether ``sys.stderr`` (where tqdm draws) is a terminal; False for files, pipes and
+    closed or replaced streams without ``isatty``."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        return bool(isatty is not None and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+def show_bar(progress: bool) -> bool:
+    """A tqdm bar only when asked (``progress``) and stderr is a terminal; otherwise the
+    stage logs tenth-lines (``TenthLines``) instead."""
+    return bool(progress) and stderr_is_terminal()
 
 
 class TenthLines:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from rollout_bridge.envs.base import EnvFactory
-from rollout_bridge.progress_lines import TenthLines
+from rollout_bridge.progress_lines import TenthLines, show_bar
 from spopp_jax.run_errors import UserError
 
 MAX_GENERATION_WORKERS = 2   # the CPU job's cores; more only crowd a shared box
@@ -83,12 +83,13 @@ def build_env(cfg, with_demonstrations: bool, log: Callable[[str], None] = print
 
 
 class _GenerationBar:
-    """tqdm over game generation (only shown when games are actually being made); with the
-    bar off (``--progress false``, nohup, CI) and a ``log``, one line per tenth instead."""
+    """tqdm over game generation (only shown when games are actually being made) on a
+    terminal; with the bar off (``--progress false``, nohup, CI: ``show_bar``) and a ``log``,
+    one line per tenth instead."""
 
     def __init__(self, what: str, enabled: bool, log: Callable[[str], None] | None = None):
-        self.what, self.enabled, self.bar = what, enabled, None
-        self.lines = TenthLines(f"generating {what}", None if enabled else log)
+        self.what, self.enabled, self.bar = what, show_bar(enabled), None
+        self.lines = TenthLines(f"generating {what}", None if self.enabled else log)
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
