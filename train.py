@@ -11,7 +11,7 @@
     python train.py --rollout.engine vllm_server --rollout.servers.launch.count 2   # on vLLM servers
     JAX_COORDINATOR_ADDRESS=h:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=<i> python train.py --distributed
 
-Every field of `spopp_jax.config.TrainConfig` is a flag (draccus). This script only
+Every field of `rollout_bridge.config.TrainConfig` is a flag (draccus). This script only
 composes: each component is built from its own config section by
 `rollout_bridge.components` (which also holds the extension points: argv preprocessors,
 metric sinks, end-of-run hooks), the env kind by `rollout_bridge.envs.kinds`, the method
@@ -35,7 +35,7 @@ one. `--distributed`: the learner as several processes; process 0 runs the job a
 others each learner call (rollout_bridge/learner_processes.py, distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
 A user mistake (missing config file, unwritable output_dir, full disk, a setting this
-version lacks) ends in one line and exit status 2 (spopp_jax.run_errors).
+version lacks) ends in one line and exit status 2 (rollout_bridge.run_errors).
 A crash loses at most the updates since the last checkpoint; `--resume` restores it exactly.
 """
 
@@ -65,8 +65,8 @@ from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, fo
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.prior import write_json_atomic
 from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
-from spopp_jax.config import TrainConfig, format_config_error, load_config
-from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
+from rollout_bridge.config import TrainConfig, format_config_error, load_config
+from rollout_bridge.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
                                   run_cleanly, unknown_fields_line)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # without --config_path

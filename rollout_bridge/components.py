@@ -25,7 +25,7 @@ from rollout_bridge.agent import AgentConfig
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.orchestrator import OrchestratorConfig
 from spopp_jax.learner import LearnerConfig
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 
 # ------------------------------------------------------------------ knob maps
 LEARNER_KNOBS = {
@@ -127,7 +127,7 @@ WANDB_FIELDS = ("wandb", "wandb_mode", "wandb_project")  # read by wandb_sinks
 def _verl_aliases(argv: list[str]) -> list[str]:
     """verl knob names accepted as aliases (docs/CONVENTIONS.md); a refused one is a
     config error naming the key."""
-    from spopp_jax.verl_aliases import AliasError, rewrite_verl_aliases
+    from rollout_bridge.verl_aliases import AliasError, rewrite_verl_aliases
 
     try:
         return rewrite_verl_aliases(argv)
@@ -363,7 +363,7 @@ def wandb_sinks(cfg, run_dir: Path, log: Callable[[str], None] = print) -> list:
     if not cfg.wandb:
         return []
     from rollout_bridge.metrics import WandbSink
-    from spopp_jax.config import config_to_dict
+    from rollout_bridge.config import config_to_dict
 
     sink = WandbSink(run_dir, cfg.wandb_project, cfg.wandb_mode, config=config_to_dict(cfg))
     log(f"wandb ({cfg.wandb_mode}): {sink.location}")

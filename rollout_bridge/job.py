@@ -21,7 +21,7 @@ from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
 from rollout_bridge.progress_lines import TenthLines
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
 TRAILING_WINDOW = 5  # updates in the trailing success mean of the progress bar

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from rollout_bridge.envs.blind_control import describe_tasks, load_blind_control
-from spopp_jax.config import load_config
-from spopp_jax.run_errors import UserError
+from rollout_bridge.config import load_config
+from rollout_bridge.run_errors import UserError
 from tiny_run import games_dir
 
 AGENT = describe_tasks("train_w3_o4_q3_s0_n64", "heldout_w3_o4_q3_s200000_n32", prompt_blind=False)

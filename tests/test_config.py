@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from draccus.utils import ParsingError
 
-from spopp_jax.config import EvaluationSection, TrainConfig, format_config_error, load_config
+from rollout_bridge.config import EvaluationSection, TrainConfig, format_config_error, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -131,7 +131,7 @@ def test_bad_literal_in_yaml_names_the_field(tmp_path):
 
 
 def test_sections_validate_directly():
-    from spopp_jax.config import RolloutSection, TrackerSection
+    from rollout_bridge.config import RolloutSection, TrackerSection
 
     with pytest.raises(ValueError, match="tracker.rho"):
         TrackerSection(rho=1.0)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spopp_jax.config import load_config
-from spopp_jax.verl_aliases import ALIASES, AliasError, alias_table, rewrite_verl_aliases
+from rollout_bridge.config import load_config
+from rollout_bridge.verl_aliases import ALIASES, AliasError, alias_table, rewrite_verl_aliases
 
 
 def _spellings(key: str, value: str) -> list[list[str]]:

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from rollout_bridge.job import folder_digest, warmstart_key
-from spopp_jax.config import TrainConfig
+from rollout_bridge.config import TrainConfig
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import train  # noqa: E402  (the CLI's own parse / input checks, in-process)
 from rollout_bridge import components  # noqa: E402
 from rollout_bridge.envs.kinds import build_env  # noqa: E402
-from spopp_jax.run_errors import run_cleanly  # noqa: E402
+from rollout_bridge.run_errors import run_cleanly  # noqa: E402
 
 from rollout_bridge.envs import textworld_games  # noqa: E402
 from rollout_bridge.prior import read_prior_file  # noqa: E402
@@ -59,7 +59,7 @@ def check_case(case: Case, tmp_path: Path) -> None:
 
 
 def as_cli(action: Callable[[], object]) -> Callable[[], object]:
-    """``action`` as train.py's entry point runs it (spopp_jax.run_errors.run_cleanly): a
+    """``action`` as train.py's entry point runs it (rollout_bridge.run_errors.run_cleanly): a
     user error becomes one stderr line and SystemExit(2)."""
     def run():
         code = run_cleanly(action)

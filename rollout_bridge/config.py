@@ -10,7 +10,7 @@ Every section checks its values in `__post_init__` and raises ValueError naming 
 as `section.field` (draccus wraps it in a ParsingError whose `__cause__` is that
 ValueError; `format_config_error` extracts the message).
 
-This module imports nothing from `rollout_bridge` (DESIGN: data flows one way).
+The run config is the application layer: the learner package `spopp_jax` never reads it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
-from spopp_jax.env_sections import MathTIRSection
+from rollout_bridge.envs.math_tir.sections import MathTIRSection
 
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
