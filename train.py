@@ -65,7 +65,7 @@ from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, fo
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.prior import write_json_atomic
 from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
-from rollout_bridge.config import TrainConfig, format_config_error, load_config
+from rollout_bridge.config import ConfigFileError, TrainConfig, format_config_error, load_config
 from rollout_bridge.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
                                   run_cleanly, unknown_fields_line)
 
@@ -85,6 +85,8 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     check_config_path(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
+    except ConfigFileError as error:
+        raise UserError(str(error), "config error") from None
     except ParsingError as error:
         message = format_config_error(error)
         older = unknown_fields_line(message, config_path_argument(argv), TrainConfig)
@@ -228,7 +230,7 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     before = None if prior is None else prior["success_rate"]
     summary = {"success_before_rl": before, "success_after_rl": after,
                "success_per_step": [r.get("success_rate") for r in rows], "rl_wall_s": time.time() - start}
-    summary.update(report_run(paths, f"SPO++ ({job.cfg.method}) on {job.cfg.env.kind}", rows, prior, after_record,
+    summary.update(report_run(paths, f"SPO++ ({job.cfg.method.name}) on {job.cfg.env.kind}", rows, prior, after_record,
                               before_extra, after_extra, job.env.reference_success, job.env.reference_se))
     if job.env.tasks_record:
         summary["env"] = dict(job.env.tasks_record)

@@ -34,27 +34,29 @@ LEARNER_KNOBS = {
     "max_grad_norm": "optim.max_grad_norm", "num_micro_batches": "optim.num_micro_batches",
     "num_mini_batches": "optim.num_mini_batches", "logprob_chunk_size": "optim.logprob_chunk_size",
     "action_logits_fraction": "optim.action_logits_fraction",
-    "clip_low": "loss.clip_low", "clip_high": "loss.clip_high", "dual_clip": "loss.dual_clip",
+    "clip_low": "loss.clip_low", "clip_high": "loss.clip_high",
     "is_cap": "loss.is_cap", "old_logp_source": "loss.old_logp_source",
     "max_consecutive_skips": "optim.max_consecutive_skips",
 }
-LEARNER_DERIVED: dict[str, str] = {}
+METHOD_RECIPE = "the method section's recipe (MethodConfig.orchestrator_fields / learner_fields)"
+LEARNER_DERIVED = {"dual_clip": METHOD_RECIPE}
 
 ORCHESTRATOR_KNOBS = {
-    "method": "method", "measure": "advantage.measure", "whiten_eps": "advantage.eps",
+    "whiten_eps": "advantage.eps",
     "batch_size": "rollout.batch_size", "publish_every": "rollout.publish_every", "drain": "rollout.drain",
     "max_policy_lag": "rollout.max_policy_lag", "result_delay_s": "rollout.result_delay_s",
     "max_in_flight": "rollout.max_inflight", "max_in_flight_per_task": "rollout.max_in_flight_per_task",
     "sibling_rule": "rollout.sibling_rule", "max_buffered_batches": "rollout.max_buffered_batches",
-    "group_size": "rollout.group_size", "train_on_failed": "rollout.train_on_failed",
+    "train_on_failed": "rollout.train_on_failed",
     "max_consecutive_failures": "rollout.max_consecutive_failures",
-    "rho": "tracker.rho", "spo_d_half": "tracker.spo_d_half", "spo_rho_min": "tracker.spo_rho_min",
-    "spo_rho_max": "tracker.spo_rho_max", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
+    "rho": "tracker.rho", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
     "task_sampler": "sampler.impl",
     "pad_to_multiple": "rollout.pad_to_multiple",  # null: agent.max_total_tokens, every batch [B, max_seq_len]
     "pack_rows": "rollout.pack_rows",
 }
 ORCHESTRATOR_DERIVED = {
+    **{name: METHOD_RECIPE for name in ("method", "measure", "group_size", "spo_d_half", "spo_rho_min",
+                                        "spo_rho_max")},
     "pack_row_multiple": "rollout.pack_rows: components.pack_row_multiple (optim mini x micro-batches)",
     "z0": "0: the prior's coordinate (SPEC 2)",
     "keep_history": "False: bounded memory, records stream to the metric sinks",
@@ -110,6 +112,7 @@ VLLM_TEMPERATURE = 1.0  # the vLLM engines report raw log-probs: exact sampling 
 
 # sections read whole by one component (the owner named for the config test)
 SECTION_OWNERS = {
+    "method": "rollout_bridge.methods: the method's recipe (MethodConfig.orchestrator_fields / learner_fields)",
     "model": "rollout_bridge.components.model_folder / load_policy (model.*)",
     "mesh": "rollout_bridge.components.build_mesh (mesh.*)",
     "env": "rollout_bridge.envs.kinds (env.*)",
@@ -154,7 +157,7 @@ def knobs(cfg: Any, knob_map: Mapping[str, str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ builders
 def build_learner_config(cfg) -> LearnerConfig:
-    return LearnerConfig(**knobs(cfg, LEARNER_KNOBS))
+    return LearnerConfig(**knobs(cfg, LEARNER_KNOBS), **cfg.method.learner_fields())
 
 
 def build_agent_config(cfg, max_turns: int) -> AgentConfig:
@@ -163,7 +166,7 @@ def build_agent_config(cfg, max_turns: int) -> AgentConfig:
 
 
 def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> OrchestratorConfig:
-    values = knobs(cfg, ORCHESTRATOR_KNOBS)
+    values = {**knobs(cfg, ORCHESTRATOR_KNOBS), **cfg.method.orchestrator_fields()}
     values["pad_to_multiple"] = values["pad_to_multiple"] or agent.max_total_tokens  # null: one width, one compile
     if values["pack_rows"]:
         values["pack_row_multiple"] = pack_row_multiple(cfg)
@@ -226,7 +229,10 @@ def check_engine_choice(cfg) -> None:
 
 
 def check_inputs(cfg) -> None:
-    """Local inputs a recipe names must exist (nothing is downloaded): fail early, clearly."""
+    """Local inputs a recipe names must exist (nothing is downloaded) and the mesh must fit
+    the devices: fail before any work, in one line naming the field."""
+    import os
+
     from rollout_bridge.tiny_model import check_model_folder
 
     if cfg.model.path is not None:
@@ -234,7 +240,24 @@ def check_inputs(cfg) -> None:
             check_model_folder(cfg.model.path)
         except FileNotFoundError as error:
             raise UserError(f"{error}") from None
+    if cfg.prior.enabled and cfg.prior.path is not None and not os.path.isfile(cfg.prior.path):
+        raise UserError(f"prior.path={cfg.prior.path}: no such file (a prior.json written by an earlier run's "
+                        "prior stage; null computes the prior)")
+    check_mesh(cfg.mesh)
     check_engine_choice(cfg)
+
+
+def check_mesh(mesh_section) -> None:
+    """The (data, fsdp, tensor) mesh needs exactly the devices there are (one axis -1
+    takes the rest): UserError naming the mesh and the device count."""
+    import jax
+
+    try:
+        build_mesh(mesh_section)
+    except ValueError as error:
+        raise UserError(f"mesh.data={mesh_section.data}, mesh.fsdp={mesh_section.fsdp}, "
+                        f"mesh.tensor={mesh_section.tensor} do not fit the {jax.device_count()} "
+                        f"{jax.default_backend()} device(s) here: {error}") from None
 
 
 def build_rollout_servers(cfg, run_dir: Path, agent: AgentConfig, launcher_factory=None):

@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
 from rollout_bridge.envs.math_tir.sections import MathTIRSection
+from rollout_bridge.methods.base import MethodConfig, recipe
 
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
@@ -31,9 +33,6 @@ __all__ = [
     "ServersSection", "ServersLaunchSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
 ]
-
-
-GROUP_METHODS = ("grpo", "rloo")  # G rollouts of one task per group
 
 
 def _check(ok: bool, name: str, requirement: str, value) -> None:
@@ -56,6 +55,55 @@ def _check_literals(section: str, obj) -> None:
             value = getattr(obj, f.name)
             _check(value in choices, f"{section}.{f.name}" if section else f.name,
                    f"one of {list(choices)}", value)
+
+
+_NUMBERS = (int, float)
+
+
+def _refuse_booleans(number_type: type) -> None:
+    """draccus turns `true` into 1 for an int or float field; the run config refuses it
+    (`steps: true` is a mistake, not one step). Registered once, before any parse."""
+    from draccus.parsers.decoding import decode
+    from draccus.utils import DecodingError
+
+    decode_number = decode.dispatch(number_type).func
+
+    def strict(raw_value, path):
+        if isinstance(raw_value, bool) or raw_value in ("true", "false"):
+            raise DecodingError(path, f"expected a number ({number_type.__name__}), got the boolean "
+                                      f"{str(raw_value).lower()}")
+        return decode_number(raw_value, path)
+
+    decode.register(number_type, strict)
+
+
+for _number in _NUMBERS:
+    _refuse_booleans(_number)
+
+
+def _number_types(hint) -> tuple[type, ...]:
+    """The number types a field's annotation allows (int / float, also inside Optional)."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return tuple(a for a in args if a in _NUMBERS)
+
+
+def check_values(section: str, obj) -> None:
+    """Every number of ``obj`` and the sections it nests, whatever their own checks say:
+    a boolean is not a number (`steps: true` is refused, not run as 1 step), and every float
+    is finite (NaN and inf refused: an infinite learning rate, temperature or advantage eps
+    would end in a NaN model or in no learning at all)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        name = f"{section}.{f.name}" if section else f.name
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_values(name, value)
+            continue
+        numbers = _number_types(hints[f.name])
+        if numbers and isinstance(value, bool):
+            _check(False, name, f"a number ({' or '.join(t.__name__ for t in numbers)}), not a boolean", value)
+        if isinstance(value, float):
+            _check(math.isfinite(value), name, "finite", value)
 
 
 def _positive(section: str, obj, *names: str) -> None:
@@ -257,21 +305,14 @@ class EvaluationSection:
 
 @dataclass
 class TrackerSection:
-    """SPEC 2. `rho`: event-time retention of the SPO++ tracker (method=spopp); the
-    receipt-order SPO tracker (method=spo) retains clip(2^(-D/spo_d_half), spo_rho_min,
-    spo_rho_max) per update."""
+    """SPEC 2. `rho`: the event-time retention per policy event: the coordinate z of every
+    result, the SPO++ tracker's decay and the prior's mass 1/(1-rho). The receipt-order SPO
+    tracker's own retention is its method's (`method.rho_min` / `method.rho_max`)."""
 
     rho: float = 0.875
-    spo_d_half: float = 0.06
-    spo_rho_min: float = 0.875
-    spo_rho_max: float = 0.96
 
     def __post_init__(self):
-        _check_literals("tracker", self)
         _check(0.0 < self.rho < 1.0, "tracker.rho", "in (0, 1)", self.rho)
-        _positive("tracker", self, "spo_d_half")
-        _check(0.0 < self.spo_rho_min <= self.spo_rho_max < 1.0, "tracker.spo_rho_min",
-               "in (0, tracker.spo_rho_max] with spo_rho_max < 1", self.spo_rho_min)
 
 
 @dataclass
@@ -292,26 +333,24 @@ class SamplerSection:
 
 @dataclass
 class AdvantageSection:
-    """SPEC 4: whitening measure (token = SPO++, trajectory = SPO)."""
+    """SPEC 4: Ã = (A - mean) / (std + eps) under the method's measure (`method.measure`)."""
 
-    measure: Literal["token", "trajectory"] = "token"
     eps: float = 1e-8
 
     def __post_init__(self):
-        _check_literals("advantage", self)
         _positive("advantage", self, "eps")
 
 
 @dataclass
 class LossSection:
-    """SPEC 5: asymmetric PPO clip [1-clip_low, 1+clip_high], dual clip c (None = off),
-    rollout importance-weight cap. `old_logp_source`: the PPO ratio's pi_old when the
-    batch carries none: current = the learner's log-probs at the step's start, rollout =
-    the engine's log-probs (spopp_jax.learner.LearnerConfig)."""
+    """SPEC 5: asymmetric PPO clip [1-clip_low, 1+clip_high] and the rollout
+    importance-weight cap (the dual clip c is the method's: `method.dual_clip`).
+    `old_logp_source`: the PPO ratio's pi_old when the batch carries none: current = the
+    learner's log-probs at the step's start, rollout = the engine's log-probs
+    (spopp_jax.learner.LearnerConfig)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
-    dual_clip: Optional[float] = 2.0
     is_cap: float = 2.0
     old_logp_source: Literal["current", "rollout"] = "current"
 
@@ -319,8 +358,6 @@ class LossSection:
         _check_literals("loss", self)
         _check(0.0 < self.clip_low < 1.0, "loss.clip_low", "in (0, 1)", self.clip_low)
         _positive("loss", self, "clip_high", "is_cap")
-        if self.dual_clip is not None:
-            _check(self.dual_clip > 1.0, "loss.dual_clip", "> 1 or null", self.dual_clip)
 
 
 @dataclass
@@ -447,7 +484,6 @@ class RolloutSection:
 
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
     batch_size: int = 16
-    group_size: int = 8
     publish_every: int = 1
     max_inflight: int = 16
     max_in_flight_per_task: int = 1
@@ -473,7 +509,7 @@ class RolloutSection:
 
     def __post_init__(self):
         _check_literals("rollout", self)
-        _positive("rollout", self, "batch_size", "group_size", "publish_every", "max_inflight",
+        _positive("rollout", self, "batch_size", "publish_every", "max_inflight",
                   "max_in_flight_per_task", "max_buffered_batches", "max_consecutive_failures",
                   "temperature", "max_new_tokens", "max_seq_len", "engine_steps_per_call")
         if self.env_timeout_s is not None:
@@ -522,8 +558,10 @@ class TrainConfig:
     """One training job. Defaults = the tiny 2-turn smoke job (configs/smoke.yaml); `python
     train.py` without --config_path runs configs/default.yaml (the agentic TextWorld job).
 
-    `method`: spopp (event-time tracker, frozen baselines), spo (receipt-order tracker),
-    grpo (groups of rollout.group_size) or rloo (grpo's groups, leave-one-out baseline). `stage`: all = warm start, prior, RL (each stage
+    `method`: the method and its recipe (`rollout_bridge.methods`: spopp, spo, grpo, rloo,
+    the 2x2 cells event_trajectory, receipt_token, receipt_trajectory, and any method file
+    added there); `--method spo` is SPO's whole recipe, `--method.dual_clip 5` one field of
+    it. `stage`: all = warm start, prior, RL (each stage
     reuses its output when present); warmstart / prior / rl run one stage.
     `steps` updates of `rollout.batch_size` trajectories; a checkpoint every
     `checkpoint_every` updates (and at the end) in `output_dir/checkpoints`, keeping
@@ -538,7 +576,7 @@ class TrainConfig:
     `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
     """
 
-    method: Literal["spopp", "spo", "grpo", "rloo"] = "spopp"
+    method: MethodConfig = field(default_factory=lambda: recipe(MethodConfig.default_choice_name()))
     stage: Literal["all", "warmstart", "prior", "rl"] = "all"
     seed: int = 0
     steps: int = 160
@@ -568,17 +606,12 @@ class TrainConfig:
     math_tir: MathTIRSection = field(default_factory=MathTIRSection)  # env.kind=math_tir only
 
     def __post_init__(self):
+        check_values("", self)
         _check_literals("", self)
         _positive("", self, "steps", "checkpoint_every", "keep_checkpoints")
         _check(self.seed >= 0, "seed", ">= 0", self.seed)
         _check(bool(self.output_dir), "output_dir", "non-empty", self.output_dir)
-        if self.env.game_dir is None and self.env.kind in ("textworld", "math_tir"):
-            # m in-flight requests per task (SPEC 2: m = 1): enough distinct tasks
-            if self.method not in GROUP_METHODS:
-                slots = self.rollout.max_in_flight_per_task * self.env.num_games
-                _check(self.rollout.max_inflight <= slots, "rollout.max_inflight",
-                       f"<= rollout.max_in_flight_per_task x env.num_games={slots} "
-                       "(in-flight requests per task are bounded)", self.rollout.max_inflight)
+        self.method.check(self)
         if self.export_every is not None:
             _check(self.export_every > 0 and self.export_every % self.checkpoint_every == 0,
                    "export_every", f"a positive multiple of checkpoint_every="
@@ -587,20 +620,14 @@ class TrainConfig:
         _check(self.checkpoint_every % self.rollout.publish_every == 0, "checkpoint_every",
                f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
                "holds exactly the published policy)", self.checkpoint_every)
-        if self.optim.num_mini_batches > 1:
-            rows = self.optim.num_mini_batches * self.optim.num_micro_batches
-            _check(self.rollout.batch_size % rows == 0, "optim.num_mini_batches",
-                   f"such that num_mini_batches x optim.num_micro_batches divides "
+        rows = self.optim.num_mini_batches * self.optim.num_micro_batches
+        if rows > 1:
+            field_name = "optim.num_mini_batches" if self.optim.num_mini_batches > 1 else "optim.num_micro_batches"
+            _check(self.rollout.batch_size % rows == 0, field_name,
+                   f"such that optim.num_mini_batches x optim.num_micro_batches divides "
                    f"rollout.batch_size={self.rollout.batch_size} (each mini-batch is split "
                    f"into micro-batches; here {self.optim.num_mini_batches} x "
-                   f"{self.optim.num_micro_batches} = {rows})", self.optim.num_mini_batches)
-        if self.method in GROUP_METHODS:
-            _check(self.rollout.batch_size % self.rollout.group_size == 0, "rollout.batch_size",
-                   f"a multiple of rollout.group_size={self.rollout.group_size} for {self.method}",
-                   self.rollout.batch_size)
-            _check(self.rollout.max_in_flight_per_task == 1, "rollout.max_in_flight_per_task",
-                   f"1 for {self.method} (a group is its multi-request unit)",
-                   self.rollout.max_in_flight_per_task)
+                   f"{self.optim.num_micro_batches} = {rows})", config_value(self, field_name))
 
     @property
     def prior_mass(self) -> float:
@@ -608,39 +635,129 @@ class TrainConfig:
         return self.prior.mass if self.prior.mass is not None else 1.0 / (1.0 - self.tracker.rho)
 
 
-def config_to_dict(config) -> dict:
-    return dataclasses.asdict(config)
+def config_value(config, path: str):
+    """The value at dotted ``path`` ("rollout.batch_size") of a config."""
+    for name in path.split("."):
+        config = getattr(config, name)
+    return config
+
+
+def config_to_dict(config: TrainConfig) -> dict:
+    """The run config as plain data; the method section with its ``type`` (parses back)."""
+    out = dataclasses.asdict(config)
+    out["method"] = config.method.to_dict()
+    return out
+
+
+CONFIG_FLAG = "--config_path"
+METHOD_FLAG = "--method"
 
 
 def _normalize_flags(args: Sequence[str]) -> list[str]:
-    """`--resume` alone means `--resume true` (draccus wants a value for bools)."""
+    """`--resume` alone means `--resume true` (draccus wants a value for bools);
+    `--method X` selects the method section's choice (`--method.type X`)."""
     out = list(args)
     for i, arg in enumerate(out):
         nxt = out[i + 1] if i + 1 < len(out) else None
         if arg == "--resume" and (nxt is None or nxt.startswith("--")):
             out[i] = "--resume=true"
+        elif arg == METHOD_FLAG:
+            out[i] = f"{METHOD_FLAG}.type"
+        elif arg.startswith(METHOD_FLAG + "="):
+            out[i] = f"{METHOD_FLAG}.type=" + arg.split("=", 1)[1]
     return out
+
+
+def _split_config_path(args: list[str]) -> tuple[list[str], str | None]:
+    """`--config_path F` (or `=F`) taken out of the flags: the file is read here, strictly."""
+    rest, path, i = [], None, 0
+    while i < len(args):
+        if args[i] == CONFIG_FLAG and i + 1 < len(args):
+            path, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith(CONFIG_FLAG + "="):
+            path = args[i].split("=", 1)[1]
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, path
+
+
+class ConfigFileError(ValueError):
+    """A config file that is not a YAML mapping of settings (names file, line and reason)."""
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The settings of a YAML config file, read strictly: a syntax error, a key given twice
+    in one mapping, or a document that is not a mapping (an empty file, a list, a bare
+    value) raise ConfigFileError naming the file, the line and the reason."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigFileError(f"{path}, line {key_node.start_mark.line + 1}: the key {key!r} is given twice "
+                                      f"in one mapping (first on line {seen[key]})")
+            seen[key] = key_node.start_mark.line + 1
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=StrictLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        reason = " ".join(str(part) for part in (error.context, error.problem) if part)
+        raise ConfigFileError(f"{path}{where}: not valid YAML ({reason})") from None
+    except yaml.YAMLError as error:
+        raise ConfigFileError(f"{path}: not valid YAML ({error})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigFileError(f"{path}: not a text file ({error.reason})") from None
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else f"a {type(data).__name__} ({str(data)[:40]!r})"
+        raise ConfigFileError(f"{path}: a config file must hold a mapping of settings (section: value), got {got}")
+    if isinstance(data.get("method"), str):   # `method: spo` = the recipe of spo
+        data["method"] = {"type": data["method"]}
+    return data
 
 
 def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None = None
                 ) -> TrainConfig:
     """TrainConfig from an optional YAML file (or `--config_path` in args) plus overrides.
 
-    Raises draccus.utils.ParsingError for bad values (see `format_config_error`) and
+    Raises ConfigFileError for a file that is not a YAML mapping (`read_config_file`),
+    draccus.utils.ParsingError for bad values (see `format_config_error`) and
     SystemExit(2) for unknown flags or invalid choices (argparse).
     """
+    import json
+    import tempfile
+
     import draccus
 
-    return draccus.parse(TrainConfig, config_path=None if config_path is None
-                         else str(config_path), args=_normalize_flags(args))
+    args, given = _split_config_path(_normalize_flags(args))
+    path = given if config_path is None else config_path
+    if path is None:
+        return draccus.parse(TrainConfig, config_path=None, args=args)
+    settings = read_config_file(path)
+    with tempfile.TemporaryDirectory(prefix="spopp-config-") as folder:
+        checked = os.path.join(folder, "config.json")   # the checked settings, as draccus reads files
+        with open(checked, "w") as f:
+            json.dump(settings, f)
+        return draccus.parse(TrainConfig, config_path=checked, args=args)
 
 
 def format_config_error(error: BaseException) -> str:
-    """The innermost ValueError/TypeError message of a draccus ParsingError chain."""
+    """The innermost ValueError/TypeError message of a draccus ParsingError chain, on one line."""
     message = str(error)
     cause = error.__cause__ or error.__context__
     while cause is not None:
         if isinstance(cause, (ValueError, TypeError)):
             message = str(cause)
         cause = cause.__cause__ or cause.__context__
-    return message
+    return " ".join(message.split())

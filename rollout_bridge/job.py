@@ -98,7 +98,7 @@ def checkpoint_key(cfg) -> dict:
     """Settings a checkpoint must agree with to be resumed (not steps, logging, paths)."""
     key = stage_key(cfg, "model", "env", "warmstart", "prior", "tracker", "sampler", "advantage", "loss", "optim",
                     "rollout")
-    key.update(method=cfg.method, seed=cfg.seed)
+    key.update(method=cfg.method.to_dict(), seed=cfg.seed)
     return key
 
 

@@ -127,6 +127,48 @@ CONFIG_CASES = [
               category="game / data folder"),
          inputs("--env.kind", "math_tir", "--math_tir.source", "dapo", "--env.data_dir", "/nonexistent/dapo"),
          SystemExit, "2", "error: env.data_dir="),
+    # every setting checked before any work: finite numbers, divisibility, the mesh, files
+    Case(_row("`--optim.learning_rate inf`", "exit 2: 'optim.learning_rate must be finite, got inf' "
+              "(before: an all-NaN checkpoint)"),
+         cli("--optim.learning_rate", "inf"), SystemExit, "2", "optim.learning_rate must be finite, got inf"),
+    Case(_row("`--warmstart.learning_rate inf`", "exit 2: 'warmstart.learning_rate must be finite' "
+              "(before: a 100% NaN hf_model, exit 0)"),
+         cli("--warmstart.learning_rate", "inf"), SystemExit, "2", "warmstart.learning_rate must be finite"),
+    Case(_row("`--rollout.temperature inf`", "exit 2: 'rollout.temperature must be finite' (before: a late failure)"),
+         cli("--rollout.temperature", "inf"), SystemExit, "2", "rollout.temperature must be finite"),
+    Case(_row("`--advantage.eps inf` (every advantage 0: no learning)", "exit 2: 'advantage.eps must be finite'"),
+         cli("--advantage.eps", "inf"), SystemExit, "2", "advantage.eps must be finite"),
+    Case(_row("`--method.dual_clip nan`", "exit 2: 'method.dual_clip must be finite and > 1 or null'"),
+         cli("--method.dual_clip", "nan"), SystemExit, "2", "method.dual_clip must be finite"),
+    Case(_row("`--optim.num_micro_batches 3` that does not divide the batch of 16",
+              "exit 2 naming both batch counts (before: a failure at RL start, after the warm start and prior)"),
+         cli("--optim.num_micro_batches", "3"), SystemExit, "2", "optim.num_micro_batches divides rollout.batch_size=16"),
+    Case(_row("`--steps true` (a boolean for a number)", "exit 2: '`steps`: expected a number (int), got the "
+              "boolean true' (before: ran 1 step)"),
+         cli("--steps", "true"), SystemExit, "2", "expected a number (int), got the boolean true"),
+    Case(_row("YAML `steps: true`", "exit 2: '`steps`: expected a number (int), got the boolean true'"),
+         yaml_file("steps: true\n"), SystemExit, "2", "got the boolean true"),
+    Case(_row("YAML recipe: an empty file", "exit 2: '<file>: a config file must hold a mapping ..., got an "
+              "empty file'"),
+         yaml_file(""), SystemExit, "2", "got an empty file"),
+    Case(_row("YAML recipe: a list", "exit 2: '<file>: a config file must hold a mapping ..., got a list'"),
+         yaml_file("- steps\n- 3\n"), SystemExit, "2", "must hold a mapping of settings (section: value), got a list"),
+    Case(_row("YAML recipe: a bare string", "exit 2: '<file>: a config file must hold a mapping ..., got a str'"),
+         yaml_file("steps\n"), SystemExit, "2", "got a str"),
+    Case(_row("YAML recipe with a key given twice", "exit 2: '<file>, line 3: the key 'batch_size' is given twice "
+              "in one mapping (first on line 2)' (before: the later one won silently)"),
+         yaml_file("rollout:\n  batch_size: 8\n  batch_size: 32\n"), SystemExit, "2",
+         "recipe.yaml, line 3: the key 'batch_size' is given twice in one mapping (first on line 2)"),
+    Case(_row("YAML recipe with a syntax error (line and reason)", "exit 2: '<file>, line 3, column 1: not valid "
+              "YAML (while parsing a flow sequence ...)'"),
+         yaml_file("optim:\n  learning_rate: [1e-3\n"), SystemExit, "2",
+         "recipe.yaml, line 3, column 1: not valid YAML (while parsing a flow sequence"),
+    Case(_row("`--mesh.data 2` on one device", "exit 2: 'mesh.data=2, mesh.fsdp=-1, mesh.tensor=1 do not fit the "
+              "1 cpu device(s) here: ...' (before: a ValueError traceback)"),
+         inputs("--mesh.data", "2"), SystemExit, "2", "mesh.data=2, mesh.fsdp=-1, mesh.tensor=1 do not fit"),
+    Case(_row("`--prior.path` to a missing file", "exit 2: 'prior.path=...: no such file' before any work "
+              "(before: FileNotFoundError mid-run)"),
+         inputs("--prior.path", "/nonexistent/prior.json"), SystemExit, "2", "prior.path=/nonexistent/prior.json"),
 ]
 
 
