@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """SPO++ training job: warm start (SFT), offline prior, asynchronous single-stream RL.
 
-    python train.py                                   # configs/default.yaml: the agentic TextWorld job
-    python train.py --config_path configs/smoke.yaml  # the tiny 2-turn smoke job (TrainConfig's defaults)
+    python train.py                                   # TrainConfig's defaults: the agentic TextWorld job (configs/default.yaml)
+    python train.py --config_path configs/smoke.yaml  # the tiny 2-turn smoke job
     python train.py --config_path configs/alfworld_qwen35_0p8b.yaml
     python train.py --rollout.batch_size 32 --tracker.rho 0.9 --output_dir runs/x
     python train.py --resume                          # continue from the newest checkpoint
@@ -69,7 +69,6 @@ from rollout_bridge.config import ConfigFileError, TrainConfig, format_config_er
 from rollout_bridge.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
                                   run_cleanly, unknown_fields_line)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # without --config_path
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
 
@@ -80,8 +79,6 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     through run_cleanly) naming the file / field."""
     from draccus.utils import ParsingError
 
-    if config_path_argument(argv) is None:
-        argv = ["--config_path", str(DEFAULT_CONFIG), *argv]
     check_config_path(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))

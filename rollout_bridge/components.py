@@ -12,7 +12,7 @@ Extension points (lists a later module appends to):
   * ``END_OF_RUN_HOOKS``: ``(cfg, run_dir, learner) -> None`` after the RL stage (e.g.
     an HF export of the final policy);
   * env kinds: ``rollout_bridge.envs.kinds.register_env_kind``;
-  * methods: ``rollout_bridge.methods.register``.
+  * methods: a file in ``rollout_bridge/methods/`` registering its ``MethodConfig`` (its recipe).
 """
 
 from __future__ import annotations

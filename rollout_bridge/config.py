@@ -1,8 +1,8 @@
 """Typed configuration of a training job: pure data, validated on construction.
 
-`TrainConfig()` with no arguments IS the tiny 2-turn TextWorld smoke job (mirrored, field
-for field, by `configs/smoke.yaml`); `python train.py` with no --config_path runs
-`configs/default.yaml`, the agentic TextWorld job. Recipes are YAML files
+`TrainConfig()` with no arguments IS the main job, the agentic TextWorld job that `python
+train.py` runs (written out with its reasons, field for field, in `configs/default.yaml`);
+the tiny 2-turn smoke job is `configs/smoke.yaml`. Recipes are YAML files
 (`configs/*.yaml`) loaded with draccus; any field is overridable on the command line as
 `--section.field value` (e.g. `--rollout.batch_size 32 --tracker.rho 0.9`).
 
@@ -118,16 +118,16 @@ class ModelSection:
     None = the tiny random Qwen3 model made (or reused) in `tiny_dir` from the tiny_* shape.
     No downloads happen anywhere: a missing `path` fails with a message."""
 
-    path: Optional[str] = None
-    tiny_dir: str = "runs/tiny_model"
+    path: Optional[str] = "assets/textworld_text_warmstart"
+    tiny_dir: str = "runs/tiny_model_lines"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    tiny_vocab_size: int = 768
-    tiny_hidden_size: int = 64
-    tiny_intermediate_size: int = 192
+    tiny_vocab_size: int = 1024
+    tiny_hidden_size: int = 128
+    tiny_intermediate_size: int = 384
     tiny_num_layers: int = 2
     tiny_num_heads: int = 4
     tiny_num_kv_heads: int = 2
-    tiny_head_dim: int = 16
+    tiny_head_dim: int = 32
     seed: int = 0
 
     def __post_init__(self):
@@ -161,27 +161,27 @@ class EnvSection:
     kind: Literal["textworld", "alfworld", "math_tir"] = "textworld"
     game_dir: Optional[str] = None
     data_dir: str = "artifacts/textworld_games"
-    num_games: int = 16
+    num_games: int = 1024
     game_seed: int = 0
-    world_size: int = 1
-    nb_objects: int = 3
-    quest_length: int = 1
-    max_turns: int = 2
-    max_feedback_chars: int = 60
-    numbered_actions: bool = True
-    shuffle_actions: bool = False
+    world_size: int = 3
+    nb_objects: int = 4
+    quest_length: int = 3
+    max_turns: int = 12
+    max_feedback_chars: int = 600
+    numbered_actions: bool = False
+    shuffle_actions: bool = True
     free_text_commands: bool = True
-    goal_every_turn: bool = True
+    goal_every_turn: bool = False
     # numbered actions: reply "3" to a list "3 go south | ..." (number), or "go south = 3"
     # to a list "go south = 3 | ..." (command_number: the text first; textworld plays only
     # the number, alfworld plays the text when it is a valid command, else the number)
     reply_format: Literal["number", "command_number"] = "number"
-    warmstart_games: int = 48
+    warmstart_games: int = 256
     warmstart_seed: int = 100_000
-    warmstart_orders: int = 1   # shuffled actions: each walkthrough shown in this many orders
+    warmstart_orders: int = 4   # shuffled actions: each walkthrough shown in this many orders
     # textworld: this fraction of the warm-start demonstrations name their rooms and things
     # with fresh random words (rollout_bridge.envs.textworld_rename): names must be copied
-    warmstart_rename: float = 0.0
+    warmstart_rename: float = 0.5
     # textworld: this fraction of the TRAINING games' episodes (prior, RL, training-game
     # evaluations), decided per episode from its seed, name every room and thing with fresh
     # random words (observations renamed, typed commands renamed back): no name can be
@@ -189,17 +189,17 @@ class EnvSection:
     # are always played as generated.
     rename_episodes: float = 0.0
     # textworld and alfworld: "Actions:" then one command per line, tokenized as a reply typing it
-    actions_per_line: bool = False
+    actions_per_line: bool = True
     # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
     # control, trained and evaluated like the agent (issue #15 item 3 with free-text commands)
     blind_observations: bool = False
     # textworld, free-text commands: the folder of a finished run of this recipe with
     # blind_observations=true on the same games; its success after RL is printed beside the
     # agent's as the prompt-blind reference (rollout_bridge/envs/blind_control.py)
-    blind_control: Optional[str] = None
+    blind_control: Optional[str] = "assets/textworld_blind_control"
     # held-out games (textworld and alfworld: generated with seeds from heldout_seed;
     # alfworld also: the first heldout_games of heldout_dir)
-    heldout_games: int = 0
+    heldout_games: int = 512
     heldout_seed: int = 200_000
     # kind=alfworld only (rollout_bridge.envs.alfworld_tasks): a folder of held-out games,
     # objects besides the targets, receptacles kept per floor plan (None = all, as released)
@@ -237,13 +237,13 @@ class WarmStartSection:
     longest (rounded up to 128 tokens), instead of random batches padded to the longest
     demonstration of the data set; same number of steps and loss, far fewer pad tokens."""
 
-    enabled: bool = True
-    epochs: int = 10
+    enabled: bool = False
+    epochs: int = 48
     batch_size: int = 8
     learning_rate: float = 1e-2
     weight_decay: float = 0.0
-    max_length: int = 512
-    loss_on: Literal["final_message", "all_assistant", "all_tokens"] = "all_assistant"
+    max_length: int = 1024
+    loss_on: Literal["final_message", "all_assistant", "all_tokens"] = "all_tokens"
     group_by_length: bool = True
 
     def __post_init__(self):
@@ -263,10 +263,10 @@ class PriorSection:
     run (another output_dir, other RL settings) has the same key; None: no cache."""
 
     enabled: bool = True
-    rollouts_per_task: int = 8
+    rollouts_per_task: int = 1
     mass: Optional[float] = None
     path: Optional[str] = None
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = "artifacts/evaluations"
 
     def __post_init__(self):
         _positive("prior", self, "rollouts_per_task")
@@ -286,8 +286,8 @@ class EvaluationSection:
     with the prior's rollouts of the same tasks); None: every training task."""
 
     train_rollouts: Optional[int] = None
-    heldout_rollouts: Optional[int] = None
-    train_games: Optional[int] = None
+    heldout_rollouts: Optional[int] = 4
+    train_games: Optional[int] = 256
 
     def __post_init__(self):
         _positive("evaluation", self, *(name for name in ("train_rollouts", "heldout_rollouts", "train_games")
@@ -363,9 +363,9 @@ class LossSection:
 @dataclass
 class OptimSection:
     """AdamW (SPEC 5). The paper's lr 1e-6 is for 0.8B-2B models; the tiny CPU model of the
-    smoke job needs a much larger one (see configs/smoke.yaml)."""
+    CPU jobs need much larger ones (configs/default.yaml, configs/smoke.yaml)."""
 
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-4
     weight_decay: float = 0.1
     adam_b1: float = 0.9
     adam_b2: float = 0.999
@@ -375,14 +375,14 @@ class OptimSection:
     # PPO mini-batches: each update's batch is split into this many mini-batches, one AdamW
     # step each, all against the policy of the update's start (verl's ppo_mini_batch_size =
     # batch_size / this); > 1 makes the clip and dual clip act. 1 = one step per update.
-    num_mini_batches: int = 1
+    num_mini_batches: int = 4
     # Log-probs in chunks of this many positions from the final hidden states, so no
     # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
     logprob_chunk_size: Optional[int] = None
     # The LM head only at the action tokens, gathered into this fraction of each row's
     # positions (a batch with a row of more action tokens runs it everywhere): the same
     # log-probs, without most of the [B, T, V] logits of observation tokens; null = everywhere.
-    action_logits_fraction: Optional[float] = None
+    action_logits_fraction: Optional[float] = 0.25
     # A step with a non-finite loss or gradient is skipped (parameters and optimizer state
     # unchanged); this many skipped steps in a row stop the run with a message.
     max_consecutive_skips: int = 5
@@ -488,7 +488,7 @@ class RolloutSection:
     max_inflight: int = 16
     max_in_flight_per_task: int = 1
     sibling_rule: Literal["balanced", "proportional"] = "balanced"
-    max_buffered_batches: int = 1
+    max_buffered_batches: int = 2
     drain: Literal["finish", "abort", "none"] = "none"
     max_policy_lag: int = 8
     train_on_failed: bool = False
@@ -497,11 +497,11 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 16
-    max_seq_len: int = 320
+    max_new_tokens: int = 24
+    max_seq_len: int = 2048
     engine_steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
-    pad_to_multiple: Optional[int] = None
+    pad_to_multiple: Optional[int] = 256
     pack_rows: bool = False
     result_delay_s: float = 0.0
     server_urls: Optional[str] = None
@@ -555,8 +555,8 @@ class MeshSection:
 
 @dataclass
 class TrainConfig:
-    """One training job. Defaults = the tiny 2-turn smoke job (configs/smoke.yaml); `python
-    train.py` without --config_path runs configs/default.yaml (the agentic TextWorld job).
+    """One training job. Defaults = the main job, the agentic TextWorld job (configs/default.yaml);
+    the tiny 2-turn smoke job is configs/smoke.yaml.
 
     `method`: the method and its recipe (`rollout_bridge.methods`: spopp, spo, grpo, rloo,
     the 2x2 cells event_trajectory, receipt_token, receipt_trajectory, and any method file
@@ -579,8 +579,8 @@ class TrainConfig:
     method: MethodConfig = field(default_factory=lambda: recipe(MethodConfig.default_choice_name()))
     stage: Literal["all", "warmstart", "prior", "rl"] = "all"
     seed: int = 0
-    steps: int = 160
-    output_dir: str = "runs/smoke"
+    steps: int = 120
+    output_dir: str = "runs/default"
     resume: bool = False
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
@@ -590,7 +590,7 @@ class TrainConfig:
     wandb: bool = False
     wandb_mode: Literal["offline", "online"] = "offline"
     wandb_project: str = "spopp-jax"
-    compilation_cache_dir: Optional[str] = None
+    compilation_cache_dir: Optional[str] = "artifacts/jax_compilation_cache"
     model: ModelSection = field(default_factory=ModelSection)
     env: EnvSection = field(default_factory=EnvSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
@@ -621,13 +621,9 @@ class TrainConfig:
                f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
                "holds exactly the published policy)", self.checkpoint_every)
         rows = self.optim.num_mini_batches * self.optim.num_micro_batches
-        if rows > 1:
-            field_name = "optim.num_mini_batches" if self.optim.num_mini_batches > 1 else "optim.num_micro_batches"
-            _check(self.rollout.batch_size % rows == 0, field_name,
-                   f"such that optim.num_mini_batches x optim.num_micro_batches divides "
-                   f"rollout.batch_size={self.rollout.batch_size} (each mini-batch is split "
-                   f"into micro-batches; here {self.optim.num_mini_batches} x "
-                   f"{self.optim.num_micro_batches} = {rows})", config_value(self, field_name))
+        _check(self.rollout.batch_size % rows == 0, "optim.num_mini_batches x optim.num_micro_batches",
+               f"a divisor of rollout.batch_size={self.rollout.batch_size} (each mini-batch is split into "
+               f"micro-batches)", f"{self.optim.num_mini_batches} x {self.optim.num_micro_batches} = {rows}")
 
     @property
     def prior_mass(self) -> float:

@@ -16,14 +16,24 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
+def smoke(*args: str) -> TrainConfig:
+    return load_config(list(args), config_path=CONFIGS / "smoke.yaml")
+
+
 def _error(args) -> str:
     with pytest.raises(ParsingError) as info:
         load_config(args)
     return format_config_error(info.value)
 
 
-def test_smoke_yaml_is_the_embedded_default():
-    assert load_config(config_path=CONFIGS / "smoke.yaml") == TrainConfig()
+def test_default_yaml_is_the_embedded_default():
+    """One default: `python train.py` (no file) runs TrainConfig(), which configs/default.yaml
+    writes out field for field; the smoke job differs from it only by what smoke.yaml sets."""
+    import train
+
+    assert load_config(config_path=CONFIGS / "default.yaml") == TrainConfig() == train.parse_config([])
+    smoke = load_config(config_path=CONFIGS / "smoke.yaml")
+    assert (smoke.env.max_turns, smoke.model.path, smoke.steps) == (2, None, 160)
 
 
 @pytest.mark.parametrize("name", ["alfworld_qwen35_0p8b", "alfworld_qwen35_2b",
@@ -80,9 +90,9 @@ def test_resume_flag_forms():
     (["--optim.learning_rate=-1e-3"], "optim.learning_rate"),
     (["--optim.logprob_chunk_size", "0"], "optim.logprob_chunk_size"),
     (["--optim.num_mini_batches", "0"], "optim.num_mini_batches"),
-    (["--optim.num_mini_batches", "3"], "optim.num_mini_batches"),  # 16 rows
+    (["--optim.num_mini_batches", "3"], "optim.num_mini_batches x optim.num_micro_batches"),  # 16 rows
     (["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "8"],
-     "optim.num_mini_batches"),
+     "optim.num_mini_batches x optim.num_micro_batches"),
     (["--loss.clip_low", "1.5"], "loss.clip_low"),
     (["--method.dual_clip", "0.5"], "method.dual_clip"),
     (["--method", "spo", "--method.rho_min", "0.99"], "method.rho_min"),
@@ -111,7 +121,7 @@ def test_resume_flag_forms():
     (["--advantage.eps", "nan"], "advantage.eps"),
     (["--math_tir.sandbox.wall_s", "inf"], "math_tir.sandbox.wall_s"),
     (["--method", "spo", "--method.d_half", "inf"], "method.d_half"),
-    (["--optim.num_micro_batches", "3"], "optim.num_micro_batches"),
+    (["--optim.num_micro_batches", "3"], "optim.num_mini_batches x optim.num_micro_batches"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),
     (["--method", "grpo", "--rollout.batch_size", "12", "--method.group_size", "8"],
      "rollout.batch_size"),
@@ -165,7 +175,7 @@ def test_pad_to_multiple_reaches_the_orchestrator_and_defaults_to_one_width():
     from rollout_bridge.components import build_orchestrator_config
 
     agent = AgentConfig(max_turns=2, max_total_tokens=320)
-    assert build_orchestrator_config(TrainConfig(), agent, 0).pad_to_multiple == 320
+    assert build_orchestrator_config(smoke(), agent, 0).pad_to_multiple == 320
     cfg = load_config(["--rollout.pad_to_multiple", "64"])
     assert build_orchestrator_config(cfg, agent, 0).pad_to_multiple == 64
 
@@ -176,7 +186,7 @@ def test_mini_batches_reach_the_learner_config():
     cfg = load_config(["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "2"])
     assert (cfg.optim.num_mini_batches, cfg.optim.num_micro_batches) == (4, 2)
     assert learner_config(cfg).num_mini_batches == 4
-    assert learner_config(TrainConfig()).num_mini_batches == 1
+    assert learner_config(smoke()).num_mini_batches == 1
     message = _error(["--optim.num_mini_batches", "3"])
     assert "rollout.batch_size=16" in message and "3 x 1 = 3" in message, message
 
@@ -286,7 +296,7 @@ def test_library_knobs_are_reachable_from_the_command_line():
     orch = c.build_orchestrator_config(cfg, agent, seed=1)
     assert (orch.train_on_failed, orch.max_in_flight_per_task, orch.sibling_rule) == (True, 2, "proportional")
     assert orch.method == "spo" and orch.max_in_flight == 32
-    assert orch.whiten_eps == 1e-6 and orch.keep_history is False and orch.pad_to_multiple == TrainConfig().rollout.max_seq_len
+    assert orch.whiten_eps == 1e-6 and orch.keep_history is False and orch.pad_to_multiple == cfg.rollout.pad_to_multiple
     rloo = load_config(["--method", "rloo", "--method.group_size", "4"])
     assert c.build_orchestrator_config(rloo, c.build_agent_config(rloo, 2), seed=0).method == "rloo"
     message = _error(["--method", "grpo", "--rollout.batch_size", "16", "--rollout.max_in_flight_per_task", "2"])
@@ -305,9 +315,9 @@ def test_argv_preprocessors_run_before_parsing(monkeypatch):
 
 
 def test_evaluation_rollouts_default_to_the_priors():
-    cfg = load_config(["--prior.rollouts_per_task", "3"])
+    cfg = smoke("--prior.rollouts_per_task", "3")
     assert cfg.evaluation.rollouts(cfg.prior, "train") == cfg.evaluation.rollouts(cfg.prior, "heldout") == 3
-    cfg = load_config(["--prior.rollouts_per_task", "1", "--evaluation.heldout_rollouts", "4"])
+    cfg = smoke("--prior.rollouts_per_task", "1", "--evaluation.heldout_rollouts", "4")
     assert cfg.evaluation.rollouts(cfg.prior, "train") == 1
     assert cfg.evaluation.rollouts(cfg.prior, "heldout") == 4
 

@@ -142,7 +142,7 @@ CONFIG_CASES = [
          cli("--method.dual_clip", "nan"), SystemExit, "2", "method.dual_clip must be finite"),
     Case(_row("`--optim.num_micro_batches 3` that does not divide the batch of 16",
               "exit 2 naming both batch counts (before: a failure at RL start, after the warm start and prior)"),
-         cli("--optim.num_micro_batches", "3"), SystemExit, "2", "optim.num_micro_batches divides rollout.batch_size=16"),
+         cli("--optim.num_micro_batches", "3"), SystemExit, "2", "optim.num_mini_batches x optim.num_micro_batches must be a divisor of rollout.batch_size=16"),
     Case(_row("`--steps true` (a boolean for a number)", "exit 2: '`steps`: expected a number (int), got the "
               "boolean true' (before: ran 1 step)"),
          cli("--steps", "true"), SystemExit, "2", "expected a number (int), got the boolean true"),
