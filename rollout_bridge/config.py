@@ -58,6 +58,7 @@ def _check_literals(section: str, obj) -> None:
 
 
 _NUMBERS = (int, float)
+MAX_WHITEN_EPS = 1e-2   # advantage.eps: below 2% of the largest std of 0/1 rewards (0.5)
 
 
 def _refuse_booleans(number_type: type) -> None:
@@ -333,12 +334,14 @@ class SamplerSection:
 
 @dataclass
 class AdvantageSection:
-    """SPEC 4: Ã = (A - mean) / (std + eps) under the method's measure (`method.measure`)."""
+    """SPEC 4: Ã = (A - mean) / (std + eps) under the method's measure (`method.measure`).
+    `eps` only guards a zero std: the std of 0/1 rewards is at most 0.5, so a large eps would
+    shrink every advantage toward 0 and learning with it, silently (at most MAX_WHITEN_EPS)."""
 
     eps: float = 1e-8
 
     def __post_init__(self):
-        _positive("advantage", self, "eps")
+        _check(0.0 < self.eps <= MAX_WHITEN_EPS, "advantage.eps", f"in (0, {MAX_WHITEN_EPS}]", self.eps)
 
 
 @dataclass

@@ -119,6 +119,7 @@ def test_resume_flag_forms():
     (["--rollout.temperature", "inf"], "rollout.temperature"),
     (["--advantage.eps", "inf"], "advantage.eps"),
     (["--advantage.eps", "nan"], "advantage.eps"),
+    (["--advantage.eps", "0.5"], "advantage.eps"),     # every advantage shrunk toward 0
     (["--math_tir.sandbox.wall_s", "inf"], "math_tir.sandbox.wall_s"),
     (["--method", "spo", "--method.d_half", "inf"], "method.d_half"),
     (["--optim.num_micro_batches", "3"], "optim.num_mini_batches x optim.num_micro_batches"),
