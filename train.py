@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """SPO++ training job: warm start (SFT), offline prior, asynchronous single-stream RL.
 
-    python train.py                                   # configs/default.yaml: the agentic TextWorld job
-    python train.py --config_path configs/smoke.yaml  # the tiny 2-turn smoke job (TrainConfig's defaults)
+    python train.py                                   # TrainConfig's defaults: the agentic TextWorld job (configs/default.yaml)
+    python train.py --config_path configs/smoke.yaml  # the tiny 2-turn smoke job
     python train.py --config_path configs/alfworld_qwen35_0p8b.yaml
     python train.py --rollout.batch_size 32 --tracker.rho 0.9 --output_dir runs/x
     python train.py --resume                          # continue from the newest checkpoint
@@ -11,7 +11,7 @@
     python train.py --rollout.engine vllm_server --rollout.servers.launch.count 2   # on vLLM servers
     JAX_COORDINATOR_ADDRESS=h:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=<i> python train.py --distributed
 
-Every field of `spopp_jax.config.TrainConfig` is a flag (draccus). This script only
+Every field of `rollout_bridge.config.TrainConfig` is a flag (draccus). This script only
 composes: each component is built from its own config section by
 `rollout_bridge.components` (which also holds the extension points: argv preprocessors,
 metric sinks, end-of-run hooks), the env kind by `rollout_bridge.envs.kinds`, the method
@@ -35,7 +35,7 @@ one. `--distributed`: the learner as several processes; process 0 runs the job a
 others each learner call (rollout_bridge/learner_processes.py, distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
 A user mistake (missing config file, unwritable output_dir, full disk, a setting this
-version lacks) ends in one line and exit status 2 (spopp_jax.run_errors).
+version lacks) ends in one line and exit status 2 (rollout_bridge.run_errors).
 A crash loses at most the updates since the last checkpoint; `--resume` restores it exactly.
 """
 
@@ -73,11 +73,10 @@ from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.prior import write_json_atomic
 from rollout_bridge.run_report import final_line, log_regime, stage_times
 from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
-from spopp_jax.config import TrainConfig, format_config_error, load_config
-from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
+from rollout_bridge.config import ConfigFileError, TrainConfig, format_config_error, load_config
+from rollout_bridge.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
                                   run_cleanly, unknown_fields_line)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # without --config_path
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
 
@@ -88,11 +87,11 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     through run_cleanly) naming the file / field."""
     from draccus.utils import ParsingError
 
-    if config_path_argument(argv) is None:
-        argv = ["--config_path", str(DEFAULT_CONFIG), *argv]
     check_config_path(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
+    except ConfigFileError as error:
+        raise UserError(str(error), "config error") from None
     except ParsingError as error:
         message = format_config_error(error)
         older = unknown_fields_line(message, config_path_argument(argv), TrainConfig)
@@ -236,7 +235,7 @@ def run_rl(job: Job, policy: Path, chat, alpha0, beta0, prior: dict | None) -> d
     before = None if prior is None else prior["success_rate"]
     summary = {"success_before_rl": before, "success_after_rl": after,
                "success_per_step": [r.get("success_rate") for r in rows], **stage_times(rows, time.time() - start)}
-    summary.update(report_run(paths, f"SPO++ ({job.cfg.method}) on {job.cfg.env.kind}", rows, prior, after_record,
+    summary.update(report_run(paths, f"SPO++ ({job.cfg.method.name}) on {job.cfg.env.kind}", rows, prior, after_record,
                               before_extra, after_extra, job.env.reference_success, job.env.reference_se))
     summary["async_regime"] = log_regime(job.cfg, rows, log)
     if job.env.tasks_record:

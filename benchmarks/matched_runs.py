@@ -2,7 +2,7 @@
 
 Issue #7, evidence items 1-3. Every run is `python train.py --stage rl` (the command users
 run), from ONE shared warm-start checkpoint and ONE shared offline prior, so that arms differ
-only in the flags listed in ARMS below (SPEC 7: matched runs share checkpoint, prompts,
+only in the method each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
 prior, decoding, budget, optimizer and runtime).
 
     python benchmarks/matched_runs.py run --arms spopp spo grpo --seeds 0 1 2 3 4
@@ -59,28 +59,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-# Arm -> train.py flags on top of the shared recipe (--config, default configs/smoke.yaml).
-# SPO++: event-time tracker (fixed rho 0.875), action-token measure, dual-clip c = 2.
-# SPO:   receipt-order tracker with KL-adaptive retention clip(2^(-D/0.06), 0.875, 0.96),
-#        trajectory measure, dual-clip c = 10 (SPEC 2 baseline, SPEC 5, the paper's recipe).
-# GRPO:  groups of G = 8 siblings of one task behind a group barrier, A = R - group mean,
-#        then the same token-measure whitening and loss as SPO++ (2 groups per batch of 16).
-# The 2x2 ablation (SPEC 7 open question): tracker x measure with retention FIXED at 0.875
-# and dual-clip FIXED at c = 2; its event-time x token cell is `spopp`.
-FIXED_RECEIPT = ["--method", "spo", "--tracker.spo_rho_min", "0.875",
-                 "--tracker.spo_rho_max", "0.875", "--loss.dual_clip", "2.0"]
 # the published matched runs (docs/RESULTS.md) drained before each publish; the train
 # default became in-flight publishing ("none") later, so reproductions pin the drain
 MEASURED_DRAIN = ["--rollout.drain", "finish"]
-ARMS: dict[str, list[str]] = {
-    "spopp": ["--method", "spopp", "--advantage.measure", "token", "--loss.dual_clip", "2.0"],
-    "spo": ["--method", "spo", "--advantage.measure", "trajectory", "--loss.dual_clip", "10.0"],
-    "grpo": ["--method", "grpo", "--rollout.group_size", "8", "--advantage.measure", "token",
-             "--loss.dual_clip", "2.0"],
-    "event_traj": ["--method", "spopp", "--advantage.measure", "trajectory",
-                   "--loss.dual_clip", "2.0"],
-    "receipt_token": FIXED_RECEIPT + ["--advantage.measure", "token"],
-    "receipt_traj": FIXED_RECEIPT + ["--advantage.measure", "trajectory"],
+# Arm (its folder under --root) -> the method whose recipe it runs (`--method <name>`: its
+# tracker, retention, measure, dual clip and groups are the method's, rollout_bridge/methods).
+# spopp, spo, grpo: the matched baselines; event_traj, receipt_token, receipt_traj with spopp:
+# the tracker x measure 2x2 (retention fixed at 0.875, dual clip 2; methods/ablation.py).
+ARMS: dict[str, str] = {
+    "spopp": "spopp",
+    "spo": "spo",
+    "grpo": "grpo",
+    "event_traj": "event_trajectory",
+    "receipt_token": "receipt_token",
+    "receipt_traj": "receipt_trajectory",
 }
 
 
@@ -241,7 +233,7 @@ def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Pat
     command = [python(), str(REPO / "train.py"), "--stage", "rl", "--output_dir", str(out),
                "--model.path", str(model), "--warmstart.enabled", "false",
                "--prior.path", str(prior), "--seed", str(seed), "--steps", str(steps),
-               "--progress", "false", "--tensorboard", "false", *drain, *ARMS[arm], *extra]
+               "--progress", "false", "--tensorboard", "false", *drain, "--method", ARMS[arm], *extra]
     if eval_rollouts is not None:
         command += ["--prior.rollouts_per_task", str(eval_rollouts)]
     (out / "command.json").write_text(json.dumps(command, indent=1))

@@ -90,7 +90,7 @@ def build(args):
 
     from rollout_bridge import components
     from rollout_bridge.envs.kinds import build_env
-    from spopp_jax.config import load_config
+    from rollout_bridge.config import load_config
 
     cfg = load_config(["--config_path", args.config, "--model.path", args.model, "--progress", "false"])
     env = build_env(cfg, False, log=lambda line: print(line, flush=True))

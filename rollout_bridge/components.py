@@ -12,7 +12,7 @@ Extension points (lists a later module appends to):
   * ``END_OF_RUN_HOOKS``: ``(cfg, run_dir, learner) -> None`` after the RL stage (e.g.
     an HF export of the final policy);
   * env kinds: ``rollout_bridge.envs.kinds.register_env_kind``;
-  * methods: ``rollout_bridge.methods.register``.
+  * methods: a file in ``rollout_bridge/methods/`` registering its ``MethodConfig`` (its recipe).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rollout_bridge.agent import AgentConfig
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.orchestrator import OrchestratorConfig
 from spopp_jax.learner import LearnerConfig
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 
 # ------------------------------------------------------------------ knob maps
 LEARNER_KNOBS = {
@@ -34,27 +34,29 @@ LEARNER_KNOBS = {
     "max_grad_norm": "optim.max_grad_norm", "num_micro_batches": "optim.num_micro_batches",
     "num_mini_batches": "optim.num_mini_batches", "logprob_chunk_size": "optim.logprob_chunk_size",
     "action_logits_fraction": "optim.action_logits_fraction",
-    "clip_low": "loss.clip_low", "clip_high": "loss.clip_high", "dual_clip": "loss.dual_clip",
+    "clip_low": "loss.clip_low", "clip_high": "loss.clip_high",
     "is_cap": "loss.is_cap", "old_logp_source": "loss.old_logp_source",
     "max_consecutive_skips": "optim.max_consecutive_skips",
 }
-LEARNER_DERIVED: dict[str, str] = {}
+METHOD_RECIPE = "the method section's recipe (MethodConfig.orchestrator_fields / learner_fields)"
+LEARNER_DERIVED = {"dual_clip": METHOD_RECIPE}
 
 ORCHESTRATOR_KNOBS = {
-    "method": "method", "measure": "advantage.measure", "whiten_eps": "advantage.eps",
+    "whiten_eps": "advantage.eps",
     "batch_size": "rollout.batch_size", "publish_every": "rollout.publish_every", "drain": "rollout.drain",
     "max_policy_lag": "rollout.max_policy_lag", "result_delay_s": "rollout.result_delay_s",
     "max_in_flight": "rollout.max_inflight", "max_in_flight_per_task": "rollout.max_in_flight_per_task",
     "sibling_rule": "rollout.sibling_rule", "max_buffered_batches": "rollout.max_buffered_batches",
-    "group_size": "rollout.group_size", "train_on_failed": "rollout.train_on_failed",
+    "train_on_failed": "rollout.train_on_failed",
     "max_consecutive_failures": "rollout.max_consecutive_failures",
-    "rho": "tracker.rho", "spo_d_half": "tracker.spo_d_half", "spo_rho_min": "tracker.spo_rho_min",
-    "spo_rho_max": "tracker.spo_rho_max", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
+    "rho": "tracker.rho", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
     "task_sampler": "sampler.impl",
     "pad_to_multiple": "rollout.pad_to_multiple",  # null: agent.max_total_tokens, every batch [B, max_seq_len]
     "pack_rows": "rollout.pack_rows",
 }
 ORCHESTRATOR_DERIVED = {
+    **{name: METHOD_RECIPE for name in ("method", "measure", "group_size", "spo_d_half", "spo_rho_min",
+                                        "spo_rho_max")},
     "pack_row_multiple": "rollout.pack_rows: components.pack_row_multiple (optim mini x micro-batches)",
     "z0": "0: the prior's coordinate (SPEC 2)",
     "keep_history": "False: bounded memory, records stream to the metric sinks",
@@ -112,6 +114,7 @@ VLLM_TEMPERATURE = 1.0  # the vLLM engines report raw log-probs: exact sampling 
 
 # sections read whole by one component (the owner named for the config test)
 SECTION_OWNERS = {
+    "method": "rollout_bridge.methods: the method's recipe (MethodConfig.orchestrator_fields / learner_fields)",
     "model": "rollout_bridge.components.model_folder / load_policy (model.*)",
     "mesh": "rollout_bridge.components.build_mesh (mesh.*)",
     "node": "rollout_bridge.node_layout.apply_before_jax (node.*: train.py's first statement, before JAX loads)",
@@ -130,7 +133,7 @@ WANDB_FIELDS = ("wandb", "wandb_mode", "wandb_project")  # read by wandb_sinks
 def _verl_aliases(argv: list[str]) -> list[str]:
     """verl knob names accepted as aliases (docs/CONVENTIONS.md); a refused one is a
     config error naming the key."""
-    from spopp_jax.verl_aliases import AliasError, rewrite_verl_aliases
+    from rollout_bridge.verl_aliases import AliasError, rewrite_verl_aliases
 
     try:
         return rewrite_verl_aliases(argv)
@@ -157,7 +160,7 @@ def knobs(cfg: Any, knob_map: Mapping[str, str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ builders
 def build_learner_config(cfg) -> LearnerConfig:
-    return LearnerConfig(**knobs(cfg, LEARNER_KNOBS))
+    return LearnerConfig(**knobs(cfg, LEARNER_KNOBS), **cfg.method.learner_fields())
 
 
 def build_agent_config(cfg, max_turns: int) -> AgentConfig:
@@ -166,7 +169,7 @@ def build_agent_config(cfg, max_turns: int) -> AgentConfig:
 
 
 def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> OrchestratorConfig:
-    values = knobs(cfg, ORCHESTRATOR_KNOBS)
+    values = {**knobs(cfg, ORCHESTRATOR_KNOBS), **cfg.method.orchestrator_fields()}
     values["pad_to_multiple"] = values["pad_to_multiple"] or agent.max_total_tokens  # null: one width, one compile
     if values["pack_rows"]:
         values["pack_row_multiple"] = pack_row_multiple(cfg)
@@ -229,7 +232,10 @@ def check_engine_choice(cfg) -> None:
 
 
 def check_inputs(cfg) -> None:
-    """Local inputs a recipe names must exist (nothing is downloaded): fail early, clearly."""
+    """Local inputs a recipe names must exist (nothing is downloaded) and the mesh must fit
+    the devices: fail before any work, in one line naming the field."""
+    import os
+
     from rollout_bridge.tiny_model import check_model_folder
 
     if cfg.model.path is not None:
@@ -237,7 +243,24 @@ def check_inputs(cfg) -> None:
             check_model_folder(cfg.model.path)
         except FileNotFoundError as error:
             raise UserError(f"{error}") from None
+    if cfg.prior.enabled and cfg.prior.path is not None and not os.path.isfile(cfg.prior.path):
+        raise UserError(f"prior.path={cfg.prior.path}: no such file (a prior.json written by an earlier run's "
+                        "prior stage; null computes the prior)")
+    check_mesh(cfg.mesh)
     check_engine_choice(cfg)
+
+
+def check_mesh(mesh_section) -> None:
+    """The (data, fsdp, tensor) mesh needs exactly the devices there are (one axis -1
+    takes the rest): UserError naming the mesh and the device count."""
+    import jax
+
+    try:
+        build_mesh(mesh_section)
+    except ValueError as error:
+        raise UserError(f"mesh.data={mesh_section.data}, mesh.fsdp={mesh_section.fsdp}, "
+                        f"mesh.tensor={mesh_section.tensor} do not fit the {jax.device_count()} "
+                        f"{jax.default_backend()} device(s) here: {error}") from None
 
 
 def build_rollout_servers(cfg, run_dir: Path, agent: AgentConfig, launcher_factory=None):
@@ -366,7 +389,7 @@ def wandb_sinks(cfg, run_dir: Path, log: Callable[[str], None] = print) -> list:
     if not cfg.wandb:
         return []
     from rollout_bridge.metrics import WandbSink
-    from spopp_jax.config import config_to_dict
+    from rollout_bridge.config import config_to_dict
 
     sink = WandbSink(run_dir, cfg.wandb_project, cfg.wandb_mode, config=config_to_dict(cfg))
     log(f"wandb ({cfg.wandb_mode}): {sink.location}")

@@ -22,7 +22,7 @@ from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
 from rollout_bridge.progress_lines import TenthLines, show_bar
 from rollout_bridge.run_report import prior_text, reference_name, success_axis_limits
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
 TRAILING_WINDOW = 5  # updates in the trailing success mean of the progress bar
@@ -105,7 +105,7 @@ def checkpoint_key(cfg) -> dict:
     """Settings a checkpoint must agree with to be resumed (not steps, logging, paths)."""
     key = stage_key(cfg, "model", "env", "warmstart", "prior", "tracker", "sampler", "advantage", "loss", "optim",
                     "rollout")
-    key.update(method=cfg.method, seed=cfg.seed)
+    key.update(method=cfg.method.to_dict(), seed=cfg.seed)
     return key
 
 

@@ -14,9 +14,9 @@ from rollout_bridge import distributed_learner as distributed
 from rollout_bridge.job import RunPaths, log
 from rollout_bridge.policy_learner import PolicyLearner
 from spopp_jax.checkpoint import Checkpointer
-from spopp_jax.config import TrainConfig
+from rollout_bridge.config import TrainConfig
 from spopp_jax.learner import init_train_state
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 from spopp_jax.sharding import make_mesh
 
 DISTRIBUTED_FLAG = "--distributed"  # the learner as several processes (start_distributed)

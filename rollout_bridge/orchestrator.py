@@ -147,7 +147,7 @@ _COUNTERS = ("policy_event", "updates", "dispatched", "consumed", "failed", "abo
 class OrchestratorConfig:
     """Orchestration knobs (SPEC 2-4, 6 defaults). Every constant is configurable."""
 
-    method: str = "spopp"  # a registered method: "spopp" | "spo" | "grpo" | "rloo"
+    method: str = "spopp"  # a registered method (rollout_bridge.methods.names())
     measure: str = "token"  # whitening measure, SPEC 4
     whiten_eps: float = 1e-8  # Ã = (A − μ)/(σ + eps), SPEC 4
     batch_size: int = 128  # N trajectories per update

@@ -60,7 +60,7 @@ TOKENIZER_FILES = (
     "merges.txt", "tokenizer.model",
 )
 HF_TOP_K_OFF = 0      # transformers / vLLM: top_k 0 = no top-k filtering
-OUR_TOP_K_OFF = -1    # spopp_jax.config.RolloutSection.top_k: -1 = off
+OUR_TOP_K_OFF = -1    # rollout_bridge.config.RolloutSection.top_k: -1 = off
 EXIT_USAGE = 2        # exit status of a refused export (bad input, like argparse)
 MESSAGE_CHARS = 300   # longest third-party error text quoted in our one-line message
 

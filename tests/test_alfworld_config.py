@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spopp_jax.config import load_config
+from rollout_bridge.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -35,7 +35,7 @@ def test_paper_recipes_take_downloaded_or_generated_games(name):
 def test_bad_alfworld_fields_named(args, field):
     from draccus.utils import ParsingError
 
-    from spopp_jax.config import format_config_error
+    from rollout_bridge.config import format_config_error
 
     with pytest.raises(ParsingError) as info:
         load_config(args)
@@ -50,7 +50,7 @@ def test_missing_alfworld_packages_are_named(monkeypatch):
     import importlib.util
 
     from rollout_bridge.envs.kinds import build_env
-    from spopp_jax.run_errors import UserError
+    from rollout_bridge.run_errors import UserError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -61,7 +61,7 @@ def test_missing_alfworld_packages_are_named(monkeypatch):
 
 def test_missing_heldout_dir_is_named(tmp_path):
     from rollout_bridge.envs.kinds import build_env
-    from spopp_jax.run_errors import UserError
+    from rollout_bridge.run_errors import UserError
 
     with pytest.raises(UserError, match=r"env.heldout_dir=.*does not exist"):
         build_env(_alfworld_cfg("--env.heldout_dir", str(tmp_path / "nope")), False)
@@ -71,7 +71,7 @@ def test_missing_heldout_dir_is_named(tmp_path):
                                       ["--env.blind_observations", "true"], ["--env.blind_control", "runs/x"]])
 def test_textworld_only_observation_fields_are_refused(override):
     from rollout_bridge.envs.kinds import build_env
-    from spopp_jax.run_errors import UserError
+    from rollout_bridge.run_errors import UserError
 
     with pytest.raises(UserError, match=r"for env.kind=textworld only"):
         build_env(_alfworld_cfg(*override), False)
@@ -79,7 +79,7 @@ def test_textworld_only_observation_fields_are_refused(override):
 
 def test_unknown_alfworld_task_type_is_named():
     from rollout_bridge.envs.kinds import build_env
-    from spopp_jax.run_errors import UserError
+    from rollout_bridge.run_errors import UserError
 
     with pytest.raises(UserError, match=r"env.alfworld_task_types: unknown \['pick_banana'\]"):
         build_env(_alfworld_cfg("--env.alfworld_task_types", "[pick_and_place_simple,pick_banana]"), False)

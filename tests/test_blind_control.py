@@ -7,9 +7,9 @@ import json
 import pytest
 
 from rollout_bridge.envs.blind_control import describe_tasks, load_blind_control
-from spopp_jax.config import load_config
-from spopp_jax.run_errors import UserError
-from tiny_run import games_dir
+from rollout_bridge.config import load_config
+from rollout_bridge.run_errors import UserError
+from tiny_run import SMOKE_CONFIG, games_dir
 
 AGENT = describe_tasks("train_w3_o4_q3_s0_n64", "heldout_w3_o4_q3_s200000_n32", prompt_blind=False)
 
@@ -65,7 +65,8 @@ def test_a_blind_job_cannot_take_a_blind_control(tmp_path):
 
 def _tiny_textworld(tmp_path, *args):
     return load_config(["--env.data_dir", str(games_dir(tmp_path)), "--env.num_games", "2", "--rollout.max_inflight", "2",
-                        "--env.warmstart_games", "0", "--env.heldout_games", "0", *args])
+                        "--env.warmstart_games", "0", "--env.heldout_games", "0", *args],
+                       config_path=SMOKE_CONFIG)
 
 
 def test_the_textworld_job_reports_a_blind_control_of_its_own_games(tmp_path):

@@ -10,10 +10,14 @@ from pathlib import Path
 import pytest
 from draccus.utils import ParsingError
 
-from spopp_jax.config import EvaluationSection, TrainConfig, format_config_error, load_config
+from rollout_bridge.config import EvaluationSection, TrainConfig, format_config_error, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+
+
+def smoke(*args: str) -> TrainConfig:
+    return load_config(list(args), config_path=CONFIGS / "smoke.yaml")
 
 
 def _error(args) -> str:
@@ -22,8 +26,14 @@ def _error(args) -> str:
     return format_config_error(info.value)
 
 
-def test_smoke_yaml_is_the_embedded_default():
-    assert load_config(config_path=CONFIGS / "smoke.yaml") == TrainConfig()
+def test_default_yaml_is_the_embedded_default():
+    """One default: `python train.py` (no file) runs TrainConfig(), which configs/default.yaml
+    writes out field for field; the smoke job differs from it only by what smoke.yaml sets."""
+    import train
+
+    assert load_config(config_path=CONFIGS / "default.yaml") == TrainConfig() == train.parse_config([])
+    smoke = load_config(config_path=CONFIGS / "smoke.yaml")
+    assert (smoke.env.max_turns, smoke.model.path, smoke.steps) == (2, None, 160)
 
 
 @pytest.mark.parametrize("name", ["alfworld_qwen35_0p8b", "alfworld_qwen35_2b",
@@ -55,10 +65,10 @@ def test_cli_overrides_beat_yaml(tmp_path):
     path.write_text("steps: 7\nrollout:\n  batch_size: 4\n  max_inflight: 4\n"
                     "tracker:\n  rho: 0.9\n")
     cfg = load_config(["--rollout.batch_size", "8", "--rollout.max_inflight", "8",
-                       "--advantage.measure", "trajectory", "--resume"], config_path=path)
+                       "--method.measure", "trajectory", "--resume"], config_path=path)
     assert cfg.steps == 7 and cfg.tracker.rho == 0.9           # from the file
     assert cfg.rollout.batch_size == 8                          # CLI wins
-    assert cfg.advantage.measure == "trajectory" and cfg.resume is True
+    assert cfg.method.measure == "trajectory" and cfg.resume is True
     # untouched fields keep their defaults
     assert cfg.optim == TrainConfig().optim
 
@@ -80,11 +90,13 @@ def test_resume_flag_forms():
     (["--optim.learning_rate=-1e-3"], "optim.learning_rate"),
     (["--optim.logprob_chunk_size", "0"], "optim.logprob_chunk_size"),
     (["--optim.num_mini_batches", "0"], "optim.num_mini_batches"),
-    (["--optim.num_mini_batches", "3"], "optim.num_mini_batches"),  # 16 rows
+    (["--optim.num_mini_batches", "3"], "optim.num_mini_batches x optim.num_micro_batches"),  # 16 rows
     (["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "8"],
-     "optim.num_mini_batches"),
+     "optim.num_mini_batches x optim.num_micro_batches"),
     (["--loss.clip_low", "1.5"], "loss.clip_low"),
-    (["--loss.dual_clip", "0.5"], "loss.dual_clip"),
+    (["--method.dual_clip", "0.5"], "method.dual_clip"),
+    (["--method", "spo", "--method.rho_min", "0.99"], "method.rho_min"),
+    (["--method", "rloo", "--method.group_size", "1"], "method.group_size"),
     (["--rollout.top_p", "0"], "rollout.top_p"),
     (["--rollout.max_new_tokens", "600", "--rollout.max_seq_len", "512"],
      "rollout.max_new_tokens"),
@@ -102,9 +114,19 @@ def test_resume_flag_forms():
     (["--optim.action_logits_fraction", "0"], "optim.action_logits_fraction"),
     (["--optim.action_logits_fraction", "1.5"], "optim.action_logits_fraction"),
     (["--warmstart.epochs", "0"], "warmstart.epochs"),
+    (["--optim.learning_rate", "inf"], "optim.learning_rate"),
+    (["--warmstart.learning_rate", "inf"], "warmstart.learning_rate"),
+    (["--rollout.temperature", "inf"], "rollout.temperature"),
+    (["--advantage.eps", "inf"], "advantage.eps"),
+    (["--advantage.eps", "nan"], "advantage.eps"),
+    (["--advantage.eps", "0.5"], "advantage.eps"),     # every advantage shrunk toward 0
+    (["--math_tir.sandbox.wall_s", "inf"], "math_tir.sandbox.wall_s"),
+    (["--method", "spo", "--method.d_half", "inf"], "method.d_half"),
+    (["--optim.num_micro_batches", "3"], "optim.num_mini_batches x optim.num_micro_batches"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),
-    (["--method", "grpo", "--rollout.batch_size", "12", "--rollout.group_size", "8"],
+    (["--method", "grpo", "--rollout.batch_size", "12", "--method.group_size", "8"],
      "rollout.batch_size"),
+    (["--method", "grpo", "--rollout.max_inflight", "4"], "rollout.max_inflight"),
 ])
 def test_bad_values_name_the_field(args, field):
     message = _error(args)
@@ -112,26 +134,26 @@ def test_bad_values_name_the_field(args, field):
 
 
 def test_unknown_measure_or_flag_is_rejected(capsys):
-    for args in (["--advantage.measure", "sequence"], ["--method", "ppo"],
+    for args in (["--method", "ppo"],
                  ["--no_such_field", "1"]):
         with pytest.raises(SystemExit) as info:
             load_config(args)
         assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "advantage.measure" in err and "invalid choice" in err
+    assert "method.type" in err and "invalid choice" in err and "'ppo'" in err
 
 
 def test_bad_literal_in_yaml_names_the_field(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("advantage:\n  measure: sequence\n")
+    path.write_text("method:\n  measure: sequence\n")
     with pytest.raises(ParsingError) as info:
         load_config(config_path=path)
     message = format_config_error(info.value)
-    assert "advantage.measure" in message and "sequence" in message and "token" in message
+    assert "method.measure" in message and "sequence" in message and "token" in message
 
 
 def test_sections_validate_directly():
-    from spopp_jax.config import RolloutSection, TrackerSection
+    from rollout_bridge.config import RolloutSection, TrackerSection
 
     with pytest.raises(ValueError, match="tracker.rho"):
         TrackerSection(rho=1.0)
@@ -154,7 +176,7 @@ def test_pad_to_multiple_reaches_the_orchestrator_and_defaults_to_one_width():
     from rollout_bridge.components import build_orchestrator_config
 
     agent = AgentConfig(max_turns=2, max_total_tokens=320)
-    assert build_orchestrator_config(TrainConfig(), agent, 0).pad_to_multiple == 320
+    assert build_orchestrator_config(smoke(), agent, 0).pad_to_multiple == 320
     cfg = load_config(["--rollout.pad_to_multiple", "64"])
     assert build_orchestrator_config(cfg, agent, 0).pad_to_multiple == 64
 
@@ -165,7 +187,7 @@ def test_mini_batches_reach_the_learner_config():
     cfg = load_config(["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "2"])
     assert (cfg.optim.num_mini_batches, cfg.optim.num_micro_batches) == (4, 2)
     assert learner_config(cfg).num_mini_batches == 4
-    assert learner_config(TrainConfig()).num_mini_batches == 1
+    assert learner_config(smoke()).num_mini_batches == 1
     message = _error(["--optim.num_mini_batches", "3"])
     assert "rollout.batch_size=16" in message and "3 x 1 = 3" in message, message
 
@@ -275,11 +297,13 @@ def test_library_knobs_are_reachable_from_the_command_line():
     orch = c.build_orchestrator_config(cfg, agent, seed=1)
     assert (orch.train_on_failed, orch.max_in_flight_per_task, orch.sibling_rule) == (True, 2, "proportional")
     assert orch.method == "spo" and orch.max_in_flight == 32
-    assert orch.whiten_eps == 1e-6 and orch.keep_history is False and orch.pad_to_multiple == TrainConfig().rollout.max_seq_len
-    rloo = load_config(["--method", "rloo", "--rollout.group_size", "4"])
+    assert orch.whiten_eps == 1e-6 and orch.keep_history is False and orch.pad_to_multiple == cfg.rollout.pad_to_multiple
+    rloo = load_config(["--method", "rloo", "--method.group_size", "4"])
     assert c.build_orchestrator_config(rloo, c.build_agent_config(rloo, 2), seed=0).method == "rloo"
     message = _error(["--method", "grpo", "--rollout.batch_size", "16", "--rollout.max_in_flight_per_task", "2"])
     assert message.startswith("rollout.max_in_flight_per_task must be 1 for grpo"), message
+    assert orch.spo_d_half == 0.06 and orch.measure == "trajectory"   # spo's recipe
+    assert c.build_learner_config(cfg).dual_clip == 10.0
 
 
 def test_argv_preprocessors_run_before_parsing(monkeypatch):
@@ -292,8 +316,38 @@ def test_argv_preprocessors_run_before_parsing(monkeypatch):
 
 
 def test_evaluation_rollouts_default_to_the_priors():
-    cfg = load_config(["--prior.rollouts_per_task", "3"])
+    cfg = smoke("--prior.rollouts_per_task", "3")
     assert cfg.evaluation.rollouts(cfg.prior, "train") == cfg.evaluation.rollouts(cfg.prior, "heldout") == 3
-    cfg = load_config(["--prior.rollouts_per_task", "1", "--evaluation.heldout_rollouts", "4"])
+    cfg = smoke("--prior.rollouts_per_task", "1", "--evaluation.heldout_rollouts", "4")
     assert cfg.evaluation.rollouts(cfg.prior, "train") == 1
     assert cfg.evaluation.rollouts(cfg.prior, "heldout") == 4
+
+
+def test_booleans_are_not_numbers(tmp_path):
+    assert "expected a number (int), got the boolean true" in _error(["--steps", "true"])
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  learning_rate: false\n")
+    with pytest.raises(ParsingError) as info:
+        load_config(config_path=path)
+    assert "optim.learning_rate" in format_config_error(info.value)
+    assert load_config(["--resume", "true"]).resume is True        # a boolean field still takes one
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("", "got an empty file"),
+    ("# only a comment\n", "got an empty file"),
+    ("- 1\n- 2\n", "got a list"),
+    ("just a string\n", "got a str"),
+    ("steps: 3\nseed: 1\nsteps: 4\n", "line 3: the key 'steps' is given twice in one mapping (first on line 1)"),
+    ("optim:\n  learning_rate: 1e-3\n   weight_decay: 0.1\n", "line 3, column"),
+    ("steps: [1\n", "not valid YAML"),
+])
+def test_config_file_must_be_one_yaml_mapping(tmp_path, text, fragment):
+    from rollout_bridge.config import ConfigFileError
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError) as info:
+        load_config(config_path=path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and fragment in message and "\n" not in message, message

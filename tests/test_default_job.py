@@ -16,7 +16,7 @@ ASSET = ROOT / "assets" / "textworld_text_warmstart"
 
 def test_python_train_py_without_config_path_runs_default_yaml():
     import train
-    from spopp_jax.config import load_config
+    from rollout_bridge.config import load_config
 
     cfg = train.parse_config([])
     assert cfg == load_config(config_path=ROOT / "configs" / "default.yaml")
@@ -41,7 +41,7 @@ def check_shipped_warm_start(asset: Path, config_path: Path, prompt: str) -> dic
     it loads under the recipe's model config and gives finite logits for ``prompt``.
     Returns its `warmstart.json` record."""
     from rollout_bridge import components
-    from spopp_jax.config import load_config
+    from rollout_bridge.config import load_config
 
     digest = hashlib.sha256((asset / "model.safetensors").read_bytes()).hexdigest()
     assert (asset / "model.safetensors.sha256").read_text().split()[0] == digest

@@ -12,7 +12,7 @@ from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.engine.fake import FakeEngine, ScriptedReply, run_virtual
 from rollout_bridge.orchestrator import (Orchestrator, OrchestratorConfig, learner_wait_diagnostics, policy_lag_histogram,
                                         result_delay)
-from spopp_jax.config import RolloutSection
+from rollout_bridge.config import RolloutSection
 from test_orchestrator import (  # noqa: F401  (chat is a fixture)
     FakeLearner, World, chat, replay_check_event_time, replay_check_whole_groups, reward_table,
     run_orchestrator, uneven_latency)

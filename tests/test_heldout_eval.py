@@ -49,7 +49,7 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     from rollout_bridge import components
     from rollout_bridge.envs.kinds import build_env
     from rollout_bridge.job import paired_gain
-    from spopp_jax.config import load_config
+    from rollout_bridge.config import load_config
 
     flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(games_dir(tmp_path)),
              "--env.num_games", "2", "--env.heldout_games", "2", "--env.warmstart_games", "0",

@@ -1,13 +1,18 @@
 """DESIGN's one-way data flow: the learner package (`spopp_jax`) never imports the bridge
-(`rollout_bridge`), and the config's env kinds are exactly the registered ones."""
+(`rollout_bridge`) and holds no application layer, no module imports another that imports
+it back, and the config's env kinds are exactly the registered ones."""
 
+import ast
 import pkgutil
 import subprocess
 import sys
 import typing
 
+from pathlib import Path
+
 import spopp_jax
 
+REPO = Path(__file__).resolve().parent.parent
 LEARNER_MODULES = sorted(m.name for m in pkgutil.walk_packages(spopp_jax.__path__, "spopp_jax."))
 
 
@@ -24,12 +29,71 @@ def test_learner_modules_import_nothing_from_the_bridge():
     assert result.returncode == 0, result.stderr[-2000:]
     leaked = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert leaked == "", f"importing spopp_jax loaded bridge modules: {leaked}"
-    assert "spopp_jax.config" in LEARNER_MODULES and "spopp_jax.env_sections" in LEARNER_MODULES
+    assert "spopp_jax.learner" in LEARNER_MODULES and "spopp_jax.tracker" in LEARNER_MODULES
+
+
+def test_the_learner_package_holds_no_application_layer():
+    """The run config, its env sections, the CLI aliases and the run's user errors live on
+    the application side; the learner package is what a user imports for the pure core."""
+    application = {f"spopp_jax.{name}" for name in ("config", "env_sections", "verl_aliases", "run_errors")}
+    assert not application & set(LEARNER_MODULES)
+
+
+def _project_modules() -> dict[str, Path]:
+    modules = {}
+    for package in ("spopp_jax", "rollout_bridge"):
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def _imports(path: Path, modules) -> set[str]:
+    """Project modules ``path`` imports anywhere in its body (function-level imports too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+    return out & set(modules)
+
+
+def test_no_import_circles():
+    """No module imports (even inside a function) one that imports it back, directly or
+    through others; a submodule importing its own package does not count."""
+    modules = _project_modules()
+    graph = {name: {t for t in _imports(path, modules) if t != name and not name.startswith(t + ".")}
+             for name, path in modules.items()}
+    circles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v):   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    assert circles == []
 
 
 def test_env_kind_literal_lists_exactly_the_registered_kinds():
     from rollout_bridge.envs.kinds import env_kinds
-    from spopp_jax.config import EnvSection
+    from rollout_bridge.config import EnvSection
 
     hints = typing.get_type_hints(EnvSection)
     assert set(typing.get_args(hints["kind"])) == set(env_kinds())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spopp_jax.config import load_config
+from rollout_bridge.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

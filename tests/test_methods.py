@@ -1,10 +1,13 @@
-"""The method protocol (rollout_bridge.methods): one file per method, state in the
-checkpoint, SPO's divergence from the learner's log-probs, RLOO as a fourth method."""
+"""The method protocol (rollout_bridge.methods): one file per method that owns its recipe,
+state in the checkpoint, SPO's divergence from the learner's log-probs, RLOO as a fourth
+method, a method added in one file selectable from the command line."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import re
+import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -15,8 +18,10 @@ from rollout_bridge import methods, state_codec
 from rollout_bridge.engine.fake import run_virtual
 from rollout_bridge.methods.rloo import leave_one_out_advantages
 from rollout_bridge.methods.single_stream import SingleStreamMethod
+from rollout_bridge.methods.spopp import SpoPlusPlus
 from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig
 from rollout_bridge.trajectory import DispatchStamp, Trajectory
+from spopp_jax import sampling, tracker
 from test_orchestrator import FakeLearner, World, chat, jeffreys, reward_table, run_orchestrator, uneven_latency  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +36,101 @@ def _traj(task_id, reward, n_actions, group_id=-1, request_id=0, logp=-1.0, erro
                       finish_reasons=("stop",), failed=error is not None, error=error)
 
 
-def test_orchestrator_never_branches_on_a_method_name():
-    source = (ROOT / "rollout_bridge" / "orchestrator.py").read_text()
-    assert not re.search(r"method\s*(==|!=|in)\s", source)
-    assert not re.search(r"\"(spopp|spo|grpo|rloo)\"\s*(==|!=)|(==|!=)\s*\"(spopp|spo|grpo|rloo)\"", source)
+def _method_name_branches(path: Path, names: set[str]) -> list[str]:
+    """Comparisons with a method's name and collections of several method names in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Constant) and o.value in names for o in operands):
+                found.append(f"{path.name}:{node.lineno}")
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            if sum(isinstance(e, ast.Constant) and e.value in names for e in node.elts) >= 2:
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_no_module_branches_on_a_method_name():
+    """A method's behaviour and recipe live in its own file: nowhere else in the tree does
+    a method's name decide anything (no ``method == "grpo"``, no ``("grpo", "rloo")``)."""
+    names = set(methods.names())
+    modules = [ROOT / "train.py", *(ROOT / "rollout_bridge").rglob("*.py"), *(ROOT / "spopp_jax").rglob("*.py")]
+    outside = [p for p in modules if (ROOT / "rollout_bridge" / "methods") not in p.parents]
+    assert len(outside) > 50
+    assert [hit for p in outside for hit in _method_name_branches(p, names)] == []
+
+
+# The matched runs' arms as benchmarks/matched_runs.py held them, flag lists on top of the
+# TrainConfig defaults of that version (tracker.spo_d_half 0.06, spo_rho_min 0.875,
+# spo_rho_max 0.96, rollout.group_size 8, advantage.measure token, loss.dual_clip 2.0).
+_FIXED_RECEIPT = ["--method", "spo", "--tracker.spo_rho_min", "0.875", "--tracker.spo_rho_max", "0.875",
+                  "--loss.dual_clip", "2.0"]
+_MATCHED_ARMS = {
+    "spopp": ["--method", "spopp", "--advantage.measure", "token", "--loss.dual_clip", "2.0"],
+    "spo": ["--method", "spo", "--advantage.measure", "trajectory", "--loss.dual_clip", "10.0"],
+    "grpo": ["--method", "grpo", "--rollout.group_size", "8", "--advantage.measure", "token",
+             "--loss.dual_clip", "2.0"],
+    "event_traj": ["--method", "spopp", "--advantage.measure", "trajectory", "--loss.dual_clip", "2.0"],
+    "receipt_token": _FIXED_RECEIPT + ["--advantage.measure", "token"],
+    "receipt_traj": _FIXED_RECEIPT + ["--advantage.measure", "trajectory"],
+}
+_OLD_DEFAULTS = {"--tracker.spo_d_half": "0.06", "--tracker.spo_rho_min": "0.875", "--tracker.spo_rho_max": "0.96",
+                 "--rollout.group_size": "8", "--advantage.measure": "token", "--loss.dual_clip": "2.0"}
+# where each old flag now arrives (the orchestrator's or the learner's field)
+_RECEIVER = {"--tracker.spo_d_half": "spo_d_half", "--tracker.spo_rho_min": "spo_rho_min",
+             "--tracker.spo_rho_max": "spo_rho_max", "--rollout.group_size": "group_size",
+             "--advantage.measure": "measure", "--loss.dual_clip": "dual_clip"}
+
+
+@pytest.mark.parametrize("arm", sorted(_MATCHED_ARMS))
+def test_method_flag_resolves_to_the_matched_runs_recipe(arm):
+    """``--method <name>`` alone gives, field by field, what the matched run's flag list
+    gave: the same Method class, tracker retention, measure, dual clip and group size."""
+    import importlib.util
+
+    from rollout_bridge.components import build_agent_config, build_learner_config, build_orchestrator_config
+    from rollout_bridge.config import load_config
+
+    spec = importlib.util.spec_from_file_location("matched_runs", ROOT / "benchmarks" / "matched_runs.py")
+    matched_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matched_runs)
+    old = list(_MATCHED_ARMS[arm])
+    flags = {**_OLD_DEFAULTS, **dict(zip(old[2::2], old[3::2]))}
+    cfg = load_config(["--method", matched_runs.ARMS[arm]])
+    orch = build_orchestrator_config(cfg, build_agent_config(cfg, max_turns=2), seed=0)
+    learner = build_learner_config(cfg)
+    assert methods.method_class(orch.method) is methods.method_class(old[1])
+    for flag, value in flags.items():
+        got = learner.dual_clip if _RECEIVER[flag] == "dual_clip" else getattr(orch, _RECEIVER[flag])
+        assert str(got) == value or got == float(value), (arm, flag, got, value)
+
+
+@pytest.mark.parametrize("name", ["spopp", "spo", "grpo", "rloo", "event_trajectory", "receipt_token",
+                                  "receipt_trajectory"])
+def test_every_recipe_field_reaches_a_component_and_a_flag_overrides_one(name):
+    from rollout_bridge.config import load_config
+
+    recipe = methods.recipe(name)
+    reached = {**recipe.orchestrator_fields(), **recipe.learner_fields()}
+    for field in dataclasses.fields(recipe):
+        assert getattr(recipe, field.name) in reached.values(), f"{name}.{field.name} reaches nothing"
+    cfg = load_config(["--method", name, "--method.dual_clip", "3.5"])
+    assert type(cfg.method) is type(recipe) and cfg.method.dual_clip == 3.5
+    assert dataclasses.replace(cfg.method, dual_clip=recipe.dual_clip) == recipe   # the rest: the recipe's
+
+
+def test_spo_recipe_from_yaml_and_flag(tmp_path):
+    from rollout_bridge.config import config_to_dict, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("method: spo\n")
+    cfg = load_config(config_path=path)
+    assert (cfg.method.measure, cfg.method.dual_clip, cfg.method.rho_max) == ("trajectory", 10.0, 0.96)
+    path.write_text("method:\n  type: spo\n  rho_max: 0.9\n")
+    assert load_config(["--method.measure", "token"], config_path=path).method == methods.recipe("spo").__class__(
+        measure="token", rho_max=0.9)
+    saved = config_to_dict(load_config(["--method", "receipt_token"]))["method"]
+    assert saved["type"] == "receipt_token" and saved["rho_min"] == saved["rho_max"] == 0.875
 
 
 def test_trajectory_codec_round_trips_every_field():
@@ -84,11 +180,43 @@ class ConstantBaseline(SingleStreamMethod):
         super().__init__(config, num_tasks, np.ones(num_tasks), np.ones(num_tasks))  # v̂ = 0.5
 
 
-def test_a_new_method_is_one_class_and_one_register_line(chat, monkeypatch):
-    monkeypatch.setitem(methods._REGISTRY, "constant", ConstantBaseline)
+NEW_METHOD_FILE = '''
+"""A constant baseline: v̂ = 0.5 for every task, never updated."""
+import dataclasses
+from typing import ClassVar
+
+from rollout_bridge.methods.base import MethodConfig
+from test_methods import ConstantBaseline
+
+
+@MethodConfig.register_subclass("constant")
+@dataclasses.dataclass
+class ConstantConfig(MethodConfig):
+    method_class: ClassVar = ConstantBaseline
+'''
+
+
+def test_a_method_added_in_one_file_is_selectable_from_the_command_line(chat, monkeypatch, tmp_path):
+    """One new file in the methods package (here a folder added to its search path) makes
+    ``--method constant`` parse, and the orchestrator runs that method."""
+    from rollout_bridge.components import build_agent_config, build_orchestrator_config
+    from rollout_bridge.config import load_config
+    from rollout_bridge.methods.base import MethodConfig
+
+    (tmp_path / "constant_baseline.py").write_text(textwrap.dedent(NEW_METHOD_FILE))
+    monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
+    monkeypatch.setattr(MethodConfig, "_choice_registry", dict(MethodConfig._choice_registry))
+    monkeypatch.setattr(MethodConfig, "_did_discover_packages", False)
+    try:
+        cfg = load_config(["--method", "constant", "--rollout.batch_size", "3", "--rollout.max_inflight", "4",
+                           "--optim.num_mini_batches", "1"])
+    finally:
+        sys.modules.pop("rollout_bridge.methods.constant_baseline", None)
+    assert cfg.method.name == "constant" and "constant" in methods.names()
+    config = dataclasses.replace(build_orchestrator_config(cfg, build_agent_config(cfg, 2), seed=0),
+                                 pad_to_multiple=8, keep_history=True)
     world = World(chat, 4, reward_table(21), uneven_latency(21))
-    orch = run_orchestrator(world, OrchestratorConfig(method="constant", batch_size=3, max_in_flight=4,
-                                                      pad_to_multiple=8), 2)
+    orch = run_orchestrator(world, config, 2)
     rewards = np.array([t.reward for r in orch.records for t in r.trajectories])
     raw = np.concatenate([r.raw_advantages for r in orch.records])
     np.testing.assert_allclose(raw, rewards - 0.5, atol=1e-7)
@@ -220,3 +348,54 @@ def test_spo_with_a_fixed_retention_asks_the_learner_for_nothing_extra():
     assert interval.needs_divergence and len(interval.learner_extras(trajs)) == 3
     with pytest.raises(ValueError, match="needs LearnerOutput.trained_logp"):
         interval.after_update(trajs, LearnerOutput(None, {}))
+
+
+class HostEqualsJax(SpoPlusPlus):
+    """SPO++ whose host bookkeeping is checked against the JAX functions at every step: after
+    each receipt the NumPy tracker equals ``spopp_jax.tracker.observe`` replayed on the same
+    results, and before each dispatch every task's weight (the per-request float path, the
+    vector path and the sum-tree leaf) equals ``spopp_jax.sampling.uncertainty_weights`` of
+    the JAX baselines times the free slots."""
+
+    receipts = dispatches = 0
+
+    def __init__(self, config, num_tasks, prior_alpha, prior_beta):
+        super().__init__(config, num_tasks, prior_alpha, prior_beta)
+        self.shadow = tracker.init(prior_alpha, prior_beta, z0=config.z0)
+
+    def receive(self, stamp, traj, spoil):
+        receipt = super().receive(stamp, traj, spoil)
+        if traj is not None:
+            self.shadow = tracker.observe(self.shadow, np.array([traj.task_id]), np.array([traj.z], np.float32),
+                                          np.array([traj.reward], np.float32))
+            for name in ("alpha", "beta", "z_ref"):
+                np.testing.assert_allclose(getattr(self, name), getattr(self.shadow, name), rtol=2e-6)
+            HostEqualsJax.receipts += 1
+        return receipt
+
+    def plan_dispatch(self, next_key, capacity, in_flight):
+        tasks = np.arange(self.num_tasks)
+        free = self.per_task_limit - self.in_flight
+        v_hat = tracker.baseline(self.shadow, tasks)
+        expected = np.asarray(sampling.uncertainty_weights(v_hat, self.config.sampler_floor,
+                                                           self.config.sampler_form)) * free
+        np.testing.assert_allclose(self._weights(tasks), expected, rtol=2e-6)
+        np.testing.assert_allclose([self._weight_of(int(x)) for x in tasks], expected, rtol=2e-6)
+        if self.tree is not None:
+            np.testing.assert_allclose([self.tree.weight(int(x)) for x in tasks], expected, rtol=2e-6)
+        HostEqualsJax.dispatches += 1
+        return super().plan_dispatch(next_key, capacity, in_flight)
+
+
+@pytest.mark.parametrize("sampler, per_task, rule", [("sum_tree", 1, "balanced"), ("sum_tree", 2, "proportional"),
+                                                     ("dense", 1, "balanced")])
+def test_host_tracker_and_sampler_equal_jax_on_every_receipt_and_dispatch(chat, monkeypatch, sampler, per_task, rule):
+    from rollout_bridge.methods.spopp import SpoPlusPlusConfig
+
+    monkeypatch.setattr(SpoPlusPlusConfig, "method_class", HostEqualsJax)
+    HostEqualsJax.receipts = HostEqualsJax.dispatches = 0
+    world = World(chat, 8, reward_table(5), uneven_latency(5))
+    config = OrchestratorConfig(method="spopp", batch_size=4, max_in_flight=6, max_in_flight_per_task=per_task,
+                                sibling_rule=rule, task_sampler=sampler, drain="none", pad_to_multiple=8)
+    run_orchestrator(world, config, 6, prior=jeffreys(8))
+    assert HostEqualsJax.receipts >= 24 and HostEqualsJax.dispatches >= 6

@@ -14,7 +14,7 @@ from rollout_bridge import components
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.tokenizer import build_tiny_tokenizer
 from spopp_jax.models import ModelConfig, init_model, save_pretrained
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 
 TEXTS = ["You are in the middle of a room. Looking quickly around you, you see a desk.",
          "> go to desk 1", "On the desk 1, you see a pen and a mug.", "> take mug 1"]

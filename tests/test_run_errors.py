@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from spopp_jax import quiet
-from spopp_jax.config import TrainConfig, format_config_error, load_config
-from spopp_jax.run_errors import (EXIT_USER_ERROR, UserError, check_config_path,
+from rollout_bridge.config import TrainConfig, format_config_error, load_config
+from rollout_bridge.run_errors import (EXIT_USER_ERROR, UserError, check_config_path,
                                   check_output_dir, run_cleanly, storage_error_line,
                                   unknown_fields_line)
 

@@ -15,7 +15,7 @@ from rollout_bridge import run_report
 from rollout_bridge.job import RunPaths, plot_job_curve, report_run
 from rollout_bridge.run_report import (TUNED_REGIME, final_line, recipe_differences, regime_report,
                                        stage_times, success_axis_limits)
-from spopp_jax.config import load_config
+from rollout_bridge.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

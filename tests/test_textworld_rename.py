@@ -145,7 +145,7 @@ def test_rename_episodes_is_keyed_only_when_set():
     import dataclasses
 
     from rollout_bridge.job import stage_key
-    from spopp_jax.config import TrainConfig
+    from rollout_bridge.config import TrainConfig
 
     cfg = TrainConfig()
     assert "rename_episodes" not in stage_key(cfg, "env")["env"]   # records written before it stay valid

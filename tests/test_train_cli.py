@@ -66,7 +66,7 @@ def test_verl_aliases_reach_the_config():
 
     cfg = parse_config(["--actor.clip_ratio_low", "0.1", "actor_rollout_ref.actor.clip_ratio_c=3",
                         "--export_every", "20"])
-    assert (cfg.loss.clip_low, cfg.loss.dual_clip, cfg.export_every) == (0.1, 3.0, 20)
+    assert (cfg.loss.clip_low, cfg.method.dual_clip, cfg.export_every) == (0.1, 3.0, 20)
 
 
 # train.py run as a newcomer would, but with torch made unimportable (a JAX-only install)

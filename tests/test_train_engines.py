@@ -24,8 +24,8 @@ from draccus.utils import ParsingError
 
 from rollout_bridge import components as c
 from rollout_bridge.engine.base import SamplingParams
-from spopp_jax.config import format_config_error, load_config
-from spopp_jax.run_errors import UserError
+from rollout_bridge.config import format_config_error, load_config
+from rollout_bridge.run_errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN = ROOT / "tests" / "standin_vllm_server.py"

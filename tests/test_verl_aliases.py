@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spopp_jax.config import load_config
-from spopp_jax.verl_aliases import ALIASES, AliasError, alias_table, rewrite_verl_aliases
+from rollout_bridge.config import load_config
+from rollout_bridge.verl_aliases import ALIASES, AliasError, alias_table, rewrite_verl_aliases
 
 
 def _spellings(key: str, value: str) -> list[list[str]]:
@@ -24,7 +24,7 @@ TRANSLATED = [
     ("actor_rollout_ref.actor.clip_ratio_high", "0.3", ["--loss.clip_high", "0.3"]),
     ("actor_rollout_ref.actor.clip_ratio", "0.25",
      ["--loss.clip_low", "0.25", "--loss.clip_high", "0.25"]),
-    ("actor_rollout_ref.actor.clip_ratio_c", "3.0", ["--loss.dual_clip", "3.0"]),
+    ("actor_rollout_ref.actor.clip_ratio_c", "3.0", ["--method.dual_clip", "3.0"]),
     ("algorithm.rollout_correction.rollout_is_threshold", "1.5", ["--loss.is_cap", "1.5"]),
     ("actor_rollout_ref.actor.tis_imp_ratio_cap", "4", ["--loss.is_cap", "4"]),
     ("actor_rollout_ref.rollout.temperature", "0.7", ["--rollout.temperature", "0.7"]),
@@ -62,10 +62,10 @@ def test_prompt_counted_batch_sizes():
     argv = ["data.train_batch_size=16", "actor_rollout_ref.rollout.n=4",
             "--actor.ppo_mini_batch_size", "4", "--method", "grpo"]
     rewritten = rewrite_verl_aliases(argv)
-    assert rewritten == ["--rollout.group_size", "4", "--rollout.batch_size", "64",
+    assert rewritten == ["--method.group_size", "4", "--rollout.batch_size", "64",
                          "--optim.num_mini_batches", "4", "--method", "grpo"]
     config = load_config(rewritten)
-    assert (config.rollout.batch_size, config.rollout.group_size,
+    assert (config.rollout.batch_size, config.method.group_size,
             config.optim.num_mini_batches) == (64, 4, 4)
     assert rewrite_verl_aliases(["data.train_batch_size=32"]) == ["--rollout.batch_size", "32"]
 

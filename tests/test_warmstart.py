@@ -154,7 +154,7 @@ def test_run_sft_grouped_by_length_pads_each_batch_to_its_longest_and_resumes_ex
 
 def test_stage_key_keys_group_by_length_only_for_a_warm_start_trained_with_it():
     from rollout_bridge.job import stage_key
-    from spopp_jax.config import TrainConfig
+    from rollout_bridge.config import TrainConfig
 
     def key(**warmstart):
         cfg = TrainConfig()

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from rollout_bridge.job import folder_digest, warmstart_key
-from spopp_jax.config import TrainConfig
+from rollout_bridge.config import TrainConfig
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_what_changes_the_sft_changes_the_key(base, changed):
 @pytest.mark.parametrize("unchanged", [
     lambda c: dataclasses.replace(c, steps=c.steps + 7, output_dir="elsewhere", progress=not c.progress),
     lambda c: _with(c, "optim", learning_rate=0.5),                           # RL's, not the SFT's
-    lambda c: _with(c, "rollout", batch_size=c.rollout.batch_size + 1),
+    lambda c: _with(c, "rollout", batch_size=2 * c.rollout.batch_size),
 ])
 def test_what_the_sft_ignores_leaves_the_key(base, unchanged):
     cfg = TrainConfig()

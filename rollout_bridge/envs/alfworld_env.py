@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import re
 import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from rollout_bridge.envs.alfworld_games import GAME_FILE, read_game_file
 from rollout_bridge.envs.base import check_task_id
 from rollout_bridge.envs.textworld_env import (
     ObservationStyle,
@@ -60,6 +60,9 @@ from rollout_bridge.envs.textworld_env import (
     sanitize_command,
 )
 from rollout_bridge.envs.textworld_env import _START_LOCK as ENGINE_LOCK
+
+GAME_FILE = "game.tw-pddl"
+GAME_KEYS = ("pddl_domain", "grammar", "pddl_problem")
 
 ALFWORLD_MAX_TURNS = 50                     # the paper's interaction budget
 EXPERT_TYPES = (None, "planner", "handcoded")
@@ -374,3 +377,26 @@ class AlfworldEnv(TextWorldEnv):
         if not isinstance(tasks, AlfworldTasks):
             raise TypeError(f"tasks must be AlfworldTasks, got {type(tasks).__name__}")
         super().__init__(tasks)
+
+
+class GameFileError(ValueError):
+    """A game file that cannot be played (names the file and what is wrong)."""
+
+
+def read_game_file(path: str | os.PathLike) -> dict:
+    """Load and check a `game.tw-pddl` file: JSON with the keys PddlEnv needs."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise GameFileError(f"game file {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise GameFileError(f"game file {str(path)!r} must hold a JSON object, "
+                            f"got {type(data).__name__}")
+    for key in GAME_KEYS:
+        if not isinstance(data.get(key), str) or not data[key].strip():
+            raise GameFileError(f"game file {str(path)!r}: field {key!r} is missing or empty "
+                                f"(needs {', '.join(GAME_KEYS)})")
+    if data.get("solvable") is False:
+        raise GameFileError(f"game file {str(path)!r} is marked unsolvable")
+    return data

@@ -52,6 +52,9 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
+from rollout_bridge.envs.alfworld_env import (GAME_FILE, GAME_KEYS, AlfredPddlGame,  # noqa: F401 (re-exported)
+                                            GameFileError, read_game_file)
+
 TASK_TYPES = (
     "pick_and_place_simple",
     "look_at_obj_in_light",
@@ -78,14 +81,8 @@ MAX_DRAWS_PER_GAME = 20       # planner-unsolvable draws re-drawn before giving 
 MAX_EXCLUDED_DRAWS = 500      # draws ALFRED's sampler would not make, re-drawn before giving up
 FLOOR_PLAN_SPLITS = ("all", "train", "test")
 MANIFEST = "manifest.json"
-GAME_FILE = "game.tw-pddl"
 TRAJ_DATA = "traj_data.json"
 GOAL_PLACEHOLDER = "UNKNOWN GOAL"
-GAME_KEYS = ("pddl_domain", "grammar", "pddl_problem")
-
-
-class GameFileError(ValueError):
-    """A game file that cannot be played (names the file and what is wrong)."""
 
 
 # --------------------------------------------------------------------------- package data
@@ -520,24 +517,6 @@ def agent_start(rng: random.Random, scene: Scene) -> tuple:
 
 # --------------------------------------------------------------------------- game files
 
-def read_game_file(path: str | os.PathLike) -> dict:
-    """Load and check a `game.tw-pddl` file: JSON with the keys PddlEnv needs."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise GameFileError(f"game file {str(path)!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise GameFileError(f"game file {str(path)!r} must hold a JSON object, "
-                            f"got {type(data).__name__}")
-    for key in GAME_KEYS:
-        if not isinstance(data.get(key), str) or not data[key].strip():
-            raise GameFileError(f"game file {str(path)!r}: field {key!r} is missing or empty "
-                                f"(needs {', '.join(GAME_KEYS)})")
-    if data.get("solvable") is False:
-        raise GameFileError(f"game file {str(path)!r} is marked unsolvable")
-    return data
-
 
 def game_start_state(path: str | os.PathLike) -> tuple[TaskDraw, list[tuple[str, str]]]:
     """What `alfred_exclusions` reads, from a game folder's files: the task (traj_data.json's
@@ -580,8 +559,6 @@ def planner_walkthrough(game: dict) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _generation_player():
     """One planner player per process (each loads a fast-downward library copy)."""
-    from rollout_bridge.envs.alfworld_env import AlfredPddlGame
-
     return AlfredPddlGame(plan=True)
 
 

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 
 # summary.json estimate read per reference name (the names report_run looks up)
 ESTIMATES = {"prompt_blind_ceiling": "train", "heldout_prompt_blind_ceiling": "heldout"}

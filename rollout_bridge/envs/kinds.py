@@ -18,7 +18,7 @@ import numpy as np
 
 from rollout_bridge.envs.base import EnvFactory
 from rollout_bridge.progress_lines import TenthLines, show_bar
-from spopp_jax.run_errors import UserError
+from rollout_bridge.run_errors import UserError
 
 MAX_GENERATION_WORKERS = 2   # the CPU job's cores; more only crowd a shared box
 

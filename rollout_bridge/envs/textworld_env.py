@@ -53,7 +53,8 @@ from typing import Sequence
 import numpy as np
 
 from rollout_bridge.envs.base import Environment, StepResult, check_task_id
-from rollout_bridge.envs.textworld_games import list_game_files, task_name_for
+
+PLAYABLE_SUFFIXES = (".z8", ".z5", ".z3", ".tw-pddl")   # the game files this env plays
 
 MAX_COMMAND_CHARS = 120
 MAX_FEEDBACK_CHARS = 600
@@ -480,3 +481,27 @@ class TextWorldEnv(Environment):
         if self._episode is not None:
             self._episode.close()
             self._episode = None
+
+
+def list_game_files(folder: str | os.PathLike) -> list[Path]:
+    """Every playable game under `folder` (recursive, sorted): .z8/.z5/.z3 and .tw-pddl.
+
+    This is the path for user-supplied games, e.g. ALFWorld's
+    `json_2.1.1/train/<task>/<trial>/game.tw-pddl` after `alfworld-download`.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"game folder {str(root)!r} does not exist")
+    files = sorted(p for p in root.rglob("*") if p.suffix in PLAYABLE_SUFFIXES and p.is_file())
+    if not files:
+        ulx = list(root.rglob("*.ulx"))
+        hint = (" (found .ulx Glulx games, which textworld >= 1.7 cannot play; regenerate "
+                "them as .z8 or use ALFWorld's game.tw-pddl files)") if ulx else ""
+        raise FileNotFoundError(f"no playable games ({', '.join(PLAYABLE_SUFFIXES)}) under "
+                                f"{str(root)!r}{hint}")
+    return files
+
+
+def task_name_for(path: str | os.PathLike, root: str | os.PathLike) -> str:
+    """Stable task name: the game's path relative to its set's root folder."""
+    return str(Path(path).resolve().relative_to(Path(root).resolve()))

@@ -40,9 +40,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from rollout_bridge.envs.textworld_env import (PLAYABLE_SUFFIXES, list_game_files,  # noqa: F401 (re-exported)
+                                               start_game, task_name_for)
+
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2   # 2: every game's walkthrough checked to win the compiled game
-PLAYABLE_SUFFIXES = (".z8", ".z5", ".z3", ".tw-pddl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +88,6 @@ def _record(seed: int, game, compiled: str | os.PathLike) -> dict:
 def walkthrough_wins(path: str | os.PathLike, walkthrough: Sequence[str]) -> bool:
     """Whether the compiled game at `path` is won by playing `walkthrough` (a few games
     are not: the z-machine parser asks "Which do you mean, the type P box or the box?")."""
-    from rollout_bridge.envs.textworld_env import start_game
-
     env = start_game(str(path))
     try:
         env.reset()
@@ -271,25 +271,3 @@ def generate_disjoint_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
     return generate_game_set(spec, data_dir, exclude_signatures=excluded, progress=progress, workers=workers)
 
 
-def list_game_files(folder: str | os.PathLike) -> list[Path]:
-    """Every playable game under `folder` (recursive, sorted): .z8/.z5/.z3 and .tw-pddl.
-
-    This is the path for user-supplied games, e.g. ALFWorld's
-    `json_2.1.1/train/<task>/<trial>/game.tw-pddl` after `alfworld-download`.
-    """
-    root = Path(folder)
-    if not root.is_dir():
-        raise FileNotFoundError(f"game folder {str(root)!r} does not exist")
-    files = sorted(p for p in root.rglob("*") if p.suffix in PLAYABLE_SUFFIXES and p.is_file())
-    if not files:
-        ulx = list(root.rglob("*.ulx"))
-        hint = (" (found .ulx Glulx games, which textworld >= 1.7 cannot play; regenerate "
-                "them as .z8 or use ALFWorld's game.tw-pddl files)") if ulx else ""
-        raise FileNotFoundError(f"no playable games ({', '.join(PLAYABLE_SUFFIXES)}) under "
-                                f"{str(root)!r}{hint}")
-    return files
-
-
-def task_name_for(path: str | os.PathLike, root: str | os.PathLike) -> str:
-    """Stable task name: the game's path relative to its set's root folder."""
-    return str(Path(path).resolve().relative_to(Path(root).resolve()))

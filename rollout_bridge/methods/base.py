@@ -15,14 +15,21 @@ and publishing; it never branches on a method's name. A method is one object tha
   * ``state_dict`` / ``load_state_dict``: everything it must keep across a crash, as a
     pytree of non-empty NumPy arrays (orbax refuses zero-size arrays).
 
-Adding a method is one new file with a class implementing :class:`Method` plus its
-``register`` line in ``rollout_bridge/methods/__init__.py``.
+A method also owns its recipe: a :class:`MethodConfig` subclass registered under the
+method's name is the run config's ``method`` section, its fields (measure, dual clip,
+retention, group size) defaulting to the method's published recipe. Adding a method is one
+new file in ``rollout_bridge/methods/`` with its ``Method`` class and its registered
+``MethodConfig``: the registry imports every module of the package, so ``--method <name>``
+selects it with no other edit.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
+import dataclasses
+import math
+from typing import Any, Callable, ClassVar, Literal, Mapping, NamedTuple, Optional, Protocol, Sequence
 
+import draccus
 import jax
 import numpy as np
 
@@ -126,3 +133,66 @@ class Method(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+MEASURES = ("token", "trajectory")   # SPEC 4 whitening measures
+
+
+@dataclasses.dataclass
+class MethodConfig(draccus.PluginRegistry, discover_packages_path="rollout_bridge.methods"):
+    """The run config's ``method`` section: one registered subclass per method, whose
+    defaults ARE the method's recipe (``--method spo`` is SPO's tracker, measure and dual
+    clip); ``--method.<field> v`` overrides one field. In YAML: ``method: spo`` or
+    ``method: {type: spo, dual_clip: 5.0}``.
+
+    ``measure``: the SPEC 4 whitening measure (token = SPO++, trajectory = SPO);
+    ``dual_clip``: the SPEC 5 dual clip c (null = off). ``method_class``: the
+    :class:`Method` the orchestrator builds. Subclasses add their own fields and checks.
+    """
+
+    measure: Literal["token", "trajectory"] = "token"
+    dual_clip: Optional[float] = 2.0
+
+    method_class: ClassVar[Callable[..., Method]]
+
+    @classmethod
+    def default_choice_name(cls) -> str:
+        return "spopp"
+
+    @property
+    def name(self) -> str:
+        """The name this recipe is registered (and selected on the command line) under."""
+        return MethodConfig.get_choice_name(type(self))
+
+    def __post_init__(self):
+        if self.measure not in MEASURES:
+            raise ValueError(f"method.measure must be one of {list(MEASURES)}, got {self.measure!r}")
+        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1.0):
+            raise ValueError(f"method.dual_clip must be finite and > 1 or null, got {self.dual_clip!r}")
+
+    def orchestrator_fields(self) -> dict[str, Any]:
+        """The orchestrator's method fields (``OrchestratorConfig``) this recipe sets."""
+        return {"method": self.name, "measure": self.measure}
+
+    def learner_fields(self) -> dict[str, Any]:
+        """The learner's fields (``LearnerConfig``) this recipe sets."""
+        return {"dual_clip": self.dual_clip}
+
+    def check(self, cfg) -> None:
+        """Checks against the whole run config (``TrainConfig``); ValueError naming the field."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as a YAML/JSON mapping, ``type`` first (what ``method:`` parses back)."""
+        return {"type": self.name, **dataclasses.asdict(self)}
+
+
+def method_names() -> tuple[str, ...]:
+    """Every registered method (each module of ``rollout_bridge.methods`` imported)."""
+    return tuple(MethodConfig.get_known_choices())
+
+
+def recipe(name: str) -> MethodConfig:
+    """The recipe of method ``name`` (its section with every default)."""
+    if name not in method_names():
+        raise ValueError(f"method must be one of {list(method_names())}, got {name!r}")
+    return MethodConfig.get_choice_class(name)()

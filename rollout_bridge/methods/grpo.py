@@ -4,18 +4,21 @@ A group joins the ready buffer only when all G members are back, and whole: a gr
 an aborted member (or a failed one when ``train_on_failed`` is False) is dropped whole,
 since a shrunken group's mean is not the group mean (a one-member fragment has A = 0).
 A_i = R_i − mean_{j in group(i)} R_j. See the orchestrator module docstring.
+
+The recipe (``--method grpo``): groups of G = 8, then the same action-token whitening
+(SPEC 4) and dual clip c = 2 (SPEC 5) as SPO++, so the two differ in the baseline only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
 
 from rollout_bridge import baselines
-from rollout_bridge.methods.base import DroppedGroup, Launch, LearnerOutput, NextKey, Receipt
+from rollout_bridge.methods.base import DroppedGroup, Launch, LearnerOutput, MethodConfig, NextKey, Receipt
 from rollout_bridge.trajectory import DispatchStamp, Trajectory
 
 
@@ -104,3 +107,37 @@ class GroupMethod:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.next_group = int(state["next_group"])
+
+
+@MethodConfig.register_subclass("grpo")
+@dataclasses.dataclass
+class GrpoConfig(MethodConfig):
+    """GRPO (SPEC 4 baselines): groups of ``group_size`` G rollouts of one task, A = R − the
+    group mean, action-token measure, dual clip 2."""
+
+    measure: Literal["token", "trajectory"] = "token"
+    dual_clip: Optional[float] = 2.0
+    group_size: int = 8
+
+    method_class: ClassVar = GroupMethod
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.group_size < 1:
+            raise ValueError(f"method.group_size must be >= 1, got {self.group_size!r}")
+
+    def orchestrator_fields(self) -> dict:
+        return {**super().orchestrator_fields(), "group_size": self.group_size}
+
+    def check(self, cfg) -> None:
+        """A batch is whole groups, a group is dispatched whole, and one group per task."""
+        r, g = cfg.rollout, self.group_size
+        if r.batch_size % g:
+            raise ValueError(f"rollout.batch_size must be a multiple of method.group_size={g} for {self.name}, "
+                             f"got {r.batch_size}")
+        if r.max_inflight < g:
+            raise ValueError(f"rollout.max_inflight must be >= method.group_size={g} for {self.name} (a group "
+                             f"is dispatched whole), got {r.max_inflight}")
+        if r.max_in_flight_per_task != 1:
+            raise ValueError(f"rollout.max_in_flight_per_task must be 1 for {self.name} (a group is its "
+                             f"multi-request unit), got {r.max_in_flight_per_task}")

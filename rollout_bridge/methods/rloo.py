@@ -3,17 +3,20 @@ and barrier with a leave-one-out baseline, written as the proof that a method is
 
     A_i = R_i − (1/(G−1)) Σ_{j in group(i), j≠i} R_j = G/(G−1) · (R_i − mean_group R)
 
-then the same SPEC-4 whitening as every method. Requires G >= 2.
+then the same SPEC-4 whitening as every method. Requires G >= 2. The recipe is GRPO's
+(G = 8, action-token measure, dual clip 2) with this baseline.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import ClassVar, Sequence
 
 import numpy as np
 
 from rollout_bridge import baselines
-from rollout_bridge.methods.grpo import GroupMethod
+from rollout_bridge.methods.base import MethodConfig
+from rollout_bridge.methods.grpo import GroupMethod, GrpoConfig
 from rollout_bridge.trajectory import Trajectory
 
 
@@ -32,3 +35,17 @@ class Rloo(GroupMethod):
 
     def advantages(self, trajectories: Sequence[Trajectory]) -> np.ndarray:
         return leave_one_out_advantages(trajectories, self.group_size)
+
+
+@MethodConfig.register_subclass("rloo")
+@dataclasses.dataclass
+class RlooConfig(GrpoConfig):
+    """RLOO: GRPO's recipe and groups, the leave-one-out baseline (G >= 2)."""
+
+    method_class: ClassVar = Rloo
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.group_size < 2:
+            raise ValueError(f"method.group_size must be >= 2 for rloo (a leave-one-out mean), got "
+                             f"{self.group_size!r}")

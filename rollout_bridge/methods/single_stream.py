@@ -7,6 +7,7 @@ orchestrator module docstring ("Several in-flight requests per task").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rollout_bridge import baselines
-from rollout_bridge.methods.base import Launch, LearnerOutput, NextKey, PreviousResponse, Receipt
+from rollout_bridge.methods.base import Launch, LearnerOutput, MethodConfig, NextKey, PreviousResponse, Receipt
 from rollout_bridge.sum_tree import SumTree
 from rollout_bridge.trajectory import DispatchStamp, Trajectory
 from spopp_jax import sampling, tracker
@@ -117,6 +118,21 @@ def uncertainty_weight(v_hat: np.ndarray, floor: float, form: str) -> np.ndarray
 
 
 TASK_SAMPLERS = ("sum_tree", "dense")
+
+
+@dataclasses.dataclass
+class SingleStreamConfig(MethodConfig):
+    """The recipe fields every single-stream method shares (not itself a method)."""
+
+    def check(self, cfg) -> None:
+        """m in-flight requests per task (SPEC 2: m = 1) need enough distinct tasks: on a
+        generated task set, ``rollout.max_inflight`` <= m x ``env.num_games``."""
+        if cfg.env.game_dir is None and cfg.env.kind in ("textworld", "math_tir"):
+            slots = cfg.rollout.max_in_flight_per_task * cfg.env.num_games
+            if cfg.rollout.max_inflight > slots:
+                raise ValueError(f"rollout.max_inflight must be <= rollout.max_in_flight_per_task x "
+                                 f"env.num_games={slots} (in-flight requests per task are bounded), "
+                                 f"got {cfg.rollout.max_inflight}")
 
 
 class SingleStreamMethod:

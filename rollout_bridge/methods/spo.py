@@ -14,19 +14,25 @@ the π_then forward nor the y′ forward: those cells then differ from the event
 the tracker only, not in learner time (which sets the async timing the 2x2 studies).
 
 State (``state_dict``): the tracker and, per task, y′ with its π_then.
+
+The recipe (``--method spo``, the SPO paper's): retention clip(2^{−D/d_half}, rho_min,
+rho_max) with d_half 0.06, rho in [0.875, 0.96] (SPEC 2 "Baseline"), the trajectory
+whitening measure (SPEC 4) and dual clip c = 10 (SPEC 5).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import dataclasses
+import math
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rollout_bridge import baselines, state_codec
-from rollout_bridge.methods.base import LearnerOutput, PreviousResponse
-from rollout_bridge.methods.single_stream import SingleStreamMethod
+from rollout_bridge.methods.base import LearnerOutput, MethodConfig, PreviousResponse
+from rollout_bridge.methods.single_stream import SingleStreamConfig, SingleStreamMethod
 from rollout_bridge.trajectory import Trajectory
 from spopp_jax import tracker
 
@@ -116,3 +122,31 @@ class Spo(SingleStreamMethod):
         logps = state_codec.decode_ragged(saved["logp_then"])
         self.previous = {int(x): PreviousResponse(int(x), ids, mask.astype(bool), logp)
                          for x, ids, mask, logp in zip(tasks, token_ids, masks, logps)}
+
+
+@MethodConfig.register_subclass("spo")
+@dataclasses.dataclass
+class SpoConfig(SingleStreamConfig):
+    """SPO (SPEC 2 "Baseline", SPEC 4-5): receipt-order tracker with KL-adaptive retention
+    clip(2^{−D/d_half}, rho_min, rho_max), trajectory measure, dual clip 10. With
+    ``rho_min == rho_max`` the retention is fixed and no divergence D is computed."""
+
+    measure: Literal["token", "trajectory"] = "trajectory"
+    dual_clip: Optional[float] = 10.0
+    d_half: float = 0.06
+    rho_min: float = 0.875
+    rho_max: float = 0.96
+
+    method_class: ClassVar = Spo
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (math.isfinite(self.d_half) and self.d_half > 0):
+            raise ValueError(f"method.d_half must be finite and > 0, got {self.d_half!r}")
+        if not 0.0 < self.rho_min <= self.rho_max < 1.0:
+            raise ValueError(f"method.rho_min must be in (0, method.rho_max] with rho_max < 1, got "
+                             f"{self.rho_min!r} (rho_max {self.rho_max!r})")
+
+    def orchestrator_fields(self) -> dict:
+        return {**super().orchestrator_fields(), "spo_d_half": self.d_half, "spo_rho_min": self.rho_min,
+                "spo_rho_max": self.rho_max}

@@ -3,13 +3,20 @@
 A usable result (x, z_i, R_i) enters ``spopp_jax.tracker.observe`` as soon as it is
 received, so every later dispatch sees it; v̂ is frozen at dispatch and A_i = R_i − v̂_i.
 Receipt-order invariant: ``observe`` is a sum of commuting terms (SPEC 2).
+
+The recipe (``--method spopp``): the event-time tracker with retention ``tracker.rho``
+(SPEC 2), the action-token whitening measure (SPEC 4) and dual clip c = 2 (SPEC 5).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar, Literal, Optional
+
 import numpy as np
 
-from rollout_bridge.methods.single_stream import SingleStreamMethod
+from rollout_bridge.methods.base import MethodConfig
+from rollout_bridge.methods.single_stream import SingleStreamConfig, SingleStreamMethod
 from rollout_bridge.trajectory import Trajectory
 
 
@@ -35,3 +42,14 @@ class SpoPlusPlus(SingleStreamMethod):
         self.z_ref[x] = z_new
         self.refresh(x)
         return True
+
+
+@MethodConfig.register_subclass("spopp")
+@dataclasses.dataclass
+class SpoPlusPlusConfig(SingleStreamConfig):
+    """SPO++ (SPEC 2-5): event-time tracker, action-token measure, dual clip 2."""
+
+    measure: Literal["token", "trajectory"] = "token"
+    dual_clip: Optional[float] = 2.0
+
+    method_class: ClassVar = SpoPlusPlus

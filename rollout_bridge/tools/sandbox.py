@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Literal
 
-from spopp_jax.env_sections import SandboxConfig  # noqa: F401 (re-exported)
+from rollout_bridge.envs.math_tir.sections import SandboxConfig  # noqa: F401 (re-exported)
 from rollout_bridge.tools.jsonl_process import JsonLineProcess
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import train  # noqa: E402  (the CLI's own parse / input checks, in-process)
 from rollout_bridge import components  # noqa: E402
 from rollout_bridge.envs.kinds import build_env  # noqa: E402
-from spopp_jax.run_errors import run_cleanly  # noqa: E402
+from rollout_bridge.run_errors import run_cleanly  # noqa: E402
 
 from rollout_bridge.envs import textworld_games  # noqa: E402
 from rollout_bridge.prior import read_prior_file  # noqa: E402
@@ -59,7 +59,7 @@ def check_case(case: Case, tmp_path: Path) -> None:
 
 
 def as_cli(action: Callable[[], object]) -> Callable[[], object]:
-    """``action`` as train.py's entry point runs it (spopp_jax.run_errors.run_cleanly): a
+    """``action`` as train.py's entry point runs it (rollout_bridge.run_errors.run_cleanly): a
     user error becomes one stderr line and SystemExit(2)."""
     def run():
         code = run_cleanly(action)
@@ -127,6 +127,52 @@ CONFIG_CASES = [
               category="game / data folder"),
          inputs("--env.kind", "math_tir", "--math_tir.source", "dapo", "--env.data_dir", "/nonexistent/dapo"),
          SystemExit, "2", "error: env.data_dir="),
+    # every setting checked before any work: finite numbers, divisibility, the mesh, files
+    Case(_row("`--optim.learning_rate inf`", "exit 2: 'optim.learning_rate must be finite, got inf' "
+              "(before: an all-NaN checkpoint)"),
+         cli("--optim.learning_rate", "inf"), SystemExit, "2", "optim.learning_rate must be finite, got inf"),
+    Case(_row("`--warmstart.learning_rate inf`", "exit 2: 'warmstart.learning_rate must be finite' "
+              "(before: a 100% NaN hf_model, exit 0)"),
+         cli("--warmstart.learning_rate", "inf"), SystemExit, "2", "warmstart.learning_rate must be finite"),
+    Case(_row("`--rollout.temperature inf`", "exit 2: 'rollout.temperature must be finite' (before: a late failure)"),
+         cli("--rollout.temperature", "inf"), SystemExit, "2", "rollout.temperature must be finite"),
+    Case(_row("`--advantage.eps inf` (every advantage 0: no learning)",
+              "exit 2: 'advantage.eps must be in (0, 0.01], got inf'"),
+         cli("--advantage.eps", "inf"), SystemExit, "2", "advantage.eps must be in (0, 0.01], got inf"),
+    Case(_row("`--advantage.eps 0.5` (every advantage shrunk toward 0)",
+              "exit 2: 'advantage.eps must be in (0, 0.01], got 0.5'"),
+         cli("--advantage.eps", "0.5"), SystemExit, "2", "advantage.eps must be in (0, 0.01], got 0.5"),
+    Case(_row("`--method.dual_clip nan`", "exit 2: 'method.dual_clip must be finite and > 1 or null'"),
+         cli("--method.dual_clip", "nan"), SystemExit, "2", "method.dual_clip must be finite"),
+    Case(_row("`--optim.num_micro_batches 3` that does not divide the batch of 16",
+              "exit 2 naming both batch counts (before: a failure at RL start, after the warm start and prior)"),
+         cli("--optim.num_micro_batches", "3"), SystemExit, "2", "optim.num_mini_batches x optim.num_micro_batches must be a divisor of rollout.batch_size=16"),
+    Case(_row("`--steps true` (a boolean for a number)", "exit 2: '`steps`: expected a number (int), got the "
+              "boolean true' (before: ran 1 step)"),
+         cli("--steps", "true"), SystemExit, "2", "expected a number (int), got the boolean true"),
+    Case(_row("YAML `steps: true`", "exit 2: '`steps`: expected a number (int), got the boolean true'"),
+         yaml_file("steps: true\n"), SystemExit, "2", "got the boolean true"),
+    Case(_row("YAML recipe: an empty file", "exit 2: '<file>: a config file must hold a mapping ..., got an "
+              "empty file'"),
+         yaml_file(""), SystemExit, "2", "got an empty file"),
+    Case(_row("YAML recipe: a list", "exit 2: '<file>: a config file must hold a mapping ..., got a list'"),
+         yaml_file("- steps\n- 3\n"), SystemExit, "2", "must hold a mapping of settings (section: value), got a list"),
+    Case(_row("YAML recipe: a bare string", "exit 2: '<file>: a config file must hold a mapping ..., got a str'"),
+         yaml_file("steps\n"), SystemExit, "2", "got a str"),
+    Case(_row("YAML recipe with a key given twice", "exit 2: '<file>, line 3: the key 'batch_size' is given twice "
+              "in one mapping (first on line 2)' (before: the later one won silently)"),
+         yaml_file("rollout:\n  batch_size: 8\n  batch_size: 32\n"), SystemExit, "2",
+         "recipe.yaml, line 3: the key 'batch_size' is given twice in one mapping (first on line 2)"),
+    Case(_row("YAML recipe with a syntax error (line and reason)", "exit 2: '<file>, line 3, column 1: not valid "
+              "YAML (while parsing a flow sequence ...)'"),
+         yaml_file("optim:\n  learning_rate: [1e-3\n"), SystemExit, "2",
+         "recipe.yaml, line 3, column 1: not valid YAML (while parsing a flow sequence"),
+    Case(_row("`--mesh.data 2` on one device", "exit 2: 'mesh.data=2, mesh.fsdp=-1, mesh.tensor=1 do not fit the "
+              "1 cpu device(s) here: ...' (before: a ValueError traceback)"),
+         inputs("--mesh.data", "2"), SystemExit, "2", "mesh.data=2, mesh.fsdp=-1, mesh.tensor=1 do not fit"),
+    Case(_row("`--prior.path` to a missing file", "exit 2: 'prior.path=...: no such file' before any work "
+              "(before: FileNotFoundError mid-run)"),
+         inputs("--prior.path", "/nonexistent/prior.json"), SystemExit, "2", "prior.path=/nonexistent/prior.json"),
 ]
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from spopp_jax.env_sections import ArithmeticSpec  # noqa: F401 (re-exported)
+from rollout_bridge.envs.math_tir.sections import ArithmeticSpec  # noqa: F401 (re-exported)
 from rollout_bridge.envs.math_tir.tasks import MathTask, MathTaskSet
 from rollout_bridge.envs.math_tir.tool_format import ToolFormat, render_call
 

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from spopp_jax.env_sections import MathTIRSection
+from rollout_bridge.envs.math_tir.sections import MathTIRSection
 from rollout_bridge.envs.base import AsyncEnvironment, StepResult, check_task_id
 from rollout_bridge.envs.math_tir.arithmetic import ArithmeticSpec, generate_problems, teacher_trajectories
 from rollout_bridge.envs.math_tir.tasks import MathTaskSet, load_dapo_heldout, load_dapo_math

@@ -22,7 +22,7 @@ import logging
 import sys
 import threading
 
-from spopp_jax.env_sections import VerifierConfig
+from rollout_bridge.envs.math_tir.sections import VerifierConfig
 from rollout_bridge.tools.jsonl_process import JsonLineProcess
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Typed configuration of a training job: pure data, validated on construction.
 
-`TrainConfig()` with no arguments IS the tiny 2-turn TextWorld smoke job (mirrored, field
-for field, by `configs/smoke.yaml`); `python train.py` with no --config_path runs
-`configs/default.yaml`, the agentic TextWorld job. Recipes are YAML files
+`TrainConfig()` with no arguments IS the main job, the agentic TextWorld job that `python
+train.py` runs (written out with its reasons, field for field, in `configs/default.yaml`);
+the tiny 2-turn smoke job is `configs/smoke.yaml`. Recipes are YAML files
 (`configs/*.yaml`) loaded with draccus; any field is overridable on the command line as
 `--section.field value` (e.g. `--rollout.batch_size 32 --tracker.rho 0.9`).
 
@@ -10,7 +10,7 @@ Every section checks its values in `__post_init__` and raises ValueError naming 
 as `section.field` (draccus wraps it in a ParsingError whose `__cause__` is that
 ValueError; `format_config_error` extracts the message).
 
-This module imports nothing from `rollout_bridge` (DESIGN: data flows one way).
+The run config is the application layer: the learner package `spopp_jax` never reads it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import dataclasses
 import math
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
-from spopp_jax.env_sections import MathTIRSection
+from rollout_bridge.envs.math_tir.sections import MathTIRSection
+from rollout_bridge.methods.base import MethodConfig, recipe
 
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
@@ -32,9 +34,6 @@ __all__ = [
     "ServersSection", "ServersLaunchSection", "NodeSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
 ]
-
-
-GROUP_METHODS = ("grpo", "rloo")  # G rollouts of one task per group
 
 
 def _check(ok: bool, name: str, requirement: str, value) -> None:
@@ -59,6 +58,56 @@ def _check_literals(section: str, obj) -> None:
                    f"one of {list(choices)}", value)
 
 
+_NUMBERS = (int, float)
+MAX_WHITEN_EPS = 1e-2   # advantage.eps: below 2% of the largest std of 0/1 rewards (0.5)
+
+
+def _refuse_booleans(number_type: type) -> None:
+    """draccus turns `true` into 1 for an int or float field; the run config refuses it
+    (`steps: true` is a mistake, not one step). Registered once, before any parse."""
+    from draccus.parsers.decoding import decode
+    from draccus.utils import DecodingError
+
+    decode_number = decode.dispatch(number_type).func
+
+    def strict(raw_value, path):
+        if isinstance(raw_value, bool) or raw_value in ("true", "false"):
+            raise DecodingError(path, f"expected a number ({number_type.__name__}), got the boolean "
+                                      f"{str(raw_value).lower()}")
+        return decode_number(raw_value, path)
+
+    decode.register(number_type, strict)
+
+
+for _number in _NUMBERS:
+    _refuse_booleans(_number)
+
+
+def _number_types(hint) -> tuple[type, ...]:
+    """The number types a field's annotation allows (int / float, also inside Optional)."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return tuple(a for a in args if a in _NUMBERS)
+
+
+def check_values(section: str, obj) -> None:
+    """Every number of ``obj`` and the sections it nests, whatever their own checks say:
+    a boolean is not a number (`steps: true` is refused, not run as 1 step), and every float
+    is finite (NaN and inf refused: an infinite learning rate, temperature or advantage eps
+    would end in a NaN model or in no learning at all)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        name = f"{section}.{f.name}" if section else f.name
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_values(name, value)
+            continue
+        numbers = _number_types(hints[f.name])
+        if numbers and isinstance(value, bool):
+            _check(False, name, f"a number ({' or '.join(t.__name__ for t in numbers)}), not a boolean", value)
+        if isinstance(value, float):
+            _check(math.isfinite(value), name, "finite", value)
+
+
 def _positive(section: str, obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -71,16 +120,16 @@ class ModelSection:
     None = the tiny random Qwen3 model made (or reused) in `tiny_dir` from the tiny_* shape.
     No downloads happen anywhere: a missing `path` fails with a message."""
 
-    path: Optional[str] = None
-    tiny_dir: str = "runs/tiny_model"
+    path: Optional[str] = "assets/textworld_text_warmstart"
+    tiny_dir: str = "runs/tiny_model_lines"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    tiny_vocab_size: int = 768
-    tiny_hidden_size: int = 64
-    tiny_intermediate_size: int = 192
+    tiny_vocab_size: int = 1024
+    tiny_hidden_size: int = 128
+    tiny_intermediate_size: int = 384
     tiny_num_layers: int = 2
     tiny_num_heads: int = 4
     tiny_num_kv_heads: int = 2
-    tiny_head_dim: int = 16
+    tiny_head_dim: int = 32
     seed: int = 0
 
     def __post_init__(self):
@@ -114,27 +163,27 @@ class EnvSection:
     kind: Literal["textworld", "alfworld", "math_tir"] = "textworld"
     game_dir: Optional[str] = None
     data_dir: str = "artifacts/textworld_games"
-    num_games: int = 16
+    num_games: int = 1024
     game_seed: int = 0
-    world_size: int = 1
-    nb_objects: int = 3
-    quest_length: int = 1
-    max_turns: int = 2
-    max_feedback_chars: int = 60
-    numbered_actions: bool = True
-    shuffle_actions: bool = False
+    world_size: int = 3
+    nb_objects: int = 4
+    quest_length: int = 3
+    max_turns: int = 12
+    max_feedback_chars: int = 600
+    numbered_actions: bool = False
+    shuffle_actions: bool = True
     free_text_commands: bool = True
-    goal_every_turn: bool = True
+    goal_every_turn: bool = False
     # numbered actions: reply "3" to a list "3 go south | ..." (number), or "go south = 3"
     # to a list "go south = 3 | ..." (command_number: the text first; textworld plays only
     # the number, alfworld plays the text when it is a valid command, else the number)
     reply_format: Literal["number", "command_number"] = "number"
-    warmstart_games: int = 48
+    warmstart_games: int = 256
     warmstart_seed: int = 100_000
-    warmstart_orders: int = 1   # shuffled actions: each walkthrough shown in this many orders
+    warmstart_orders: int = 4   # shuffled actions: each walkthrough shown in this many orders
     # textworld: this fraction of the warm-start demonstrations name their rooms and things
     # with fresh random words (rollout_bridge.envs.textworld_rename): names must be copied
-    warmstart_rename: float = 0.0
+    warmstart_rename: float = 0.5
     # textworld: this fraction of the TRAINING games' episodes (prior, RL, training-game
     # evaluations), decided per episode from its seed, name every room and thing with fresh
     # random words (observations renamed, typed commands renamed back): no name can be
@@ -142,17 +191,17 @@ class EnvSection:
     # are always played as generated.
     rename_episodes: float = 0.0
     # textworld and alfworld: "Actions:" then one command per line, tokenized as a reply typing it
-    actions_per_line: bool = False
+    actions_per_line: bool = True
     # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
     # control, trained and evaluated like the agent (issue #15 item 3 with free-text commands)
     blind_observations: bool = False
     # textworld, free-text commands: the folder of a finished run of this recipe with
     # blind_observations=true on the same games; its success after RL is printed beside the
     # agent's as the prompt-blind reference (rollout_bridge/envs/blind_control.py)
-    blind_control: Optional[str] = None
+    blind_control: Optional[str] = "assets/textworld_blind_control"
     # held-out games (textworld and alfworld: generated with seeds from heldout_seed;
     # alfworld also: the first heldout_games of heldout_dir)
-    heldout_games: int = 0
+    heldout_games: int = 512
     heldout_seed: int = 200_000
     # kind=alfworld only (rollout_bridge.envs.alfworld_tasks): a folder of held-out games,
     # objects besides the targets, receptacles kept per floor plan (None = all, as released)
@@ -195,13 +244,13 @@ class WarmStartSection:
     longest (rounded up to 128 tokens), instead of random batches padded to the longest
     demonstration of the data set; same number of steps and loss, far fewer pad tokens."""
 
-    enabled: bool = True
-    epochs: int = 10
+    enabled: bool = False
+    epochs: int = 48
     batch_size: int = 8
     learning_rate: float = 1e-2
     weight_decay: float = 0.0
-    max_length: int = 512
-    loss_on: Literal["final_message", "all_assistant", "all_tokens"] = "all_assistant"
+    max_length: int = 1024
+    loss_on: Literal["final_message", "all_assistant", "all_tokens"] = "all_tokens"
     group_by_length: bool = True
 
     def __post_init__(self):
@@ -221,10 +270,10 @@ class PriorSection:
     run (another output_dir, other RL settings) has the same key; None: no cache."""
 
     enabled: bool = True
-    rollouts_per_task: int = 8
+    rollouts_per_task: int = 1
     mass: Optional[float] = None
     path: Optional[str] = None
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = "artifacts/evaluations"
 
     def __post_init__(self):
         _positive("prior", self, "rollouts_per_task")
@@ -244,8 +293,8 @@ class EvaluationSection:
     with the prior's rollouts of the same tasks); None: every training task."""
 
     train_rollouts: Optional[int] = None
-    heldout_rollouts: Optional[int] = None
-    train_games: Optional[int] = None
+    heldout_rollouts: Optional[int] = 4
+    train_games: Optional[int] = 256
 
     def __post_init__(self):
         _positive("evaluation", self, *(name for name in ("train_rollouts", "heldout_rollouts", "train_games")
@@ -263,21 +312,14 @@ class EvaluationSection:
 
 @dataclass
 class TrackerSection:
-    """SPEC 2. `rho`: event-time retention of the SPO++ tracker (method=spopp); the
-    receipt-order SPO tracker (method=spo) retains clip(2^(-D/spo_d_half), spo_rho_min,
-    spo_rho_max) per update."""
+    """SPEC 2. `rho`: the event-time retention per policy event: the coordinate z of every
+    result, the SPO++ tracker's decay and the prior's mass 1/(1-rho). The receipt-order SPO
+    tracker's own retention is its method's (`method.rho_min` / `method.rho_max`)."""
 
     rho: float = 0.875
-    spo_d_half: float = 0.06
-    spo_rho_min: float = 0.875
-    spo_rho_max: float = 0.96
 
     def __post_init__(self):
-        _check_literals("tracker", self)
         _check(0.0 < self.rho < 1.0, "tracker.rho", "in (0, 1)", self.rho)
-        _positive("tracker", self, "spo_d_half")
-        _check(0.0 < self.spo_rho_min <= self.spo_rho_max < 1.0, "tracker.spo_rho_min",
-               "in (0, tracker.spo_rho_max] with spo_rho_max < 1", self.spo_rho_min)
 
 
 @dataclass
@@ -298,26 +340,26 @@ class SamplerSection:
 
 @dataclass
 class AdvantageSection:
-    """SPEC 4: whitening measure (token = SPO++, trajectory = SPO)."""
+    """SPEC 4: Ã = (A - mean) / (std + eps) under the method's measure (`method.measure`).
+    `eps` only guards a zero std: the std of 0/1 rewards is at most 0.5, so a large eps would
+    shrink every advantage toward 0 and learning with it, silently (at most MAX_WHITEN_EPS)."""
 
-    measure: Literal["token", "trajectory"] = "token"
     eps: float = 1e-8
 
     def __post_init__(self):
-        _check_literals("advantage", self)
-        _positive("advantage", self, "eps")
+        _check(0.0 < self.eps <= MAX_WHITEN_EPS, "advantage.eps", f"in (0, {MAX_WHITEN_EPS}]", self.eps)
 
 
 @dataclass
 class LossSection:
-    """SPEC 5: asymmetric PPO clip [1-clip_low, 1+clip_high], dual clip c (None = off),
-    rollout importance-weight cap. `old_logp_source`: the PPO ratio's pi_old when the
-    batch carries none: current = the learner's log-probs at the step's start, rollout =
-    the engine's log-probs (spopp_jax.learner.LearnerConfig)."""
+    """SPEC 5: asymmetric PPO clip [1-clip_low, 1+clip_high] and the rollout
+    importance-weight cap (the dual clip c is the method's: `method.dual_clip`).
+    `old_logp_source`: the PPO ratio's pi_old when the batch carries none: current = the
+    learner's log-probs at the step's start, rollout = the engine's log-probs
+    (spopp_jax.learner.LearnerConfig)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
-    dual_clip: Optional[float] = 2.0
     is_cap: float = 2.0
     old_logp_source: Literal["current", "rollout"] = "current"
 
@@ -325,16 +367,14 @@ class LossSection:
         _check_literals("loss", self)
         _check(0.0 < self.clip_low < 1.0, "loss.clip_low", "in (0, 1)", self.clip_low)
         _positive("loss", self, "clip_high", "is_cap")
-        if self.dual_clip is not None:
-            _check(self.dual_clip > 1.0, "loss.dual_clip", "> 1 or null", self.dual_clip)
 
 
 @dataclass
 class OptimSection:
     """AdamW (SPEC 5). The paper's lr 1e-6 is for 0.8B-2B models; the tiny CPU model of the
-    smoke job needs a much larger one (see configs/smoke.yaml)."""
+    CPU jobs need much larger ones (configs/default.yaml, configs/smoke.yaml)."""
 
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-4
     weight_decay: float = 0.1
     adam_b1: float = 0.9
     adam_b2: float = 0.999
@@ -344,14 +384,14 @@ class OptimSection:
     # PPO mini-batches: each update's batch is split into this many mini-batches, one AdamW
     # step each, all against the policy of the update's start (verl's ppo_mini_batch_size =
     # batch_size / this); > 1 makes the clip and dual clip act. 1 = one step per update.
-    num_mini_batches: int = 1
+    num_mini_batches: int = 4
     # Log-probs in chunks of this many positions from the final hidden states, so no
     # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
     logprob_chunk_size: Optional[int] = None
     # The LM head only at the action tokens, gathered into this fraction of each row's
     # positions (a batch with a row of more action tokens runs it everywhere): the same
     # log-probs, without most of the [B, T, V] logits of observation tokens; null = everywhere.
-    action_logits_fraction: Optional[float] = None
+    action_logits_fraction: Optional[float] = 0.25
     # A step with a non-finite loss or gradient is skipped (parameters and optimizer state
     # unchanged); this many skipped steps in a row stop the run with a message.
     max_consecutive_skips: int = 5
@@ -500,12 +540,11 @@ class RolloutSection:
 
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
     batch_size: int = 16
-    group_size: int = 8
     publish_every: int = 1
     max_inflight: int = 16
     max_in_flight_per_task: int = 1
     sibling_rule: Literal["balanced", "proportional"] = "balanced"
-    max_buffered_batches: int = 1
+    max_buffered_batches: int = 2
     drain: Literal["finish", "abort", "none"] = "none"
     max_policy_lag: int = 8
     train_on_failed: bool = False
@@ -514,11 +553,11 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 16
-    max_seq_len: int = 320
+    max_new_tokens: int = 24
+    max_seq_len: int = 2048
     engine_steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
-    pad_to_multiple: Optional[int] = None
+    pad_to_multiple: Optional[int] = 256
     pack_rows: bool = False
     result_delay_s: float = 0.0
     server_urls: Optional[str] = None
@@ -526,7 +565,7 @@ class RolloutSection:
 
     def __post_init__(self):
         _check_literals("rollout", self)
-        _positive("rollout", self, "batch_size", "group_size", "publish_every", "max_inflight",
+        _positive("rollout", self, "batch_size", "publish_every", "max_inflight",
                   "max_in_flight_per_task", "max_buffered_batches", "max_consecutive_failures",
                   "temperature", "max_new_tokens", "max_seq_len", "engine_steps_per_call")
         if self.env_timeout_s is not None:
@@ -572,11 +611,13 @@ class MeshSection:
 
 @dataclass
 class TrainConfig:
-    """One training job. Defaults = the tiny 2-turn smoke job (configs/smoke.yaml); `python
-    train.py` without --config_path runs configs/default.yaml (the agentic TextWorld job).
+    """One training job. Defaults = the main job, the agentic TextWorld job (configs/default.yaml);
+    the tiny 2-turn smoke job is configs/smoke.yaml.
 
-    `method`: spopp (event-time tracker, frozen baselines), spo (receipt-order tracker),
-    grpo (groups of rollout.group_size) or rloo (grpo's groups, leave-one-out baseline). `stage`: all = warm start, prior, RL (each stage
+    `method`: the method and its recipe (`rollout_bridge.methods`: spopp, spo, grpo, rloo,
+    the 2x2 cells event_trajectory, receipt_token, receipt_trajectory, and any method file
+    added there); `--method spo` is SPO's whole recipe, `--method.dual_clip 5` one field of
+    it. `stage`: all = warm start, prior, RL (each stage
     reuses its output when present); warmstart / prior / rl run one stage.
     `steps` updates of `rollout.batch_size` trajectories; a checkpoint every
     `checkpoint_every` updates (and at the end) in `output_dir/checkpoints`, keeping
@@ -591,11 +632,11 @@ class TrainConfig:
     `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
     """
 
-    method: Literal["spopp", "spo", "grpo", "rloo"] = "spopp"
+    method: MethodConfig = field(default_factory=lambda: recipe(MethodConfig.default_choice_name()))
     stage: Literal["all", "warmstart", "prior", "rl"] = "all"
     seed: int = 0
-    steps: int = 160
-    output_dir: str = "runs/smoke"
+    steps: int = 120
+    output_dir: str = "runs/default"
     resume: bool = False
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
@@ -605,7 +646,7 @@ class TrainConfig:
     wandb: bool = False
     wandb_mode: Literal["offline", "online"] = "offline"
     wandb_project: str = "spopp-jax"
-    compilation_cache_dir: Optional[str] = None
+    compilation_cache_dir: Optional[str] = "artifacts/jax_compilation_cache"
     model: ModelSection = field(default_factory=ModelSection)
     env: EnvSection = field(default_factory=EnvSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
@@ -622,17 +663,12 @@ class TrainConfig:
     node: NodeSection = field(default_factory=NodeSection)  # GPUs of learner and launched servers
 
     def __post_init__(self):
+        check_values("", self)
         _check_literals("", self)
         _positive("", self, "steps", "checkpoint_every", "keep_checkpoints")
         _check(self.seed >= 0, "seed", ">= 0", self.seed)
         _check(bool(self.output_dir), "output_dir", "non-empty", self.output_dir)
-        if self.env.game_dir is None and self.env.kind in ("textworld", "math_tir"):
-            # m in-flight requests per task (SPEC 2: m = 1): enough distinct tasks
-            if self.method not in GROUP_METHODS:
-                slots = self.rollout.max_in_flight_per_task * self.env.num_games
-                _check(self.rollout.max_inflight <= slots, "rollout.max_inflight",
-                       f"<= rollout.max_in_flight_per_task x env.num_games={slots} "
-                       "(in-flight requests per task are bounded)", self.rollout.max_inflight)
+        self.method.check(self)
         if self.export_every is not None:
             _check(self.export_every > 0 and self.export_every % self.checkpoint_every == 0,
                    "export_every", f"a positive multiple of checkpoint_every="
@@ -641,20 +677,10 @@ class TrainConfig:
         _check(self.checkpoint_every % self.rollout.publish_every == 0, "checkpoint_every",
                f"a multiple of rollout.publish_every={self.rollout.publish_every} (a checkpoint "
                "holds exactly the published policy)", self.checkpoint_every)
-        if self.optim.num_mini_batches > 1:
-            rows = self.optim.num_mini_batches * self.optim.num_micro_batches
-            _check(self.rollout.batch_size % rows == 0, "optim.num_mini_batches",
-                   f"such that num_mini_batches x optim.num_micro_batches divides "
-                   f"rollout.batch_size={self.rollout.batch_size} (each mini-batch is split "
-                   f"into micro-batches; here {self.optim.num_mini_batches} x "
-                   f"{self.optim.num_micro_batches} = {rows})", self.optim.num_mini_batches)
-        if self.method in GROUP_METHODS:
-            _check(self.rollout.batch_size % self.rollout.group_size == 0, "rollout.batch_size",
-                   f"a multiple of rollout.group_size={self.rollout.group_size} for {self.method}",
-                   self.rollout.batch_size)
-            _check(self.rollout.max_in_flight_per_task == 1, "rollout.max_in_flight_per_task",
-                   f"1 for {self.method} (a group is its multi-request unit)",
-                   self.rollout.max_in_flight_per_task)
+        rows = self.optim.num_mini_batches * self.optim.num_micro_batches
+        _check(self.rollout.batch_size % rows == 0, "optim.num_mini_batches x optim.num_micro_batches",
+               f"a divisor of rollout.batch_size={self.rollout.batch_size} (each mini-batch is split into "
+               f"micro-batches)", f"{self.optim.num_mini_batches} x {self.optim.num_micro_batches} = {rows}")
 
     @property
     def prior_mass(self) -> float:
@@ -662,39 +688,129 @@ class TrainConfig:
         return self.prior.mass if self.prior.mass is not None else 1.0 / (1.0 - self.tracker.rho)
 
 
-def config_to_dict(config) -> dict:
-    return dataclasses.asdict(config)
+def config_value(config, path: str):
+    """The value at dotted ``path`` ("rollout.batch_size") of a config."""
+    for name in path.split("."):
+        config = getattr(config, name)
+    return config
+
+
+def config_to_dict(config: TrainConfig) -> dict:
+    """The run config as plain data; the method section with its ``type`` (parses back)."""
+    out = dataclasses.asdict(config)
+    out["method"] = config.method.to_dict()
+    return out
+
+
+CONFIG_FLAG = "--config_path"
+METHOD_FLAG = "--method"
 
 
 def _normalize_flags(args: Sequence[str]) -> list[str]:
-    """`--resume` alone means `--resume true` (draccus wants a value for bools)."""
+    """`--resume` alone means `--resume true` (draccus wants a value for bools);
+    `--method X` selects the method section's choice (`--method.type X`)."""
     out = list(args)
     for i, arg in enumerate(out):
         nxt = out[i + 1] if i + 1 < len(out) else None
         if arg == "--resume" and (nxt is None or nxt.startswith("--")):
             out[i] = "--resume=true"
+        elif arg == METHOD_FLAG:
+            out[i] = f"{METHOD_FLAG}.type"
+        elif arg.startswith(METHOD_FLAG + "="):
+            out[i] = f"{METHOD_FLAG}.type=" + arg.split("=", 1)[1]
     return out
+
+
+def _split_config_path(args: list[str]) -> tuple[list[str], str | None]:
+    """`--config_path F` (or `=F`) taken out of the flags: the file is read here, strictly."""
+    rest, path, i = [], None, 0
+    while i < len(args):
+        if args[i] == CONFIG_FLAG and i + 1 < len(args):
+            path, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith(CONFIG_FLAG + "="):
+            path = args[i].split("=", 1)[1]
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, path
+
+
+class ConfigFileError(ValueError):
+    """A config file that is not a YAML mapping of settings (names file, line and reason)."""
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The settings of a YAML config file, read strictly: a syntax error, a key given twice
+    in one mapping, or a document that is not a mapping (an empty file, a list, a bare
+    value) raise ConfigFileError naming the file, the line and the reason."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigFileError(f"{path}, line {key_node.start_mark.line + 1}: the key {key!r} is given twice "
+                                      f"in one mapping (first on line {seen[key]})")
+            seen[key] = key_node.start_mark.line + 1
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=StrictLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        reason = " ".join(str(part) for part in (error.context, error.problem) if part)
+        raise ConfigFileError(f"{path}{where}: not valid YAML ({reason})") from None
+    except yaml.YAMLError as error:
+        raise ConfigFileError(f"{path}: not valid YAML ({error})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigFileError(f"{path}: not a text file ({error.reason})") from None
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else f"a {type(data).__name__} ({str(data)[:40]!r})"
+        raise ConfigFileError(f"{path}: a config file must hold a mapping of settings (section: value), got {got}")
+    if isinstance(data.get("method"), str):   # `method: spo` = the recipe of spo
+        data["method"] = {"type": data["method"]}
+    return data
 
 
 def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None = None
                 ) -> TrainConfig:
     """TrainConfig from an optional YAML file (or `--config_path` in args) plus overrides.
 
-    Raises draccus.utils.ParsingError for bad values (see `format_config_error`) and
+    Raises ConfigFileError for a file that is not a YAML mapping (`read_config_file`),
+    draccus.utils.ParsingError for bad values (see `format_config_error`) and
     SystemExit(2) for unknown flags or invalid choices (argparse).
     """
+    import json
+    import tempfile
+
     import draccus
 
-    return draccus.parse(TrainConfig, config_path=None if config_path is None
-                         else str(config_path), args=_normalize_flags(args))
+    args, given = _split_config_path(_normalize_flags(args))
+    path = given if config_path is None else config_path
+    if path is None:
+        return draccus.parse(TrainConfig, config_path=None, args=args)
+    settings = read_config_file(path)
+    with tempfile.TemporaryDirectory(prefix="spopp-config-") as folder:
+        checked = os.path.join(folder, "config.json")   # the checked settings, as draccus reads files
+        with open(checked, "w") as f:
+            json.dump(settings, f)
+        return draccus.parse(TrainConfig, config_path=checked, args=args)
 
 
 def format_config_error(error: BaseException) -> str:
-    """The innermost ValueError/TypeError message of a draccus ParsingError chain."""
+    """The innermost ValueError/TypeError message of a draccus ParsingError chain, on one line."""
     message = str(error)
     cause = error.__cause__ or error.__context__
     while cause is not None:
         if isinstance(cause, (ValueError, TypeError)):
             message = str(cause)
         cause = cause.__cause__ or cause.__context__
-    return message
+    return " ".join(message.split())

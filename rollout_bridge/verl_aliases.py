@@ -21,7 +21,7 @@ aliases) is refused rather than letting the later one win silently.
 Batch sizes: verl counts `data.train_batch_size` and `ppo_mini_batch_size` in prompts,
 with `rollout.n` responses each; we count trajectories per update (`rollout.batch_size`)
 and the number of mini-batches (`optim.num_mini_batches`). So `data.train_batch_size=B`
-with `rollout.n=n` becomes `--rollout.batch_size B*n` (and `--rollout.group_size n`), and
+with `rollout.n=n` becomes `--rollout.batch_size B*n` (and `--method.group_size n`, a group method's G), and
 `ppo_mini_batch_size=M` becomes `--optim.num_mini_batches B/M`, which needs
 `data.train_batch_size` in the same command line.
 """
@@ -74,14 +74,14 @@ TRAIN_BATCH = "data.train_batch_size"
 ROLLOUT_N = "actor_rollout_ref.rollout.n"
 MINI_BATCH = "actor_rollout_ref.actor.ppo_mini_batch_size"
 OUR_BATCH = "rollout.batch_size"
-OUR_GROUP = "rollout.group_size"
+OUR_GROUP = "method.group_size"
 OUR_MINI_BATCHES = "optim.num_mini_batches"
 
 ALIASES: tuple[Alias, ...] = (
     Alias("actor_rollout_ref.actor.clip_ratio_low", ("loss.clip_low",)),
     Alias("actor_rollout_ref.actor.clip_ratio_high", ("loss.clip_high",)),
     Alias("actor_rollout_ref.actor.clip_ratio", ("loss.clip_low", "loss.clip_high")),
-    Alias("actor_rollout_ref.actor.clip_ratio_c", ("loss.dual_clip",), _positive_float),
+    Alias("actor_rollout_ref.actor.clip_ratio_c", ("method.dual_clip",), _positive_float),
     Alias("algorithm.rollout_correction.rollout_is_threshold", ("loss.is_cap",), _is_cap),
     Alias("actor_rollout_ref.actor.tis_imp_ratio_cap", ("loss.is_cap",), _is_cap),
     Alias("algorithm.rollout_correction.rollout_is", fixed=("token",),

@@ -1,12 +1,10 @@
-"""Settings of environment kinds beyond the shared ``env`` section: pure data, validated
-on construction, so that `spopp_jax.config` can type them without importing
-`rollout_bridge` (DESIGN: data flows one way; the bridge imports these, never the reverse).
+"""The ``math_tir`` section of the run config: Math-TIR settings beyond the shared ``env``
+section, pure data validated on construction.
 
-``MathTIRSection`` (the YAML ``math_tir`` section) and what it nests: ``ArithmeticSpec``
-(the CPU arithmetic task, `rollout_bridge.envs.math_tir.arithmetic`), ``SandboxConfig``
-(the tool sandbox, `rollout_bridge.tools.sandbox`) and ``VerifierConfig`` (math-verify in
-its process, `rollout_bridge.envs.math_tir.verifier`). Each is re-exported by the module
-that uses it.
+``MathTIRSection`` and what it nests: ``ArithmeticSpec`` (the CPU arithmetic task,
+`rollout_bridge.envs.math_tir.arithmetic`), ``SandboxConfig`` (the tool sandbox,
+`rollout_bridge.tools.sandbox`) and ``VerifierConfig`` (math-verify in its process,
+`rollout_bridge.envs.math_tir.verifier`). Each is re-exported by the module that uses it.
 """
 
 from __future__ import annotations
