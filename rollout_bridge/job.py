@@ -21,7 +21,7 @@ from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
 from rollout_bridge.progress_lines import TenthLines, show_bar
-from rollout_bridge.run_report import prior_text, reference_name, success_axis_limits
+from rollout_bridge.run_report import event_order, lag_histogram, prior_text, reference_name, success_axis_limits
 from rollout_bridge.run_errors import UserError
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
@@ -559,30 +559,6 @@ def plot_job_curve(rows, path: Path, title: str, held_out: dict, references: dic
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def lag_histogram(rows) -> dict[str, float]:
-    """Fraction of trained trajectories per policy lag over the run, from the per-update
-    ``diag/policy_lag_count_<k>`` metrics (last bucket: lag >= rollout.max_policy_lag)."""
-    prefix = "diag/policy_lag_count_"
-    counts: dict[int, float] = {}
-    for row in rows:
-        for key, value in row.items():
-            if key.startswith(prefix):
-                counts[int(key[len(prefix):])] = counts.get(int(key[len(prefix):]), 0.0) + float(value)
-    total = sum(counts.values())
-    return {str(k): counts[k] / total for k in sorted(counts)} if total else {}
-
-
-def event_order(rows) -> dict[str, float] | None:
-    """Results received out of event order over the run (a result is, when one of a newer
-    policy event was received before it): the last update's cumulative
-    ``diag/out_of_event_order_total`` over ``diag/received_total``. None without them."""
-    last = next((r for r in reversed(rows) if "diag/received_total" in r), None)
-    if last is None or not last["diag/received_total"]:
-        return None
-    received, late = float(last["diag/received_total"]), float(last["diag/out_of_event_order_total"])
-    return {"received": received, "out_of_event_order": late, "fraction": late / received}
 
 
 def report_run(paths: RunPaths, title: str, rows, train_before: dict | None, train_after: dict,

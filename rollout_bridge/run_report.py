@@ -77,13 +77,35 @@ def recipe_differences(cfg, reference: RegimeReference) -> list[str]:
             if setting(cfg, name) != value]
 
 
+def lag_histogram(rows) -> dict[str, float]:
+    """Fraction of trained trajectories per policy lag over the run, from the per-update
+    ``diag/policy_lag_count_<k>`` metrics (last bucket: lag >= rollout.max_policy_lag)."""
+    prefix = "diag/policy_lag_count_"
+    counts: dict[int, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith(prefix):
+                counts[int(key[len(prefix):])] = counts.get(int(key[len(prefix):]), 0.0) + float(value)
+    total = sum(counts.values())
+    return {str(k): counts[k] / total for k in sorted(counts)} if total else {}
+
+
+def event_order(rows) -> dict[str, float] | None:
+    """Results received out of event order over the run (a result is, when one of a newer
+    policy event was received before it): the last update's cumulative
+    ``diag/out_of_event_order_total`` over ``diag/received_total``. None without them."""
+    last = next((r for r in reversed(rows) if "diag/received_total" in r), None)
+    if last is None or not last["diag/received_total"]:
+        return None
+    received, late = float(last["diag/received_total"]), float(last["diag/out_of_event_order_total"])
+    return {"received": received, "out_of_event_order": late, "fraction": late / received}
+
+
 def measured_regime(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """A run's regime from its metrics rows: median wall seconds per update
     (``update_wall_s``; the median, so a first run's compiles count as a few slow updates),
     the policy-lag histogram of trained trajectories, the share of results received out of
     event order (None when the rows do not count them)."""
-    from rollout_bridge.job import event_order, lag_histogram
-
     per_update = [float(r["update_wall_s"]) for r in rows if "update_wall_s" in r]
     order = event_order(rows)
     return {"seconds_per_update": float(np.median(per_update)) if per_update else None,

@@ -184,7 +184,7 @@ def test_the_pre_parse_defaults_are_train_configs():
     """The pre-parse runs before the config is parsed; a key it does not find takes the
     default TrainConfig has for it (one default per field)."""
     from rollout_bridge.node_layout import DEFAULTS
-    from spopp_jax.config import TrainConfig
+    from rollout_bridge.config import TrainConfig
 
     config = TrainConfig()
     for key, default in DEFAULTS.items():

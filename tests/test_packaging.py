@@ -48,7 +48,7 @@ def run_blocked(code: str, blocked=JOB_ONLY) -> subprocess.CompletedProcess:
 
 
 def test_the_blocker_blocks():
-    result = run_blocked("import spopp_jax.config\nfrom spopp_jax.config import load_config\n"
+    result = run_blocked("import rollout_bridge.config\nfrom rollout_bridge.config import load_config\n"
                          "import tqdm\n")
     assert result.returncode != 0 and "is blocked" in result.stderr
 
