@@ -15,9 +15,9 @@ Each call forks this warm interpreter (so a call costs a fork, not an interprete
 every call starts from the same clean image). The forked child:
   * runs in a fresh, empty scratch directory;
   * drops to ``child_uid`` when the sandbox was started by root;
-  * enters a new user + IPC namespace of its own (its uid mapped onto itself): no SysV or
-    POSIX IPC object of an earlier call is reachable and the call's own are freed with its
-    last process (``call_namespaces``: required in the bwrap sandbox, best effort, with a
+  * enters a new user + IPC namespace of its own (its uid mapped onto itself, no
+    capability kept): no SysV or POSIX IPC object of an earlier call is reachable and the
+    call's own are freed with its last process (``call_namespaces``: required in the bwrap sandbox, best effort, with a
     new network namespace too, in the unisolated fallback);
   * gets rlimits: CPU seconds, address space, tasks, file size, no core files;
   * gets a seccomp filter refusing exec, ptrace, new namespaces, mount, bpf, perf, keys,
@@ -60,6 +60,7 @@ SANDBOX_SHM = "/dev/shm"
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWNET = 0x08000000, 0x10000000, 0x40000000
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 # seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h; x86_64 syscall numbers)
 PR_SET_NO_NEW_PRIVS = 38
@@ -160,6 +161,16 @@ def _enter_call_namespaces(libc, mode) -> None:
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    _drop_capabilities(libc)
+
+
+def _drop_capabilities(libc) -> None:
+    """Empty effective, permitted and inheritable sets (those a new user namespace grants
+    over itself)."""
+    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
 
 
 def _child(code, settings, out_w, err_w, keep_closed, libc, program):
@@ -168,7 +179,7 @@ def _child(code, settings, out_w, err_w, keep_closed, libc, program):
         os.setsid()
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        for fd in keep_closed:
+        for fd in [*keep_closed, out_w, err_w]:
             os.close(fd)
         os.chdir(settings["scratch"])
         if settings["child_uid"] is not None:

@@ -108,14 +108,19 @@ class ToolResult:
 
     def feedback(self, max_chars: int) -> str:
         """The text the model sees: stdout, then stderr, then a note naming the verdict
-        (``[time limit]``, ``[memory limit]``, ...); at most ``max_chars`` characters (the
-        head is kept, a truncation marker appended)."""
+        (``[time limit]``, ``[memory limit]``, ...), kept whole; at most ``max_chars``
+        characters (the head of the output is kept, a truncation marker appended)."""
         parts = [self.stdout.rstrip("\n")]
         if self.stderr:
             parts.append(self.stderr.rstrip("\n"))
-        if self.status != "ok":
-            parts.append(f"[{STATUS_NOTES.get(self.status, self.status)}]")
-        return truncate_text("\n".join(p for p in parts if p), max_chars)
+        text = "\n".join(p for p in parts if p)
+        if self.status == "ok":
+            return truncate_text(text, max_chars)
+        note = f"[{STATUS_NOTES.get(self.status, self.status)}]"
+        if len(note) >= max_chars:
+            return note[:max_chars]
+        body = truncate_text(text, max_chars - len(note) - 1)
+        return f"{body}\n{note}" if body else note
 
 
 def truncate_text(text: str, max_chars: int, marker: str = "...[truncated]") -> str:
@@ -414,7 +419,8 @@ def _warn_unisolated() -> None:
         "tool sandbox: running WITHOUT namespace isolation (rlimits_only, "
         "sandbox.allow_unsafe_fallback=true). NOT isolated: the host file system is readable "
         "(and writable where the call's uid may write), host processes are visible (and "
-        "signalable by the same uid), /dev/shm is the host's; where user namespaces are "
+        "signalable by the same uid), /dev/shm is the host's, and when not root every worker's "
+        "scratch folder has the same uid; where user namespaces are "
         "refused also the network, abstract unix sockets and SysV/POSIX IPC namespaces. "
         "Still applied: scrubbed environment, a private scratch folder per worker, "
         "CPU/memory/process/file-size/output limits over the call's process tree, seccomp "
