@@ -9,7 +9,7 @@ The same cases run against
   * the bubblewrap sandbox as the user running pytest (``test_escape``, the default suite),
   * the bubblewrap sandbox as an unprivileged uid when pytest runs as root
     (``test_escape_suite_as_unprivileged_user``: the suite again under ``setpriv``),
-  * the unisolated fallback (``test_escape_fallback``): cases marked ``fallback="open"`` are
+  * the unisolated fallback (``test_escape_fallback``, slow): cases marked ``fallback="open"`` are
     what it does not isolate (its warning names them); they are strict xfails, so the
     table flips when one starts to hold.
 ``SBX_ESCAPE_IMPL=<folder>`` runs the cases against another copy of the sandbox (a folder
@@ -199,18 +199,18 @@ def dev_shm_file_between_calls(box):
     assert "LEFT-BY-A" not in later.stdout, later
 
 
-@case("cross-call IPC", "multiprocessing.shared_memory block left by one call, attached by the next")
-def named_shared_memory_between_calls(box):
-    call(box, """
-from multiprocessing import shared_memory, resource_tracker
-shm = shared_memory.SharedMemory(name='sbxblock', create=True, size=64)
-resource_tracker.unregister(shm._name, 'shared_memory')
-shm.buf[:9] = b'LEFT-BY-A'
+@case("cross-call IPC", "a POSIX shared memory object (shm_open) left by one call, read by the next",
+      fallback="open")
+def posix_shm_between_calls(box):
+    call(box, LIBC + """
+import os
+fd = libc.shm_open(b'/sbxblock', os.O_CREAT | os.O_RDWR, 0o666)
+if fd >= 0: os.write(fd, b'LEFT-BY-A')
 """)
-    later = call(box, """
-from multiprocessing import shared_memory
-try: print(bytes(shared_memory.SharedMemory(name='sbxblock').buf[:9]))
-except OSError as e: print(e)
+    later = call(box, LIBC + """
+import os
+fd = libc.shm_open(b'/sbxblock', os.O_RDONLY, 0)
+print(os.read(fd, 9) if fd >= 0 else 'none')
 """)
     assert "LEFT-BY-A" not in later.stdout, later
 
@@ -560,7 +560,7 @@ def init_cmdline(box):
     assert "child_uid" not in result.stdout, result
 
 
-@case("host paths", "the worker's command line (/proc/<ppid>/cmdline)", fallback="open")
+@case("host paths", "the worker's command line (/proc/<ppid>/cmdline)")
 def worker_cmdline(box):
     result = call(box, "import os\nprint(open(f'/proc/{os.getppid()}/cmdline').read().replace('\\0', ' '))")
     no_host_paths(result.stdout)
@@ -573,13 +573,13 @@ def mountinfo(box):
     no_host_paths(result.stdout)
 
 
-@case("host paths", "/proc/self/maps (mapped interpreter and libraries)", fallback="open")
+@case("host paths", "/proc/self/maps (mapped interpreter and libraries)")
 def own_maps(box):
     result = call(box, "print(open('/proc/self/maps').read())")
     no_host_paths(result.stdout)
 
 
-@case("host paths", "sys.executable, sys.prefix, sys.path, os.__file__", fallback="open")
+@case("host paths", "sys.executable, sys.prefix, sys.path, os.__file__")
 def interpreter_paths(box):
     result = call(box, "import sys, os\nprint(sys.executable, sys.prefix, sys.base_prefix, sys.path, os.__file__)")
     no_host_paths(result.stdout)
@@ -591,7 +591,7 @@ def environment_and_cwd(box):
     no_host_paths(result.stdout)
 
 
-@case("host paths", "a traceback's file names", fallback="open")
+@case("host paths", "a traceback's file names")
 def traceback_paths(box):
     result = call(box, "import json\njson.loads('{')")
     assert result.status == "error"
@@ -839,7 +839,7 @@ def fallback_box():
 
 
 def _param(c: Case, for_fallback: bool):
-    marks = [pytest.mark.slow] if c.slow or for_fallback and c.group not in ("fallback",) and c.fallback == "open" else []
+    marks = [pytest.mark.slow] if c.slow or for_fallback else []
     if for_fallback and c.fallback == "open":
         marks.append(pytest.mark.xfail(strict=True, reason="the unisolated fallback does not isolate this"))
     return pytest.param(c, id=c.name, marks=marks)
@@ -889,7 +889,8 @@ def test_escape_suite_as_unprivileged_user(tmp_path):
     env = {**os.environ, "SBX_UID": "31337", "HOME": str(tmp_path), "USER": "sbxtest", "TMPDIR": str(tmp_path),
            "PYTHONPATH": PROJECT_ROOT}
     argv = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "not integration",
-            os.path.abspath(__file__), "-k", "test_escape and not unprivileged", "-o", "addopts="]
+            os.path.abspath(__file__), "-k", "test_escape and not test_escape_fallback and not unprivileged",
+            "-o", "addopts="]
     done = subprocess.run(unprivileged_command(31337, argv), env=env, capture_output=True, text=True, timeout=900,
                           cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

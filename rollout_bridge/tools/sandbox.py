@@ -32,8 +32,9 @@ call returns ``status="crashed"``/``"timeout"``, the next one runs on a fresh wo
 
 Fallback (``isolation="rlimits_only"``, or ``fallback_to_rlimits=True`` when bwrap cannot
 start, e.g. user namespaces are disabled), refused unless ``allow_unsafe_fallback=True``:
-the same worker runs as a plain subprocess with a scrubbed environment, a private scratch
-folder per worker (mode 0700), rlimits, seccomp, the tree supervisor and per-call kill of
+the same worker runs as a plain subprocess (the staged runtime, so a call's uid can import
+the stdlib and ``allowed_modules`` wherever the host's Python lives) with a scrubbed
+environment, a private scratch folder per worker (mode 0700), rlimits, seccomp, the tree supervisor and per-call kill of
 every descendant, and (where user namespaces work) a new IPC and network namespace per
 call. A WARNING names what is then NOT isolated: the host file system is readable (and
 writable where the call's uid may write), host processes are visible, ``/dev/shm`` is the
@@ -364,10 +365,13 @@ class ToolSandbox:
         scratch = tempfile.mkdtemp(prefix="sbx-scratch-")
         if uid is not None:
             os.chown(scratch, uid, uid)
-        settings = worker_settings(self.config, uid, None, sandboxed=False, scratch=scratch)
-        env = {**SANDBOX_ENV, "HOME": scratch}
+        stage = stage_root(self.config.allowed_modules)
+        site = os.path.join(stage, "site") if self.config.allowed_modules else None
+        settings = worker_settings(self.config, uid, site, sandboxed=False, scratch=scratch)
+        env = {**SANDBOX_ENV, "HOME": scratch, "LD_LIBRARY_PATH": os.path.join(stage, "python", "lib")}
+        python = os.path.join(stage, "python", "bin", os.path.basename(sandbox_command()[0]))
         try:
-            return _Worker(self.config, settings, [sys.executable, "-I", "-B", WORKER_SCRIPT], env=env,
+            return _Worker(self.config, settings, [python, "-I", "-B", os.path.join(stage, "worker.py")], env=env,
                            cwd=scratch, owned_dir=scratch)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
