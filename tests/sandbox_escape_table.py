@@ -107,7 +107,12 @@ def render(results: Path) -> str:
         "*holds*: the attack failed; **escapes**: it worked; *open (xfail)*: the unisolated fallback "
         "does not isolate it (its warning says so; a strict xfail, so the cell flips when it starts "
         "to hold). \"before\" columns: the same cases against the sandbox files of `main` before the "
-        "hardening. Non-root: the suite under `setpriv` as uid 31337 without capabilities.",
+        "hardening. Non-root: the suite under `setpriv` as uid 31337 without capabilities. The rows of "
+        "class *fallback* exercise the fallback itself inside the bwrap sessions, so their root / "
+        "non-root cells are the fallback's as root / as non-root. A case that held before too is a "
+        "guard; the CPU cases judge what the call's processes reported, so on a loaded machine "
+        "(these runs: load average 15-20 on 2 cores) the old code's children may not get enough CPU "
+        "within wall_s to show their escape.",
         "",
         f"- cases: {len(CASES)}; held by bwrap as root and as non-root: {len(now_new)}; "
         f"escaped before the hardening (either column): {len(before)}",
