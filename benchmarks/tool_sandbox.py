@@ -1,7 +1,7 @@
 """Tool-sandbox throughput and latency vs a fresh ``python -c`` subprocess per call.
 
     python benchmarks/tool_sandbox.py [--calls 64] [--rounds 3] [--concurrency 1 8 32]
-                                      [--before DIR]
+                                      [--before DIR] [--paired N]
 
 Two workloads: a trivial ``print(1)`` and a ~50 ms pure-Python computation. For each
 concurrency c and each round, the systems are run back to back (order rotating per round):
@@ -13,7 +13,9 @@ files before a change, to price it), and a fresh ``python -I -c CODE`` subproces
 flight. Printed per row: calls/s, p50, p95 and p99 latency, the ratio of calls/s against
 the subprocess, and the 1-minute load average at the row's start (rows started above
 ``--busy-load`` are flagged BUSY: the machine is shared); at the end, per workload, the
-medians over rounds, and the p50 cost of this checkout against ``--before``.
+medians over rounds, and the p50 cost of this checkout against ``--before``. ``--paired N``
+adds a run that interleaves the systems call by call (one call at a time), the fairer
+comparison on a machine whose load drifts: p50, p95 and the median per-call difference.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--before", help="folder of another copy of the sandbox files to compare with")
     parser.add_argument("--busy-load", type=float, default=1.0, help="flag rows above this 1-min load")
+    parser.add_argument("--paired", type=int, default=0, metavar="N",
+                        help="also N calls per system interleaved call by call, one at a time")
     args = parser.parse_args()
     print(f"cpu: {cpu_model()} x {os.cpu_count()} | python {sys.version.split()[0]} | "
           f"load at start {os.getloadavg()[0]:.2f}")
@@ -130,6 +134,36 @@ def main() -> None:
                 now = statistics.median(v[1] for v in summary[(name, concurrency, "sandbox")])
                 then = statistics.median(v[1] for v in summary[(name, concurrency, "before")])
                 print(f"  {name:14s} c={concurrency:<3d} {now - then:+6.1f} ms")
+    if args.paired:
+        paired(args.paired, kinds)
+
+
+def paired(calls: int, kinds: dict) -> None:
+    """One call at a time, the systems interleaved call by call (order rotating), so a
+    shared machine's load drifts over all of them alike: p50/p95 per system and the median
+    of the per-call differences against the sandbox."""
+    boxes = {name: cls(config_cls(num_workers=1, wall_s=30, cpu_s=30)) for name, (cls, config_cls) in kinds.items()}
+    try:
+        systems = {name: (lambda code, box=box: box.run_sync(code).status == "ok") for name, box in boxes.items()}
+        systems["subprocess"] = subprocess_call
+        for workload, code in WORKLOADS.items():
+            load = os.getloadavg()[0]
+            latencies = {name: [] for name in systems}
+            names = list(systems)
+            for i in range(calls):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    start = time.perf_counter()
+                    if not systems[name](code):
+                        raise RuntimeError(f"benchmark call failed: {name} {code!r}")
+                    latencies[name].append(time.perf_counter() - start)
+            print(f"\npaired, {workload}, {calls} calls per system, load1 {load:.2f} -> {os.getloadavg()[0]:.2f}")
+            for name, lat in latencies.items():
+                diffs = [a - b for a, b in zip(lat, latencies["sandbox"])]
+                print(f"  {name:10s} p50 {1e3 * statistics.median(lat):7.1f} ms  p95 {1e3 * percentile(lat, 95):7.1f} ms"
+                      f"  median(this - sandbox) {1e3 * statistics.median(diffs):+7.1f} ms")
+    finally:
+        for box in boxes.values():
+            box.close()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ every call starts from the same clean image). The forked child:
     SysV IPC and POSIX message queues (x86_64; skipped elsewhere);
   * has stdout/stderr on pipes that the worker reads up to ``max_output_bytes`` each (the
     whole process tree shares them).
-While the call runs the worker measures the call's whole process tree every ``POLL_S``:
+While the call runs the worker measures the call's whole process tree (``POLL_S`` after the
+fork, then every ``POLL_MAX_S`` at most):
 tasks (processes and threads), CPU seconds (user + system, children included) and memory
 (proportional set size, plus what ``/dev/shm`` holds in the sandbox). Over a limit, the
 tree is killed and the status names the limit: ``process_limit``, ``timeout`` (CPU or
@@ -53,7 +54,11 @@ import traceback
 READ_CHUNK = 65536
 KILL_ROUNDS = 200  # at most this many /proc sweeps to empty the namespace
 KILL_SWEEP_SLEEP_S = 0.001
-POLL_S = 0.01  # how often the call's process tree is measured while it runs
+# the call's process tree is measured POLL_S after the fork, then at intervals doubling up
+# to POLL_MAX_S (a long call pays a few polls per 100 ms; what the tree can overshoot in
+# between is bounded by the per-process rlimits)
+POLL_S = 0.01
+POLL_MAX_S = 0.04
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SANDBOX_SHM = "/dev/shm"
 
@@ -409,6 +414,7 @@ def _collect(pid, out_r, err_r, settings):
                 status = "exited"
             if status is None and time.monotonic() >= next_poll:
                 status = _over_limit(settings)
+                poll_s = min(2 * poll_s, POLL_MAX_S)
                 next_poll = time.monotonic() + poll_s
     finally:
         os.close(pidfd)
