@@ -30,6 +30,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -878,21 +879,25 @@ def unprivileged_command(uid: int, argv: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_escape_suite_as_unprivileged_user(tmp_path):
+def test_escape_suite_as_unprivileged_user():
     """The same cases as a plain user (uid 31337, no capabilities): bwrap then makes its
     own user namespace, and the call shares the worker's uid."""
     if os.geteuid() != 0:
         pytest.skip("pytest already runs unprivileged: test_escape is the non-root run")
     if shutil.which("setpriv") is None or shutil.which("unshare") is None:
         pytest.skip("setpriv/unshare (util-linux) not installed")
-    os.chmod(tmp_path, 0o777)
-    env = {**os.environ, "SBX_UID": "31337", "HOME": str(tmp_path), "USER": "sbxtest", "TMPDIR": str(tmp_path),
+    home = tempfile.mkdtemp(prefix="sbx-user-", dir="/tmp")  # tmp_path's parents are closed to others
+    os.chmod(home, 0o777)
+    env = {**os.environ, "SBX_UID": "31337", "HOME": home, "USER": "sbxtest", "TMPDIR": home,
            "PYTHONPATH": PROJECT_ROOT}
     argv = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "not integration",
             os.path.abspath(__file__), "-k", "test_escape and not test_escape_fallback and not unprivileged",
             "-o", "addopts="]
-    done = subprocess.run(unprivileged_command(31337, argv), env=env, capture_output=True, text=True, timeout=900,
-                          cwd=str(tmp_path))
+    try:
+        done = subprocess.run(unprivileged_command(31337, argv), env=env, capture_output=True, text=True,
+                              timeout=900, cwd=home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.split("\n")[-2], done.stdout[-2000:]
 
