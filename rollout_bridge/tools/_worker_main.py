@@ -258,13 +258,14 @@ def _call_pids(own_pid_namespace) -> list[int]:
 
 
 def _pss_bytes(pid) -> int:
-    """Proportional anonymous + file memory of ``pid`` (shared pages split between sharers);
-    shmem is left out (it is counted where it lives, in /dev/shm)."""
+    """Proportional set size of ``pid`` (shared pages split between their sharers): its
+    anonymous, file and shared memory pages (a mapped /dev/shm file is then counted twice,
+    here and in /dev/shm's use: an overestimate)."""
     total = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             for line in f:
-                if line.startswith((b"Pss_Anon:", b"Pss_File:")):
+                if line.startswith(b"Pss:"):
                     total += int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return 0
