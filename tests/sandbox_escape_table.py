@@ -110,9 +110,10 @@ def render(results: Path) -> str:
         "hardening. Non-root: the suite under `setpriv` as uid 31337 without capabilities. The rows of "
         "class *fallback* exercise the fallback itself inside the bwrap sessions, so their root / "
         "non-root cells are the fallback's as root / as non-root. A case that held before too is a "
-        "guard; the CPU cases judge what the call's processes reported, so on a loaded machine "
-        "(these runs: load average 15-20 on 2 cores) the old code's children may not get enough CPU "
-        "within wall_s to show their escape.",
+        "guard; the CPU cases judge what the call's processes reported, so on a loaded machine the "
+        "old code's children may not get enough CPU within wall_s to show their escape (the runs "
+        "behind this table: load average 15-20 on 2 cores; in two earlier runs at that load "
+        "`cpu_over_sequential_children` and `cpu_over_orphans` held on the old code).",
         "",
         f"- cases: {len(CASES)}; held by bwrap as root and as non-root: {len(now_new)}; "
         f"escaped before the hardening (either column): {len(before)}",
