@@ -60,6 +60,7 @@ KILL_SWEEP_SLEEP_S = 0.001
 POLL_S = 0.01
 POLL_MAX_S = 0.04
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 SANDBOX_SHM = "/dev/shm"
 
 # stdlib modules imported once by the worker, so a call finds them in its forked image:
@@ -283,19 +284,19 @@ def _used_bytes(path) -> int:
 def _over_limit(settings) -> str | None:
     """Measure the call's process tree; the name of the limit it is over, or None."""
     pids = _call_pids(settings["own_pid_namespace"])
-    tasks, ticks, memory = 0, 0, 0
+    tasks, ticks, resident = 0, 0, 0
     for pid in pids:
         fields = _stat_fields(pid)
         if fields is None:
             continue
         tasks += int(fields[17])  # num_threads
         ticks += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
-        memory += _pss_bytes(pid)
-    if settings["own_pid_namespace"]:
-        memory += _used_bytes(SANDBOX_SHM)
+        resident += int(fields[21]) * PAGE_BYTES  # rss
+    shm = _used_bytes(SANDBOX_SHM) if settings["own_pid_namespace"] else 0
     if tasks > settings["max_processes"]:
         return "process_limit"
-    if memory > settings["memory_bytes"]:
+    # RSS >= Pss: the (costlier) Pss is read only when the resident pages could be over
+    if resident + shm > settings["memory_bytes"] and sum(map(_pss_bytes, pids)) + shm > settings["memory_bytes"]:
         return "memory_limit"
     if ticks / CLOCK_TICKS > settings["cpu_s"]:
         return "timeout"
