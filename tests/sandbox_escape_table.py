@@ -112,8 +112,10 @@ def render(results: Path) -> str:
         "non-root cells are the fallback's as root / as non-root. A case that held before too is a "
         "guard; the CPU cases judge what the call's processes reported, so on a loaded machine the "
         "old code's children may not get enough CPU within wall_s to show their escape (the runs "
-        "behind this table: load average 15-20 on 2 cores; in two earlier runs at that load "
-        "`cpu_over_sequential_children` and `cpu_over_orphans` held on the old code).",
+        "behind this table: load average 7-20 on 2 cores; over four runs of the old code, "
+        "`cpu_over_sequential_children` escaped in 2 of 4 as root and 1 of 4 as non-root, "
+        "`cpu_over_orphans` in 1 of 4 as root and 0 of 4 as non-root; every other cell was the same "
+        "in all four runs).",
         "",
         f"- cases: {len(CASES)}; held by bwrap as root and as non-root: {len(now_new)}; "
         f"escaped before the hardening (either column): {len(before)}",
