@@ -23,9 +23,11 @@ class JsonLineProcess:
     """``request(obj, timeout_s) -> dict | None`` (None: no reply in time, or the process
     died). Not thread-safe: one request at a time."""
 
-    def __init__(self, command: list[str], env: dict | None = None, cwd: str | None = None):
+    def __init__(self, command: list[str], env: dict | None = None, cwd: str | None = None, *,
+                 executable: str | None = None, pass_fds: tuple[int, ...] = ()):
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
+                                     stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True,
+                                     executable=executable, pass_fds=pass_fds)
         self._buffer = b""
 
     def read_reply(self, timeout_s: float) -> dict | None:

@@ -58,7 +58,10 @@ class VerifierConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig:
-    """Limits and layout of the tool sandbox (all limits are per call)."""
+    """Limits and layout of the tool sandbox (all limits are per call, over the call's whole
+    process tree). ``isolation="rlimits_only"`` and ``fallback_to_rlimits`` need
+    ``allow_unsafe_fallback=True``: the fallback does not isolate host files, processes or
+    /dev/shm (see ``rollout_bridge.tools.sandbox``)."""
 
     num_workers: int = 4
     wall_s: float = 5.0
@@ -73,6 +76,7 @@ class SandboxConfig:
     preload: tuple[str, ...] = ()
     isolation: Literal["bwrap", "rlimits_only"] = "bwrap"
     fallback_to_rlimits: bool = False
+    allow_unsafe_fallback: bool = False
     host_grace_s: float = 5.0
     start_timeout_s: float = 30.0
 
@@ -84,6 +88,10 @@ class SandboxConfig:
                 raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)}")
         if self.isolation not in ("bwrap", "rlimits_only"):
             raise ValueError(f"sandbox.isolation must be 'bwrap' or 'rlimits_only', got {self.isolation!r}")
+        if (self.isolation == "rlimits_only" or self.fallback_to_rlimits) and not self.allow_unsafe_fallback:
+            raise ValueError("sandbox.isolation 'rlimits_only' (or fallback_to_rlimits) runs model code without "
+                             "namespace isolation (host files, processes, /dev/shm visible); set "
+                             "sandbox.allow_unsafe_fallback: true to accept that")
         missing = set(self.preload) - set(self.allowed_modules)
         if missing:
             raise ValueError(f"sandbox.preload names modules not in allowed_modules: {sorted(missing)}")
