@@ -37,6 +37,7 @@ from spopp_jax.models.attention import (ATTENTION_REMAT_SCORE_BYTES, causal_quer
 from spopp_jax.models.config import ModelConfig
 
 GB = 1e9
+MB = 1e6
 # The LM head keeps float32 logits, their softmax and the softmax's gradient.
 LOGIT_COPIES = 3
 
@@ -60,11 +61,12 @@ class MemoryEstimate:
                 + self.logits)
 
     def summary(self) -> str:
-        """One line: each part and the total in GB."""
-        parts = ", ".join(f"{name} {getattr(self, name) / GB:.2f}" for name in
+        """One line: each part and the total, in GB (MB below 1 GB)."""
+        scale, unit = (GB, "GB") if self.total >= GB else (MB, "MB")
+        parts = ", ".join(f"{name} {getattr(self, name) / scale:.2f}" for name in
                           ("params", "grads", "adam", "compute_copy", "activations", "logits"))
-        return (f"learner memory estimate per device: {self.total / GB:.2f} GB ({parts} GB; "
-                f"{self.tokens} tokens per micro-batch, remat {self.remat})")
+        return (f"learner memory estimate per device: {self.total / scale:.2f} {unit} ({parts} "
+                f"{unit}; {self.tokens} tokens per micro-batch, remat {self.remat})")
 
 
 def parameter_count(config: ModelConfig) -> int:
