@@ -155,7 +155,7 @@ def fused_attention_implementation(dtype, head_dim: int, backend: str | None = N
     """Which `jax.nn.dot_product_attention` kernel the full forward uses: "cudnn" on a GPU
     backend for 16-bit inputs with head_dim <= 128; None elsewhere (CPU, TPU, float32: our
     own XLA attention, `causal_block_attention` / `chunked_attention`). Decided at trace
-    time (static); the float32 default never takes the fused path, `model.dtype bfloat16`
+    time (static); the float32 default never takes the fused path, `model.compute_dtype bfloat16`
     on a GPU does."""
     backend = jax.default_backend() if backend is None else backend
     if (backend == "gpu" and jnp.dtype(dtype).name in FUSED_ATTENTION_DTYPES

@@ -11,9 +11,10 @@
     activations   what the backward pass keeps for one micro-batch of N = rows · T tokens,
                   by `remat` policy (`qwen3.REMAT_POLICIES`):
         "none" / "attention":  L layers' activations (`layer_activation_bytes`), the
-                               attention score blocks counted whole for "none" (unless
-                               they exceed `ATTENTION_REMAT_SCORE_BYTES`), one block for
-                               "attention";
+                               attention score blocks (float32 scores and exponentials)
+                               kept whole for "none" (unless they exceed
+                               `ATTENTION_REMAT_SCORE_BYTES`), none for "attention"; plus
+                               4 copies of one block's scores while its backward runs;
         "block":               L layer inputs N · hidden · b_c, plus ONE layer's
                                activations, recomputed during its backward;
       plus the LM head's logits: N · V · 4 · 3 (float32 logits, their softmax and their
@@ -137,8 +138,10 @@ def _attention_activation_bytes(config: ModelConfig, rows: int, time: int, compu
     one_block = 4 * rows * heads * block * time
     if score_blocks == "auto":
         score_blocks = "all" if every_block <= ATTENTION_REMAT_SCORE_BYTES else "one"
-    scores = every_block if score_blocks == "all" else one_block
-    return projections + 2 * scores  # scores and their exponentials
+    # kept for the backward pass: every block's scores and exponentials, or none (remat);
+    # live while one block's backward runs: its scores, exponentials and their gradients
+    kept = 2 * every_block if score_blocks == "all" else 0
+    return projections + kept + 4 * one_block
 
 
 def _linear_attention_activation_bytes(config: ModelConfig, rows: int, time: int,
