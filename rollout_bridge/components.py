@@ -178,14 +178,14 @@ def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> Orchestrato
 
 def pack_row_multiple(cfg) -> int:
     """Rows of a packed learner batch are a multiple of this: the PPO mini-batches x
-    micro-batches, and with several learner processes (rows sharded over data x fsdp) also
+    micro-batches, and with several learner devices (rows sharded over data x fsdp) also
     of data x fsdp."""
     import math
 
     import jax
 
     rows = cfg.optim.num_mini_batches * cfg.optim.num_micro_batches
-    if jax.process_count() > 1:
+    if jax.device_count() > 1:
         fsdp = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else jax.device_count() // (cfg.mesh.data * cfg.mesh.tensor)
         rows = math.lcm(rows, cfg.mesh.data * fsdp)
     return rows
@@ -360,11 +360,16 @@ def model_folder(model_section, corpus: Callable[[], Any], log: Callable[[str], 
     return folder
 
 
-def load_policy(folder: Path, model_section, mesh=None):
-    """The policy at ``folder`` in ``model.dtype`` (sharded on ``mesh`` when given)."""
+def load_policy(folder: Path, model_section, mesh=None, train: bool = False):
+    """The policy at ``folder`` computing in ``model.compute_dtype`` (sharded on ``mesh``
+    when given); its weights in ``model.param_dtype`` for training (``train``: the master
+    weights, with ``model.remat``), else in the compute dtype (rollout engines)."""
     from spopp_jax.models import from_pretrained
 
-    return from_pretrained(str(folder), dtype=model_section.dtype, mesh=mesh)
+    m = model_section
+    return from_pretrained(str(folder), dtype=m.compute_dtype, mesh=mesh,
+                           param_dtype=m.param_dtype if train else m.compute_dtype,
+                           remat=m.remat if train else "none", attention_chunk_size=m.attention_chunk_size)
 
 
 def load_chat(folder: Path, tools=None):

@@ -118,11 +118,19 @@ def _positive(section: str, obj, *names: str) -> None:
 class ModelSection:
     """The policy. `path`: a local HF model folder (config.json, *.safetensors, tokenizer);
     None = the tiny random Qwen3 model made (or reused) in `tiny_dir` from the tiny_* shape.
-    No downloads happen anywhere: a missing `path` fails with a message."""
+    No downloads happen anywhere: a missing `path` fails with a message.
+    Precision: the learner keeps its weights and AdamW moments in `param_dtype` (float32
+    master weights) and computes in `compute_dtype`; the rollout engines and the HF export
+    get the weights in `compute_dtype`. `remat`: what the learner's backward pass recomputes
+    (none / attention = the attention score blocks / block = each decoder layer);
+    `attention_chunk_size`: queries per attention block."""
 
     path: Optional[str] = "assets/textworld_text_warmstart"
     tiny_dir: str = "runs/tiny_model_lines"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "attention", "block"] = "none"
+    attention_chunk_size: int = 1024
     tiny_vocab_size: int = 1024
     tiny_hidden_size: int = 128
     tiny_intermediate_size: int = 384
@@ -135,7 +143,7 @@ class ModelSection:
     def __post_init__(self):
         _check_literals("model", self)
         _positive("model", self, "tiny_hidden_size", "tiny_intermediate_size", "tiny_num_layers",
-                  "tiny_num_heads", "tiny_num_kv_heads", "tiny_head_dim")
+                  "tiny_num_heads", "tiny_num_kv_heads", "tiny_head_dim", "attention_chunk_size")
         _check(self.tiny_vocab_size >= 259, "model.tiny_vocab_size",
                ">= 259 (256 bytes + 3 special tokens)", self.tiny_vocab_size)
         _check(self.tiny_num_heads % self.tiny_num_kv_heads == 0, "model.tiny_num_heads",

@@ -75,7 +75,7 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 # which acts only across publishes (a fixed policy's prior and evaluations have none; a
 # resumed run may change it), and env.blind_control, a finished run read for the report only.
 UNKEYED_FIELDS = {"rollout": ("servers", "prefix_reuse_across_publish", "pack_rows"), "prior": ("cache_dir",),
-                  "env": ("blind_control",)}
+                  "env": ("blind_control",), "model": ("remat",)}
 
 
 def stage_key(cfg, *sections: str) -> dict:
@@ -332,8 +332,9 @@ class SFTProgress:
 
 def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_config) -> Path:
     """SFT on the warm-start walkthroughs (``warmstart.*``); the initial RL policy's folder."""
+    from rollout_bridge.learner_processes import build_sft_learner
     from rollout_bridge.warmstart import run_sft, sft_examples
-    from spopp_jax.learner import LearnerConfig, init_train_state, make_sft_step
+    from spopp_jax.learner import LearnerConfig, make_sft_step
     from spopp_jax.models import save_pretrained
 
     ws = cfg.warmstart
@@ -352,7 +353,7 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
     sft_cfg = LearnerConfig(learning_rate=ws.learning_rate, weight_decay=ws.weight_decay,
                             max_grad_norm=learner_config.max_grad_norm,
                             logprob_chunk_size=learner_config.logprob_chunk_size)
-    model_def, state = init_train_state(load_policy(base, cfg.model), sft_cfg)
+    model_def, state, mesh = build_sft_learner(cfg, base, sft_cfg)  # the RL learner's mesh and precision
     start = time.time()
     saved = SFTCheckpoints(paths.warmstart_checkpoints, key)
     state, done_losses, start_epoch = saved.restore(state, ws.epochs)
@@ -362,13 +363,13 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
         state, losses = run_sft(make_sft_step(model_def, sft_cfg), state, examples, epochs=ws.epochs,
                                 batch_size=ws.batch_size, pad_id=chat.tokenizer.pad_token_id, seed=cfg.seed,
                                 on_step=progress.step, start_epoch=start_epoch, losses=done_losses,
-                                on_epoch=saved.maybe_save, group_by_length=ws.group_by_length)
+                                on_epoch=saved.maybe_save, group_by_length=ws.group_by_length, mesh=mesh)
     finally:
         progress.close()
         saved.close()
     folder = paths.warmstart_model
     folder.mkdir(parents=True, exist_ok=True)
-    save_pretrained(model_def.merge(state.params), str(folder))
+    save_pretrained(model_def.merge(state.params), str(folder))  # in model.compute_dtype
     chat.tokenizer.save_pretrained(str(folder))
     write_json_atomic(paths.warmstart_record, {"key": key, "losses": losses, "examples": len(examples),
                                                "wall_s": time.time() - start})

@@ -21,12 +21,21 @@ so ``snapshot_weights=True`` hands out an un-donated copy of the parameters
 (``background_publish.snapshot_params``: one async device copy per update, the learner does
 not wait for it) instead of the live buffers.
 
-Several learner processes (``mesh`` given and ``jax.process_count() > 1``, ``train.py
---distributed``; the data path is in ``rollout_bridge.distributed_learner``): the state is
-placed on the global mesh (each process fills its own devices' shards from its identical
-full copy), every batch with ``shard_global_batch`` (rows over data x fsdp), and what
-leaves the learner (log-probs, the weights to publish) is gathered to the host with
-``process_allgather``. Every process must make the same calls in the same order (SPMD).
+Data parallelism (``mesh`` given): the state is placed on the mesh (parameters and AdamW
+moments by the partition rules, ``train_state_sharding``) and every batch with its rows
+over the mesh's data x fsdp axes (``place_batch``), so each device runs the step on its
+own rows and XLA sums the gradients and the global token count across devices; the
+micro-batches and the token mean are those of one device. In one process this needs no
+flag: the default mesh (``mesh.fsdp -1``) spans every local device.
+Several learner processes (``jax.process_count() > 1``, ``train.py --distributed``; the
+data path is in ``rollout_bridge.distributed_learner``): each process fills its own
+devices' shards from its identical full copy, and what leaves the learner (log-probs, the
+weights to publish) is gathered to the host with ``process_allgather``. Every process must
+make the same calls in the same order (SPMD).
+
+Mixed precision: the state holds the master weights (``model.param_dtype``); what is
+published (to the engines, the HF export) is the parameters cast to the model's compute
+dtype (``ModelDef.compute_dtype``), a fresh copy no step donates.
 """
 
 from __future__ import annotations
@@ -42,17 +51,11 @@ from rollout_bridge import baselines
 from rollout_bridge.background_publish import snapshot_params
 from rollout_bridge.methods import LearnerInput, LearnerOutput
 from rollout_bridge.trajectory import unpack_rows
-from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, make_compute_logprobs,
-                               make_optimizer, make_train_step)
-from spopp_jax.sharding import shard_global_batch, shard_train_state, train_state_sharding
+from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, cast_floating,
+                               make_compute_logprobs, make_optimizer, make_train_step)
+from spopp_jax.sharding import place_batch, shard_train_state, train_state_sharding
 
 MIB = 2**20
-
-
-def multiprocess_mesh(mesh):
-    """``mesh`` when the learner spans several processes, else None (one process: the
-    state and batches stay as the caller placed them)."""
-    return mesh if mesh is not None and jax.process_count() > 1 else None
 
 
 def to_host(tree):
@@ -72,8 +75,8 @@ class PolicyLearner:
                  snapshot_weights: bool = False, mesh: Any = None):
         self.model_def = model_def
         self.snapshot_weights = snapshot_weights
-        self.mesh = multiprocess_mesh(mesh)
-        if self.mesh is not None:  # the same full state on every process -> its shards on each
+        self.mesh = mesh
+        if self.mesh is not None:  # (several processes: the same full state on each -> its shards)
             state = shard_train_state(state, train_state_sharding(state, self.mesh, make_optimizer(config)))
         self.state = state
         self.config = config
@@ -84,16 +87,28 @@ class PolicyLearner:
         # a non-finite step is skipped inside train_step; max_consecutive_skips in a row stop the run
         self.skip_guard = SkipGuard.from_config(config)
 
+    @property
+    def _gathers(self) -> bool:
+        return self.mesh is not None and jax.process_count() > 1
+
+    @property
+    def _casts(self) -> bool:
+        dtype = self.model_def.compute_dtype
+        return dtype is not None and any(leaf.dtype != dtype for leaf in jax.tree.leaves(self.state.params))
+
     def weights(self):
-        """The current policy as an NNX module (what the engine publishes); over a copy of
-        the parameters with ``snapshot_weights`` (safe to install while the next step runs)."""
-        if self.mesh is not None:  # gathered, on this process's first device: a copy no step donates
-            return self.model_def.merge(jax.device_put(to_host(self.state.params), jax.local_devices()[0]))
-        params = snapshot_params(self.state.params) if self.snapshot_weights else self.state.params
+        """The current policy as an NNX module (what the engine publishes) with its weights in
+        the compute dtype; over a copy of the parameters with ``snapshot_weights`` (safe to
+        install while the next step runs; a cast is such a copy)."""
+        params = cast_floating(self.state.params, self.model_def.compute_dtype)
+        if self._gathers:  # gathered, on this process's first device: a copy no step donates
+            return self.model_def.merge(jax.device_put(to_host(params), jax.local_devices()[0]))
+        if self.snapshot_weights and not self._casts:
+            params = snapshot_params(params)
         return self.model_def.merge(params)
 
     def _place(self, batch: TrainBatch) -> TrainBatch:
-        return batch if self.mesh is None else shard_global_batch(batch, self.mesh)
+        return batch if self.mesh is None else place_batch(batch, self.mesh)
 
     def __call__(self, learner_input: LearnerInput) -> LearnerOutput:
         batch = self._place(learner_input.batch)
@@ -127,8 +142,10 @@ class PolicyLearner:
         start = time.perf_counter()
         weights = self.weights()
         metrics["publish_snapshot_s"] = time.perf_counter() - start
-        copied = self.snapshot_weights or self.mesh is not None
-        full_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.state.params))  # the copy is never sharded
+        copied = self.snapshot_weights or self._gathers or self._casts
+        itemsize = None if self.model_def.compute_dtype is None else self.model_def.compute_dtype.itemsize
+        full_bytes = sum(leaf.size * (itemsize or leaf.dtype.itemsize)  # the copy is never sharded
+                         for leaf in jax.tree.leaves(self.state.params))
         metrics["publish_snapshot_mib"] = full_bytes / MIB if copied else 0.0
         return weights
 

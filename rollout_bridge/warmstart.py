@@ -177,15 +177,17 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
             on_step: Callable[[int, dict], None] | None = None,
             start_epoch: int = 0, losses: Sequence[float] = (),
             on_epoch: Callable[[int, Any, list[float]], None] | None = None,
-            group_by_length: bool = False, width_multiple: int = 128):
+            group_by_length: bool = False, width_multiple: int = 128, mesh: Any = None):
     """`epochs` shuffled passes of `sft_step(state, TrainBatch)`; returns (state, losses).
     Batches as `sft_batches` makes them (`group_by_length`, `width_multiple`); either way
     the loss per step is the global token mean over the batch's trained tokens.
 
     Resuming: `start_epoch` epochs are already in `state` (their `losses` given); their
     shuffles are drawn and skipped, so the run continues exactly as if uninterrupted.
-    `on_epoch(epochs_done, state, losses)` is called after each epoch (to checkpoint)."""
+    `on_epoch(epochs_done, state, losses)` is called after each epoch (to checkpoint).
+    `mesh`: each batch's rows over its data x fsdp axes (the RL learner's layout)."""
     from spopp_jax.learner import TrainBatch
+    from spopp_jax.sharding import place_batch
 
     if not 0 <= start_epoch <= epochs:
         raise ValueError(f"start_epoch must be in [0, {epochs}], got {start_epoch}")
@@ -199,7 +201,8 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
                 pass
             continue
         for arrays in batches:
-            state, metrics = sft_step(state, TrainBatch(**arrays))
+            batch = TrainBatch(**arrays)
+            state, metrics = sft_step(state, batch if mesh is None else place_batch(batch, mesh))
             loss = float(metrics["loss"])
             losses.append(loss)
             if on_step is not None:

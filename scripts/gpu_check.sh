@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the SPO++ stack: a few updates of a small Qwen3 with throughput numbers.
+# GPU check of the SPO++ stack.
 #
+#   scripts/gpu_check.sh [--cpu]          # one VERDICT line per check (scripts/gpu_check_verdicts.py):
+#                                         # bf16 mixed-precision learner step + MFU, cuDNN attention
+#                                         # parity, engine decode, Qwen3.5 tiny, memory settings, vLLM;
+#                                         # <= 8 min on one H100; --cpu: toy sizes on CPU (a dry run)
 #   scripts/gpu_check.sh [jax|vllm|fleet|fleet-train|attention|all] [extra args for scripts/gpu_check.py / train.py]
 #
 #   jax   embedded JAX engine + JAX learner on the accelerator (no vLLM needed).
@@ -29,8 +33,12 @@ set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-MODE="${1:-all}"
-[[ $# -gt 0 ]] && shift
+MODE="${1:-check}"
+if [[ "${MODE}" == --* ]]; then
+  MODE=check            # flags only: they are the verdict script's (e.g. --cpu)
+elif [[ $# -gt 0 ]]; then
+  shift
+fi
 cd "${REPO_ROOT}"
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 export TOKENIZERS_PARALLELISM=false
@@ -136,6 +144,7 @@ PY
 have_vllm() { "${PYTHON}" -c "import vllm" >/dev/null 2>&1; }
 
 case "${MODE}" in
+  check) timeout "${SPOPP_GPU_CHECK_TIMEOUT_S:-480}" "${PYTHON}" scripts/gpu_check_verdicts.py "$@" ;;
   jax) run_jax "$@" ;;
   vllm) run_vllm "$@" ;;
   fleet) run_fleet "$@" ;;
@@ -149,5 +158,5 @@ case "${MODE}" in
       echo "== gpu_check: vllm not importable with ${PYTHON}: vllm mode skipped (pip install -e .[vllm]) ==" >&2
     fi
     ;;
-  *) echo "usage: $0 [jax|vllm|fleet|fleet-train|attention|all] [gpu_check.py / train.py args]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--cpu] | [check|jax|vllm|fleet|fleet-train|attention|all] [gpu_check.py / train.py args]" >&2; exit 2 ;;
 esac

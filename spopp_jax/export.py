@@ -351,6 +351,7 @@ def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike,
     saved = read_step_config(step_dir)
     folder = resolve_model_folder(step_dir, saved, model_folder)
     arrays = read_step_params(step_dir)
+    dtype = dtype or (saved.get("model") or {}).get("compute_dtype")  # master weights -> compute dtype
     model = model_from_params(arrays, folder, dtype, source=f"checkpoint {step_dir}")
     return export_model(model, folder, out, SamplingDefaults.from_run_config(saved))
 
@@ -370,7 +371,8 @@ def _parser() -> argparse.ArgumentParser:
                              "default: <run>/warmstart_model, else the run's model.path / "
                              "model.tiny_dir")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="parameter dtype of the export (default: as in the checkpoint)")
+                        help="parameter dtype of the export (default: the run's model.compute_dtype, "
+                             "else as in the checkpoint)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out if it already holds files")
     return parser

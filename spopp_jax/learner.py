@@ -14,6 +14,14 @@ sums above are global over devices (XLA inserts the all-reduces), so the same co
 Model plumbing: the NNX module is split once into a static `ModelDef` (graphdef + the
 layout of its parameter state) and a graphdef-free pure-dict `params` pytree; jitted
 functions merge them back inside the trace.
+
+Mixed precision (MaxText's `weight_dtype` / `dtype`, Levanter's jmp policy): `params` and
+the AdamW moments stay in the model's `param_dtype` (float32 master weights) while the
+layers compute in its compute dtype (`ModelDef.compute_dtype`, e.g. bfloat16): each layer
+casts a weight where it reads it, so gradients arrive in float32, are summed over
+micro-batches and devices in float32, and the update is applied to the float32 master
+copy. Logits, log-probs and every loss statistic are float32 whatever the compute dtype.
+`frozen_weight_fraction` measures what a 16-bit master copy would lose.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ __all__ = [
     "make_train_step",
     "make_sft_step",
     "update_is_finite",
+    "cast_floating",
+    "frozen_weight_fraction",
     "SkipGuard",
     "NonFiniteUpdatesError",
 ]
@@ -191,6 +201,7 @@ class ModelDef:
     param_state_def: Any  # treedef of the nnx.Param State
     param_paths: tuple[tuple[Any, ...], ...]  # key path of each State leaf, in leaf order
     rest_state: Any  # non-Param state (usually empty), kept as a constant
+    compute_dtype: Any = None  # the model's compute dtype (None: as its parameters)
 
     def merge(self, params: Params) -> nnx.Module:
         flat = {path: leaf for path, leaf in _flatten_pure(params)}
@@ -232,8 +243,48 @@ def split_model(model: nnx.Module) -> tuple[ModelDef, Params]:
     """Splits an NNX module into (static `ModelDef`, pure-dict float params)."""
     graphdef, param_state, rest_state = nnx.split(model, nnx.Param, ...)
     paths = tuple(path for path, _ in _flatten_pure(param_state))
-    model_def = ModelDef(graphdef, jax.tree.structure(param_state), paths, rest_state)
+    compute_dtype = getattr(model, "dtype", None)
+    model_def = ModelDef(graphdef, jax.tree.structure(param_state), paths, rest_state,
+                         None if compute_dtype is None else jnp.dtype(compute_dtype))
     return model_def, nnx.to_pure_dict(param_state)
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with every floating leaf in ``dtype`` (None: unchanged). A leaf already in
+    ``dtype`` is returned as is (the same buffer), any other is a new array."""
+    if dtype is None:
+        return tree
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+@jax.jit
+def _frozen_counts(params: Params, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    frozen = total = jnp.zeros((), jnp.float32)
+    for w in jax.tree.leaves(params):
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            continue
+        moved = (w.astype(jnp.float32) - step * jnp.sign(w)).astype(w.dtype)
+        nonzero = w != 0
+        frozen += jnp.sum(nonzero & (moved == w), dtype=jnp.float32)
+        total += jnp.sum(nonzero, dtype=jnp.float32)
+    return frozen, total
+
+
+def frozen_weight_fraction(params: Params, learning_rate: float) -> float:
+    """Fraction of the non-zero weights w that one AdamW step cannot change as stored:
+    round_{dtype(w)}(w − lr·sign(w)) == w. Adam's normalised step has magnitude ≈ lr, so
+    this is the share of weights a run at ``learning_rate`` leaves frozen. For bfloat16
+    (8 significant bits) and |w| ~ 0.02 that is every weight at lr 1e-6; for float32,
+    none. (Exact for the first step; later steps are ≤ lr by Adam's bound.)"""
+    frozen, total = _frozen_counts(params, jnp.float32(learning_rate))
+    return float(frozen) / max(float(total), 1.0)
 
 
 # ----------------------------------------------------------------------------- optimizer/state

@@ -52,6 +52,7 @@ __all__ = [
     "shard_train_state",
     "shard_batch",
     "shard_global_batch",
+    "place_batch",
     "broadcast_from_process_0",
 ]
 
@@ -221,6 +222,17 @@ def shard_global_batch(batch: Any, mesh: Mesh) -> Any:
     if jax.process_count() == 1:
         return jax.device_put(batch, shardings)
     return jax.tree.map(_place_global, batch, shardings)
+
+
+def place_batch(batch: Any, mesh: Mesh) -> Any:
+    """A global host batch on ``mesh``: rows over (data, fsdp) (`shard_global_batch`). In
+    one process a batch whose row count data*fsdp does not divide (e.g. a last, smaller
+    batch of scored responses) is replicated instead: the same result, no row split."""
+    rows_per_shard = mesh.shape["data"] * mesh.shape["fsdp"]
+    leaves = jax.tree.leaves(batch)
+    if jax.process_count() == 1 and any(leaf.shape[0] % rows_per_shard for leaf in leaves):
+        return jax.device_put(batch, replicated(mesh))
+    return shard_global_batch(batch, mesh)
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:

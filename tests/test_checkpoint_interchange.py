@@ -80,7 +80,7 @@ def test_plain_orbax_reads_the_saved_parameters_and_tracker(run, tmp_path):
         assert params[name].dtype == saved.dtype, name
         np.testing.assert_array_equal(params[name], saved, err_msg=name)
     for name, saved in run.tracker.items():
-        restored = arrays[f"orchestrator/tracker.{name}"]
+        restored = arrays[f"orchestrator/method.tracker.{name}"]
         assert restored.shape == (NUM_TASKS,) and restored.dtype == np.float32
         np.testing.assert_array_equal(restored, saved, err_msg=name)
     assert arrays["orchestrator/rng_key"].dtype == np.uint32
@@ -135,9 +135,9 @@ def test_train_py_checkpoint_reads_without_our_code_and_exports(tmp_path):
             for p, x in jax.tree_util.tree_flatten_with_path(restored.train_state["params"])[0]}
     for name, value in ours.items():
         np.testing.assert_array_equal(arrays[f"params/{name}"], value, err_msg=name)
-    tracker = restored.extras["orchestrator"]["tracker"]      # restored as saved: a dict
+    tracker = restored.extras["orchestrator"]["method"]["tracker"]      # restored as saved: a dict
     for name in ("alpha", "beta", "z_ref"):
-        np.testing.assert_array_equal(arrays[f"orchestrator/tracker.{name}"],
+        np.testing.assert_array_equal(arrays[f"orchestrator/method.tracker.{name}"],
                                       np.asarray(tracker[name]), err_msg=name)
 
     out = export.export_checkpoint(step_dir, tmp_path / "hf")

@@ -57,7 +57,9 @@ def test_paper_recipes_load_with_spec_hyperparameters(name):
         assert cfg.env.max_turns == 8 and cfg.rollout.publish_every == 2
         ws = cfg.warmstart
         assert (ws.epochs, ws.batch_size, ws.learning_rate, ws.max_length) == (2, 8, 1e-5, 40960)
-        assert cfg.model.dtype == "bfloat16"
+    # bf16 compute on float32 master weights: AdamW at lr 1e-6 must move bf16-computed weights
+    assert (cfg.model.compute_dtype, cfg.model.param_dtype) == ("bfloat16", "float32")
+    assert cfg.model.remat == "block"
 
 
 def test_cli_overrides_beat_yaml(tmp_path):

@@ -52,8 +52,11 @@ def test_recipe_starts_up_to_the_missing_data_message(model_folder, recipe, miss
     components.check_inputs(cfg)  # the model folder is there
     with pytest.raises(UserError, match=missing):
         build_env(cfg, cfg.warmstart.enabled)
-    model = components.load_policy(model_folder, cfg.model)
-    assert model.dtype == jnp.dtype(cfg.model.dtype)
+    model = components.load_policy(model_folder, cfg.model)  # an engine's: weights in the compute dtype
+    assert model.dtype == jnp.dtype(cfg.model.compute_dtype) == model.param_dtype
+    learner_model = components.load_policy(model_folder, cfg.model, train=True)
+    assert learner_model.dtype == jnp.dtype("bfloat16") and learner_model.param_dtype == jnp.dtype("float32")
+    assert learner_model.model.remat == cfg.model.remat == "block"
     assert "linear_attention" in model.config.layer_types
     assert np.isfinite(np.asarray(model(jnp.arange(12)[None] % 50))).all()
 
@@ -61,7 +64,7 @@ def test_recipe_starts_up_to_the_missing_data_message(model_folder, recipe, miss
 def test_random_folder_loads_in_transformers_with_equal_logits(model_folder):
     ours = components.load_policy(model_folder, train.parse_config(
         ["--config_path", "configs/alfworld_qwen35_0p8b.yaml", "--model.path",
-         str(model_folder), "--model.dtype", "float32"]).model)
+         str(model_folder), "--model.compute_dtype", "float32"]).model)
     reference = Qwen3_5ForCausalLM.from_pretrained(str(model_folder)).float().eval()
     ids = np.arange(20)[None] % 50
     with torch.no_grad():

@@ -27,7 +27,7 @@ TOKENIZER_TEXTS = ["open the door", "take the key", "go north", "you win"] * 4
 TOKENIZER_VOCAB = 300
 # What train.py's checkpoint_key(cfg) stores, trimmed to the sections export reads.
 RUN_CONFIG = {
-    "model": {"path": None, "tiny_dir": "unused", "dtype": "float32"},
+    "model": {"path": None, "tiny_dir": "unused", "compute_dtype": "float32", "param_dtype": "float32"},
     "rollout": {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 12},
     "loss": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 2.0, "is_cap": 2.0},
     "method": "spopp",
@@ -89,8 +89,8 @@ def write_step(root: Path, model, step: int, seed: int) -> tuple[dict, dict]:
     rng = np.random.default_rng(seed)
     tracker_state = tracker.init(rng.uniform(0.5, 3.0, NUM_TASKS).astype(np.float32),
                                  rng.uniform(0.5, 3.0, NUM_TASKS).astype(np.float32))
-    orchestrator = {
-        "tracker": tracker_state,
+    orchestrator = {  # the layout of Orchestrator.state_dict() (the method's state under "method")
+        "method": {"tracker": tracker_state},
         "rng_key": np.asarray(jax.random.key_data(jax.random.key(seed))),
         "counters": {k: np.asarray(step * 4, np.int64)
                      for k in ("policy_event", "updates", "dispatched", "consumed",

@@ -155,7 +155,7 @@ def fused_attention_implementation(dtype, head_dim: int, backend: str | None = N
     """Which `jax.nn.dot_product_attention` kernel the full forward uses: "cudnn" on a GPU
     backend for 16-bit inputs with head_dim <= 128; None elsewhere (CPU, TPU, float32: our
     own XLA attention, `causal_block_attention` / `chunked_attention`). Decided at trace
-    time (static); the float32 default never takes the fused path, `model.dtype bfloat16`
+    time (static); the float32 default never takes the fused path, `model.compute_dtype bfloat16`
     on a GPU does."""
     backend = jax.default_backend() if backend is None else backend
     if (backend == "gpu" and jnp.dtype(dtype).name in FUSED_ATTENTION_DTYPES
@@ -299,7 +299,7 @@ class Attention(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs,
                  chunk_size: int = DEFAULT_ATTENTION_CHUNK,
-                 remat_score_bytes: int = ATTENTION_REMAT_SCORE_BYTES):
+                 remat_score_bytes: float = ATTENTION_REMAT_SCORE_BYTES, param_dtype=None):
         self.chunk_size = chunk_size
         self.remat_score_bytes = remat_score_bytes
         self.num_heads = config.num_attention_heads
@@ -309,17 +309,19 @@ class Attention(nnx.Module):
         hidden, head_dim = config.hidden_size, config.head_dim
         query_width = self.num_heads * head_dim * (2 if self.output_gate else 1)
         self.q_proj = Linear(hidden, query_width, use_bias=config.qkv_bias, dtype=dtype,
-                             rngs=rngs)
+                             rngs=rngs, param_dtype=param_dtype)
         self.k_proj = Linear(hidden, self.num_kv_heads * head_dim, use_bias=config.qkv_bias,
-                             dtype=dtype, rngs=rngs)
+                             dtype=dtype, rngs=rngs, param_dtype=param_dtype)
         self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, use_bias=config.qkv_bias,
-                             dtype=dtype, rngs=rngs)
+                             dtype=dtype, rngs=rngs, param_dtype=param_dtype)
         self.o_proj = Linear(self.num_heads * head_dim, hidden, use_bias=config.o_bias,
-                             dtype=dtype, rngs=rngs)
+                             dtype=dtype, rngs=rngs, param_dtype=param_dtype)
         if config.qk_norm:
             norm_class = OffsetRMSNorm if config.zero_centered_norms else RMSNorm
-            self.q_norm = norm_class(head_dim, eps=config.rms_norm_eps, dtype=dtype)
-            self.k_norm = norm_class(head_dim, eps=config.rms_norm_eps, dtype=dtype)
+            self.q_norm = norm_class(head_dim, eps=config.rms_norm_eps, dtype=dtype,
+                                     param_dtype=param_dtype)
+            self.k_norm = norm_class(head_dim, eps=config.rms_norm_eps, dtype=dtype,
+                                     param_dtype=param_dtype)
         else:
             self.q_norm = self.k_norm = None
         self.rope = (config.rotary_dim, config.rope_theta, config.rope_type,

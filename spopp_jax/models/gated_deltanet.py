@@ -30,7 +30,8 @@ from spopp_jax.models.cache import LinearAttentionCache
 from spopp_jax.models.config import ModelConfig
 from spopp_jax.models.delta_rule import (gated_delta_chunked, gated_delta_recurrent,
                                          l2_normalise)
-from spopp_jax.models.layers import GatedRMSNorm, Linear, _normal_init
+from spopp_jax.models.layers import (GatedRMSNorm, Linear, _normal_init, compute_value,
+                                     storage_dtype)
 from spopp_jax.models.masks import TokenLayout, segment_starts
 
 # HF initialises A = exp(A_log) uniformly in [A_INIT_LOW, A_INIT_HIGH] and dt_bias to 1.
@@ -80,11 +81,14 @@ def _align_front(x: jax.Array, shift: jax.Array) -> jax.Array:
 class DepthwiseConv1d(nnx.Module):
     """Holds the depthwise causal conv kernel in the HF layout: weight [channels, 1, K]."""
 
-    def __init__(self, channels: int, kernel_size: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal_init(rngs, (channels, 1, kernel_size), dtype))
+    def __init__(self, channels: int, kernel_size: int, *, dtype, rngs: nnx.Rngs,
+                 param_dtype=None):
+        self.dtype = jnp.dtype(dtype)
+        self.weight = nnx.Param(_normal_init(rngs, (channels, 1, kernel_size),
+                                             storage_dtype(dtype, param_dtype)))
 
     def __call__(self, x: jax.Array, keep: jax.Array) -> jax.Array:
-        return depthwise_causal_conv(x, self.weight[...], keep)
+        return depthwise_causal_conv(x, compute_value(self.weight, self.dtype), keep)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -92,8 +96,10 @@ class GatedDeltaNet(nnx.Module):
     Qwen3_5GatedDeltaNet. `chunk_size` (attention queries per block) does not apply: the
     delta rule's chunk is `config.linear_chunk_size`."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, chunk_size: int = 0):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, chunk_size: int = 0,
+                 param_dtype=None):
         del chunk_size  # the attention query chunk; see the class docstring
+        stored = storage_dtype(dtype, param_dtype)
         self.num_key_heads = config.linear_num_key_heads
         self.num_value_heads = config.linear_num_value_heads
         self.key_head_dim = config.linear_key_head_dim
@@ -104,19 +110,24 @@ class GatedDeltaNet(nnx.Module):
         value_dim = self.num_value_heads * self.value_head_dim
         self.conv_dim = 2 * key_dim + value_dim
         hidden = config.hidden_size
-        self.in_proj_qkv = Linear(hidden, self.conv_dim, use_bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_z = Linear(hidden, value_dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_qkv = Linear(hidden, self.conv_dim, use_bias=False, dtype=dtype, rngs=rngs,
+                                param_dtype=param_dtype)
+        self.in_proj_z = Linear(hidden, value_dim, use_bias=False, dtype=dtype, rngs=rngs,
+                                param_dtype=param_dtype)
         self.in_proj_b = Linear(hidden, self.num_value_heads, use_bias=False, dtype=dtype,
-                                rngs=rngs)
+                                rngs=rngs, param_dtype=param_dtype)
         self.in_proj_a = Linear(hidden, self.num_value_heads, use_bias=False, dtype=dtype,
-                                rngs=rngs)
-        self.conv1d = DepthwiseConv1d(self.conv_dim, self.kernel_size, dtype=dtype, rngs=rngs)
-        self.dt_bias = nnx.Param(jnp.ones((self.num_value_heads,), dtype))
+                                rngs=rngs, param_dtype=param_dtype)
+        self.conv1d = DepthwiseConv1d(self.conv_dim, self.kernel_size, dtype=dtype, rngs=rngs,
+                                      param_dtype=param_dtype)
+        self.dt_bias = nnx.Param(jnp.ones((self.num_value_heads,), stored))
         decay_rate = jax.random.uniform(rngs.params(), (self.num_value_heads,), jnp.float32,
                                         A_INIT_LOW, A_INIT_HIGH)
-        self.A_log = nnx.Param(jnp.log(decay_rate).astype(dtype))
-        self.norm = GatedRMSNorm(self.value_head_dim, eps=config.rms_norm_eps, dtype=dtype)
-        self.out_proj = Linear(value_dim, hidden, use_bias=False, dtype=dtype, rngs=rngs)
+        self.A_log = nnx.Param(jnp.log(decay_rate).astype(stored))
+        self.norm = GatedRMSNorm(self.value_head_dim, eps=config.rms_norm_eps, dtype=dtype,
+                                 param_dtype=param_dtype)
+        self.out_proj = Linear(value_dim, hidden, use_bias=False, dtype=dtype, rngs=rngs,
+                               param_dtype=param_dtype)
 
     def init_cache(self, batch_size: int, max_len: int, dtype) -> LinearAttentionCache:
         """Constant-size state per row (`max_len` does not apply)."""
@@ -144,8 +155,9 @@ class GatedDeltaNet(nnx.Module):
         real = valid[..., None]
         beta = jnp.where(real, jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32)), 0.0)
         rate = jax.nn.softplus(self.in_proj_a(x).astype(jnp.float32)
-                               + self.dt_bias[...].astype(jnp.float32))
-        decay = jnp.where(real, -jnp.exp(self.A_log[...].astype(jnp.float32)) * rate, 0.0)
+                               + compute_value(self.dt_bias, x.dtype).astype(jnp.float32))
+        a_log = compute_value(self.A_log, x.dtype).astype(jnp.float32)
+        decay = jnp.where(real, -jnp.exp(a_log) * rate, 0.0)
         value = heads(value, self.value_head_dim)
         if recurrent:
             core, state = gated_delta_recurrent(query, key, value, decay, beta, starts,

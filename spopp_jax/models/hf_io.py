@@ -30,6 +30,7 @@ import re
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors' numpy API)
 import numpy as np
 from flax import nnx
@@ -198,18 +199,22 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
                                              and name == "lm_head.weight")
 
 
-def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None, remat: bool = False,
-                    attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK) -> Qwen3ForCausalLM:
-    """The model of a local HF checkpoint folder (config.json + safetensors), with
-    parameters in `dtype` ("float32" / "bfloat16"; None: the config's `dtype` /
-    `torch_dtype`) and, given `mesh` (Auto axis types,
-    axes "fsdp" / "tensor"), sharded by the partition rules. `remat=True` recomputes
-    each layer in the backward pass; `attention_chunk_size` queries per attention block."""
+def from_pretrained(path: str, dtype="float32", mesh: Mesh | None = None,
+                    remat: str | bool = "none",
+                    attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK,
+                    param_dtype=None) -> Qwen3ForCausalLM:
+    """The model of a local HF checkpoint folder (config.json + safetensors), computing in
+    `dtype` ("float32" / "bfloat16"; None: the config's `dtype` / `torch_dtype`) with
+    parameters stored in `param_dtype` (None: `dtype`; "float32" under bfloat16 compute =
+    fp32 master weights, a bfloat16 checkpoint is widened exactly) and, given `mesh` (Auto
+    axis types, axes "fsdp" / "tensor"), sharded by the partition rules. `remat`: one of
+    `REMAT_POLICIES`; `attention_chunk_size` queries per attention block."""
     config = _read_model_config(path)
     if dtype is None:
         dtype = checkpoint_dtype(config)
     graphdef, state = load_parameters(path, config, dtype, mesh, remat=remat,
-                                      attention_chunk_size=attention_chunk_size)
+                                      attention_chunk_size=attention_chunk_size,
+                                      param_dtype=param_dtype)
     return nnx.merge(graphdef, state)
 
 
@@ -242,11 +247,12 @@ def hf_tensors(model: Qwen3ForCausalLM) -> Iterator[tuple[str, Any, bool]]:
         yield name, leaf, transposed
 
 
-def _plan_shards(tensors: list[tuple[str, Any, bool]], max_shard_bytes: int) -> list[list[int]]:
+def _plan_shards(tensors: list[tuple[str, Any, bool]], max_shard_bytes: int,
+                 dtype) -> list[list[int]]:
     shards: list[list[int]] = [[]]
     size = 0
     for i, (_, array, _) in enumerate(tensors):
-        nbytes = int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
+        nbytes = int(np.prod(array.shape)) * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -256,13 +262,16 @@ def _plan_shards(tensors: list[tuple[str, Any, bool]], max_shard_bytes: int) -> 
 
 
 def save_pretrained(model: Qwen3ForCausalLM, path: str,
-                    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> None:
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype=None) -> None:
     """Writes config.json and safetensors in HF layout (sharded with an index file when
     larger than `max_shard_size`, bytes or e.g. "2GB"), loadable by transformers / vLLM.
+    Tensors are written in `dtype`, by default the model's compute dtype (fp32 master
+    weights of a bfloat16 model are written as bfloat16, what it serves with).
     On multi-host runs every process must call it; only process 0 writes."""
     max_bytes = _parse_size(max_shard_size)
+    out_dtype = jnp.dtype(model.dtype if dtype is None else dtype)
     tensors = list(hf_tensors(model))
-    dtype = _dtype_name(model.dtype)
+    dtype = _dtype_name(out_dtype)
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
@@ -275,7 +284,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str,
             config["architectures"] = [ARCHITECTURES[model.config.model_type]]
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-    shards = _plan_shards(tensors, max_bytes)
+    shards = _plan_shards(tensors, max_bytes, out_dtype)
     weight_map, total_size = {}, 0
     for shard_number, members in enumerate(shards, start=1):
         file = (SINGLE_FILE if len(shards) == 1 else
@@ -283,7 +292,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str,
         block = {}
         for i in members:
             name, array, transposed = tensors[i]
-            host = _to_host(array)
+            host = _to_host(array).astype(out_dtype)
             block[name] = np.ascontiguousarray(host.T if transposed else host)
             weight_map[name] = file
             total_size += block[name].nbytes

@@ -7,7 +7,11 @@ Parameter layouts (the HF <-> JAX mapping in `hf_io.py` relies on them):
   RMSNorm.scale  [dim]
   OffsetRMSNorm.weight [dim]   (HF layout and name: y = n(x) (1 + weight))
 
-Compute dtype = parameter dtype; norms, rotary angles and softmax run in float32.
+Mixed precision (as Flax's `dtype` / `param_dtype`, MaxText's `dtype` / `weight_dtype`):
+each module stores its parameters in `param_dtype` (default: `dtype`) and computes in
+`dtype`; the cast happens where a parameter is read (`compute_value`), inside the
+differentiated function, so the gradient of an fp32 master weight is fp32 even when the
+layer computes in bfloat16. Norms, rotary angles and softmax run in float32.
 """
 
 from __future__ import annotations
@@ -25,33 +29,48 @@ def _normal_init(rngs: nnx.Rngs, shape, dtype, stddev: float = 0.02) -> jax.Arra
     return (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def storage_dtype(dtype, param_dtype=None) -> jnp.dtype:
+    """The dtype parameters are stored in: `param_dtype`, or the compute `dtype` when None."""
+    return jnp.dtype(dtype if param_dtype is None else param_dtype)
+
+
+def compute_value(param: nnx.Param, dtype) -> jax.Array:
+    """`param`'s value in the compute `dtype` (no op when it is stored so). Its transpose
+    casts the gradient back to the stored dtype."""
+    return param[...].astype(dtype)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel [in, out]."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_normal_init(rngs, (in_features, out_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+                 rngs: nnx.Rngs, param_dtype=None):
+        self.dtype = jnp.dtype(dtype)
+        stored = storage_dtype(dtype, param_dtype)
+        self.kernel = nnx.Param(_normal_init(rngs, (in_features, out_features), stored))
+        self.bias = nnx.Param(jnp.zeros((out_features,), stored)) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.kernel[...]
-        y = linear(x.astype(kernel.dtype), kernel)
+        y = linear(x.astype(self.dtype), self.kernel[...])  # casts the kernel itself
         if self.bias is not None:
-            y = y + self.bias[...]
+            y = y + compute_value(self.bias, self.dtype)
         return y
 
 
 @jax.custom_vjp
 def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """y = x @ kernel: x [..., in], kernel [in, out] -> [..., out] (same dtype).
+    """y = x @ kernel: x [..., in], kernel [in, out] -> [..., out] in x.dtype (the compute
+    dtype; a kernel stored in another dtype, e.g. fp32 master weights, is cast to it).
 
     Gradient (`_linear_backward`): dx = dy kernel^T, dkernel = x^T dy as ONE dot that
     contracts the tokens (all leading axes flattened) of x and dy in their stored
-    row-major layout. Autodiff's transposed dot led XLA:CPU to write a transposed copy of
-    dy (or of x) for every weight gradient, the largest single ops of the train step
-    (docs/PERFORMANCE.md). Values are those of autodiff.
+    row-major layout, accumulated in float32 and returned in the kernel's dtype: an fp32
+    master kernel gets an fp32 gradient that was never rounded to bfloat16, and a batch
+    sharded over devices is summed in float32. Autodiff's transposed dot led XLA:CPU to
+    write a transposed copy of dy (or of x) for every weight gradient, the largest single
+    ops of the train step (docs/PERFORMANCE.md). Values are those of autodiff.
     """
-    return jnp.einsum("...i,io->...o", x, kernel)
+    return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
 
 
 def _linear_forward(x, kernel):
@@ -60,10 +79,11 @@ def _linear_forward(x, kernel):
 
 def _linear_backward(residuals, d_y):
     x, kernel = residuals
-    d_x = jnp.einsum("...o,io->...i", d_y, kernel)
+    d_x = jnp.einsum("...o,io->...i", d_y, kernel.astype(d_y.dtype))
     tokens_x = x.reshape(-1, x.shape[-1])  # [N, in]
     tokens_d_y = d_y.reshape(-1, d_y.shape[-1])  # [N, out]
-    d_kernel = jax.lax.dot_general(tokens_x, tokens_d_y, (((0,), (0,)), ((), ())))
+    d_kernel = jax.lax.dot_general(tokens_x, tokens_d_y, (((0,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
     return d_x.astype(x.dtype), d_kernel.astype(kernel.dtype)
 
 
@@ -73,18 +93,22 @@ linear.defvjp(_linear_forward, _linear_backward)
 class Embed(nnx.Module):
     """Token embedding table [vocab, hidden]; `attend` gives tied-embedding logits."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(_normal_init(rngs, (vocab_size, hidden_size), dtype))
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs,
+                 param_dtype=None):
+        self.dtype = jnp.dtype(dtype)
+        self.embedding = nnx.Param(_normal_init(rngs, (vocab_size, hidden_size),
+                                                storage_dtype(dtype, param_dtype)))
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """Rows of the table; ids outside [0, vocab) (e.g. -1 padding) are clipped, so they
         give finite vectors instead of NaN (masked attention would still multiply their
         values by 0)."""
-        return jnp.take(self.embedding[...], input_ids, axis=0, mode="clip")
+        rows = jnp.take(self.embedding[...], input_ids, axis=0, mode="clip")
+        return rows.astype(self.dtype)  # cast the gathered rows, not the whole table
 
     def attend(self, x: jax.Array) -> jax.Array:
         """float32 logits = x @ embedding.T."""
-        table = self.embedding[...]
+        table = compute_value(self.embedding, self.dtype)
         return jnp.einsum("...h,vh->...v", x.astype(table.dtype), table,
                           preferred_element_type=jnp.float32)
 
@@ -92,12 +116,13 @@ class Embed(nnx.Module):
 class RMSNorm(nnx.Module):
     """y = scale * (x / sqrt(mean(x^2) + eps)), statistics in float32, result in x.dtype."""
 
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype=None):
+        self.dtype = jnp.dtype(dtype)
+        self.scale = nnx.Param(jnp.ones((dim,), storage_dtype(dtype, param_dtype)))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, compute_value(self.scale, self.dtype), self.eps)
 
 
 class OffsetRMSNorm(nnx.Module):
@@ -107,13 +132,15 @@ class OffsetRMSNorm(nnx.Module):
     x.dtype (as transformers' Qwen3_5RMSNorm).
     """
 
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype=None):
+        self.dtype = jnp.dtype(dtype)
+        self.weight = nnx.Param(jnp.zeros((dim,), storage_dtype(dtype, param_dtype)))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         normed = _normalise(x.astype(jnp.float32), self.eps)
-        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        weight = compute_value(self.weight, self.dtype).astype(jnp.float32)
+        return (normed * (1.0 + weight)).astype(x.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -123,14 +150,16 @@ class GatedRMSNorm(nnx.Module):
     by `scale`, then by silu(float32 gate); result in x.dtype.
     """
 
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype=None):
+        self.dtype = jnp.dtype(dtype)
+        self.scale = nnx.Param(jnp.ones((dim,), storage_dtype(dtype, param_dtype)))
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         if gate.shape != x.shape:
             raise ValueError(f"gate {gate.shape} must match x {x.shape}")
-        normed = self.scale[...] * _normalise(x.astype(jnp.float32), self.eps).astype(x.dtype)
+        normed = _normalise(x.astype(jnp.float32), self.eps).astype(x.dtype)
+        normed = compute_value(self.scale, self.dtype) * normed
         return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -231,13 +260,15 @@ def grouped_query_attention(query: jax.Array, key: jax.Array, value: jax.Array,
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden_size, intermediate_size, use_bias=False, dtype=dtype,
-                                rngs=rngs)
-        self.up_proj = Linear(hidden_size, intermediate_size, use_bias=False, dtype=dtype,
-                              rngs=rngs)
-        self.down_proj = Linear(intermediate_size, hidden_size, use_bias=False, dtype=dtype,
-                                rngs=rngs)
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
+                 param_dtype=None):
+        def proj(n_in, n_out):
+            return Linear(n_in, n_out, use_bias=False, dtype=dtype, rngs=rngs,
+                          param_dtype=param_dtype)
+
+        self.gate_proj = proj(hidden_size, intermediate_size)
+        self.up_proj = proj(hidden_size, intermediate_size)
+        self.down_proj = proj(intermediate_size, hidden_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -9,6 +9,17 @@ names).
 (e.g. Gated DeltaNet + gated attention) adds a mixer class there without touching the
 block. Each mixer implements `__call__(x, layout)`, `decode(x, layout, cache)` and
 `init_cache(batch, max_len, dtype)`, and takes `chunk_size` (queries per block).
+
+Precision: `dtype` is the compute dtype, `param_dtype` the stored one (default `dtype`):
+fp32 master weights with bfloat16 compute are `dtype="bfloat16", param_dtype="float32"`;
+each layer casts a parameter to `dtype` where it reads it (`layers.compute_value`), and the
+logits are float32 either way.
+
+Rematerialisation (`remat`, one of `REMAT_POLICIES`), what the backward pass recomputes:
+  "none"       nothing of the decoder layers (an attention call's score blocks still are
+               when they would exceed `ATTENTION_REMAT_SCORE_BYTES`);
+  "attention"  every attention call's causal score blocks (`causal_block_attention`);
+  "block"      each decoder layer: only its input is kept (O(layers x B x T x hidden)).
 """
 
 from __future__ import annotations
@@ -17,42 +28,64 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spopp_jax.models.attention import DEFAULT_ATTENTION_CHUNK, Attention
+from spopp_jax.models.attention import (ATTENTION_REMAT_SCORE_BYTES, DEFAULT_ATTENTION_CHUNK,
+                                        Attention)
 from spopp_jax.models.cache import AttentionCache, KVCache
 from spopp_jax.models.config import ModelConfig
 from spopp_jax.models.gated_deltanet import GatedDeltaNet
-from spopp_jax.models.layers import Embed, Linear, OffsetRMSNorm, RMSNorm, SwiGLU
+from spopp_jax.models.layers import (Embed, Linear, OffsetRMSNorm, RMSNorm, SwiGLU,
+                                     compute_value)
 from spopp_jax.models.masks import TokenLayout, cached_layout, sequence_layout
 
+REMAT_POLICIES = ("none", "attention", "block")
 # layer type -> (HF attribute name, mixer class)
 TOKEN_MIXERS = {"full_attention": ("self_attn", Attention),
                 "linear_attention": ("linear_attn", GatedDeltaNet)}
 
 
-def make_norm(config: ModelConfig, dim: int, dtype) -> RMSNorm | OffsetRMSNorm:
+def make_norm(config: ModelConfig, dim: int, dtype, param_dtype=None) -> RMSNorm | OffsetRMSNorm:
     """The decoder's RMSNorm: zero-centred (y = n(x)(1 + w)) for Qwen3.5, else n(x) w."""
     norm_class = OffsetRMSNorm if config.zero_centered_norms else RMSNorm
-    return norm_class(dim, eps=config.rms_norm_eps, dtype=dtype)
+    return norm_class(dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
 
 
 def _dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+def remat_policy(remat: str | bool) -> str:
+    """`remat` as one of `REMAT_POLICIES` (True = "block", False = "none")."""
+    if isinstance(remat, bool):
+        return "block" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
+    return remat
+
+
+def _attention_remat_bytes(policy: str) -> float:
+    """Score bytes above which an attention call's blocks are rematerialised."""
+    return 0 if policy == "attention" else ATTENTION_REMAT_SCORE_BYTES
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block: token mixer then SwiGLU MLP, each with a residual."""
 
     def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs,
-                 attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK):
+                 attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK, param_dtype=None,
+                 remat: str = "none"):
         layer_type = config.layer_types[layer_index]
         if layer_type not in TOKEN_MIXERS:
             raise NotImplementedError(f"layer_types[{layer_index}] = {layer_type!r}")
         self.mixer_name, mixer_class = TOKEN_MIXERS[layer_type]
+        options = ({"remat_score_bytes": _attention_remat_bytes(remat)}
+                   if mixer_class is Attention else {})
         setattr(self, self.mixer_name, mixer_class(config, dtype=dtype, rngs=rngs,
-                                                   chunk_size=attention_chunk_size))
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
-        self.input_layernorm = make_norm(config, config.hidden_size, dtype)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype)
+                                                   chunk_size=attention_chunk_size,
+                                                   param_dtype=param_dtype, **options))
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs,
+                          param_dtype=param_dtype)
+        self.input_layernorm = make_norm(config, config.hidden_size, dtype, param_dtype)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype, param_dtype)
 
     @property
     def mixer(self):
@@ -79,23 +112,25 @@ _remat_layer_forward = nnx.remat(_layer_forward)
 class Qwen3Model(nnx.Module):
     """The backbone (HF `model.`): embeddings, decoder layers, final norm.
 
-    `remat=True` recomputes each layer's activations in the backward pass (memory
-    O(layers x B x T x hidden) instead of keeping attention scores and MLP activations).
+    `remat` (module docstring): "block" recomputes each layer's activations in the backward
+    pass (memory O(layers x B x T x hidden) instead of keeping attention scores and MLP
+    activations); "attention" only the attention score blocks.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, remat: bool = False,
-                 attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK):
-        self.remat = remat
-        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, remat: str | bool = "none",
+                 attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK, param_dtype=None):
+        self.remat = remat_policy(remat)
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs,
+                                  param_dtype=param_dtype)
         self.layers = nnx.List([
-            DecoderLayer(config, i, dtype=dtype, rngs=rngs,
-                         attention_chunk_size=attention_chunk_size)
+            DecoderLayer(config, i, dtype=dtype, rngs=rngs, param_dtype=param_dtype,
+                         attention_chunk_size=attention_chunk_size, remat=self.remat)
             for i in range(config.num_hidden_layers)])
-        self.norm = make_norm(config, config.hidden_size, dtype)
+        self.norm = make_norm(config, config.hidden_size, dtype, param_dtype)
 
     def __call__(self, input_ids: jax.Array, layout: TokenLayout) -> jax.Array:
         x = self.embed_tokens(input_ids)
-        layer_forward = _remat_layer_forward if self.remat else _layer_forward
+        layer_forward = _remat_layer_forward if self.remat == "block" else _layer_forward
         for layer in self.layers:
             x = layer_forward(layer, x, layout)
         return self.norm(x)
@@ -113,20 +148,23 @@ class Qwen3ForCausalLM(nnx.Module):
     """Causal LM head over `Qwen3Model`; also serves Qwen2 (config.model_type == "qwen2")."""
 
     def __init__(self, config: ModelConfig, *, dtype="float32", rngs: nnx.Rngs,
-                 remat: bool = False, attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK):
+                 remat: str | bool = "none", attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK,
+                 param_dtype=None):
         self.config = config
-        self.dtype = _dtype(dtype)
+        self.dtype = _dtype(dtype)  # compute
+        self.param_dtype = self.dtype if param_dtype is None else _dtype(param_dtype)
         self.model = Qwen3Model(config, dtype=self.dtype, rngs=rngs, remat=remat,
-                                attention_chunk_size=attention_chunk_size)
+                                attention_chunk_size=attention_chunk_size,
+                                param_dtype=self.param_dtype)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, use_bias=False,
-                               dtype=self.dtype, rngs=rngs))
+                               dtype=self.dtype, rngs=rngs, param_dtype=self.param_dtype))
 
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] from final hidden states [..., hidden_size]."""
         if self.lm_head is None:
             return self.model.embed_tokens.attend(hidden)
-        kernel = self.lm_head.kernel[...]
+        kernel = compute_value(self.lm_head.kernel, self.dtype)
         return jnp.einsum("...h,hv->...v", hidden.astype(kernel.dtype), kernel,
                           preferred_element_type=jnp.float32)
 
@@ -182,12 +220,16 @@ def _attention_cache_len(cache: KVCache) -> int:
     raise ValueError("the cache has no attention layer")
 
 
-def init_model(config: ModelConfig, seed: int = 0, dtype="float32", remat: bool = False,
-               attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK) -> Qwen3ForCausalLM:
+def init_model(config: ModelConfig, seed: int = 0, dtype="float32", remat: str | bool = "none",
+               attention_chunk_size: int = DEFAULT_ATTENTION_CHUNK,
+               param_dtype=None) -> Qwen3ForCausalLM:
     """A randomly initialised model (normal(0, 0.02) matrices, unit norm scales).
 
-    remat: rematerialise each decoder layer in the backward pass.
+    dtype: compute dtype; param_dtype: stored dtype (None: dtype). The initial values are
+    drawn in float32 and cast to param_dtype, so a model differs from another of the same
+    seed and param_dtype only in its compute.
+    remat: one of `REMAT_POLICIES` (module docstring; True = "block").
     attention_chunk_size: queries per attention block (longer calls are scanned by chunks).
     """
     return Qwen3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(params=seed), remat=remat,
-                            attention_chunk_size=attention_chunk_size)
+                            attention_chunk_size=attention_chunk_size, param_dtype=param_dtype)
