@@ -64,6 +64,7 @@ from rollout_bridge.metrics import MetricsWriter, read_metrics
 from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, follow_process_0, start_distributed
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.run_guard import prepare_run, run_guarded
 from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
 from spopp_jax.config import TrainConfig, format_config_error, load_config
 from spopp_jax.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
@@ -161,8 +162,8 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
             chunk = min(cfg.checkpoint_every - orchestrator.updates % cfg.checkpoint_every,
                         cfg.steps - orchestrator.updates)
             await orchestrator.run(chunk)
-            learner.save(checkpointer, orchestrator.updates, {"orchestrator": orchestrator.state_dict()},
-                         checkpoint_key(cfg))
+            learner.save(checkpointer, orchestrator.updates, {"orchestrator": orchestrator.state_dict(),
+                         **writer.checkpoint_extras()}, checkpoint_key(cfg))
             if cfg.export_every and orchestrator.updates % cfg.export_every == 0:
                 build.export_policy(cfg, learner, policy, paths.export(orchestrator.updates), log)
         build.export_policy(cfg, learner, policy, paths.hf_model, log)
@@ -272,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def run_job(cfg: TrainConfig, paths: RunPaths, start: float) -> dict:
+    prepare_run(cfg, paths)  # the run lock; --resume: settings checked, the intact step chosen, before any work
     build.check_inputs(cfg)  # local inputs and the engine choice: fail before any work
     if cfg.stage in ("all", "rl"):  # never silently restart a run
         refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)
@@ -321,4 +323,4 @@ def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a native crash (XLA, a C extension) prints every thread's Python stack
-    raise SystemExit(run_cleanly(main))
+    raise SystemExit(run_guarded(main))
