@@ -41,6 +41,11 @@ A crash loses at most the updates since the last checkpoint; `--resume` restores
 
 from __future__ import annotations
 
+from rollout_bridge.run_guard import install_signal_handlers
+
+if __name__ == "__main__":
+    install_signal_handlers()  # before the heavy imports: Ctrl-C / SIGTERM end in one line at any stage
+
 import asyncio
 import dataclasses
 import faulthandler

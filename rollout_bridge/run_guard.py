@@ -241,6 +241,9 @@ def _on_signal(signum, frame) -> None:
         _release()
         os._exit(128 + signum)
     _signal_state["signum"] = signum
+    if _run["root"] is None:   # nothing written yet (imports, config): no cleanup to wait for
+        _write_line(f"interrupted ({signal.Signals(signum).name}) before the run started: nothing written")
+        os._exit(128 + signum)
     _quiet_stderr()
     raise RunInterrupted(signum)
 
@@ -277,6 +280,7 @@ def _release() -> None:
 
 
 def install_signal_handlers() -> None:
+    """SIGINT and SIGTERM -> `_on_signal` (call first thing, before the heavy imports)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_signal)
 
@@ -293,6 +297,13 @@ def run_guarded(main: Callable[[], Any]) -> int:
         if ending is None:
             raise
         status, line = ending
+        noise = _run["root"] / INTERRUPT_LOG if _run["root"] is not None else None
+        if noise is not None and noise.is_file():
+            sys.stderr.flush()
+            if noise.stat().st_size == 0:
+                noise.unlink()
+            else:
+                line += f" (other output: {noise})"
         _write_line(line)
         _release()
         os._exit(status)

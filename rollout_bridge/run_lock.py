@@ -9,8 +9,8 @@ process has its pid, or the process with its pid started at another time (the pi
 reused). A lock held from another host is never judged stale (its process cannot be
 seen); the message says which file to remove once that job is known to be gone.
 
-The takeover of a stale lock runs under an flock on ``.spopp-run.lock.guard``, so two jobs
-finding the same stale lock cannot both take it. The lock is released (removed, if still
+The takeover of a stale lock runs under an flock on the run folder, so two jobs finding
+the same stale lock cannot both take it. The lock is released (removed, if still
 ours) when the job ends, by `release` or at interpreter exit; `kill -9` leaves it behind,
 stale, for the next job to take over.
 """
@@ -32,7 +32,6 @@ from pathlib import Path
 from spopp_jax.run_errors import UserError
 
 LOCK_FILE = ".spopp-run.lock"
-GUARD_SUFFIX = ".guard"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +178,13 @@ class RunLock:
 
     @contextlib.contextmanager
     def _guard(self):
-        with open(self.folder / (LOCK_FILE + GUARD_SUFFIX), "a") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(guard, fcntl.LOCK_UN)
+        """An flock on the run folder itself (no extra file is left behind)."""
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)   # closing the descriptor releases the flock
 
     def release(self) -> None:
         """Removes the lock file if this process still holds it."""

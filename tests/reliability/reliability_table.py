@@ -26,6 +26,8 @@ DOC = ROOT / "docs" / "RELIABILITY.md"
 
 CATEGORIES = (
     "numerics",
+    "library input",
+    "run folder",
     "config / CLI",
     "HF model folder",
     "tokenizer folder",
@@ -34,6 +36,7 @@ CATEGORIES = (
     "engine response",
     "environment output",
     "process crash",
+    "interrupt",
     "long run",
 )
 
