@@ -213,7 +213,7 @@ def ending_line(error: BaseException) -> tuple[int, str] | None:
         signum = signum or signal.SIGINT
         name = signal.Signals(signum).name
         if root is None:
-            return 128 + signum, f"interrupted ({name}) before the run folder was opened: nothing written"
+            return 128 + signum, f"interrupted ({name}) before the run folder was opened: nothing in it changed"
         return 128 + signum, (f"interrupted ({name}): kept{where}: {_kept(root)}; continue with: "
                               f"{resume_command()}")
     for link in chain:
@@ -242,7 +242,7 @@ def _on_signal(signum, frame) -> None:
         os._exit(128 + signum)
     _signal_state["signum"] = signum
     if _run["root"] is None:   # nothing written yet (imports, config): no cleanup to wait for
-        _write_line(f"interrupted ({signal.Signals(signum).name}) before the run started: nothing written")
+        _write_line(f"interrupted ({signal.Signals(signum).name}) before the run folder was opened: nothing in it changed")
         os._exit(128 + signum)
     _quiet_stderr()
     raise RunInterrupted(signum)
@@ -308,4 +308,12 @@ def run_guarded(main: Callable[[], Any]) -> int:
         _release()
         os._exit(status)
     _release()
+    finished = status
+
+    def after_the_end(signum, frame):   # the job is over: a signal during teardown changes nothing
+        sys.stdout.flush()
+        os._exit(finished)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, after_the_end)
     return status

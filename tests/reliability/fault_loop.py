@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/fault_loop"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_chain", type=int, default=8, help="faults per chain at most, then run to the end")
+    parser.add_argument("--max_delay", type=float, default=None,
+                        help="latest fault, seconds after a start (default: the reference run's wall time)")
     options = parser.parse_args(argv)
     rng = random.Random(options.seed)
     out = options.out
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
         args = job_args(cache, run)
         for attempt in range(options.max_chain + 1):
             name, signum = rng.choice(list(SIGNALS.items())) if attempt < options.max_chain else (None, None)
-            delay = rng.uniform(1.0, wall * 1.05)
+            delay = rng.uniform(1.0, options.max_delay or wall)
             result = run_once(args + (["--resume"] if attempt else []), out / f"chain_{chains}_{attempt}.log",
                               signum, delay)
             text = result["stdout"] + result["stderr"]

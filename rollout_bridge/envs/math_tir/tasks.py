@@ -99,15 +99,15 @@ def ground_truth_problem(truth) -> str | None:
 
 
 def unparseable(truth: str) -> bool:
-    """True when math-verify finds no expression in the ground truth (every answer would
-    score 0). Its parse time-out uses signal.alarm, so off the main thread none is set."""
+    """True when math-verify finds no expression in the ground truth, only its text back
+    (every answer would score 0). Its parse time-out uses signal.alarm, so off the main thread none is set."""
     from math_verify import parse
 
     from rollout_bridge.envs.math_tir.verifier import gold_text
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    try:
-        return not parse(gold_text(truth), parsing_timeout=timeout)
+    try:   # parse returns [expression, text]; only the text when nothing parsed
+        return not any(not isinstance(item, str) for item in parse(gold_text(truth), parsing_timeout=timeout))
     except Exception:  # noqa: BLE001 - any failure to parse is "cannot be scored"
         return True
 
@@ -218,6 +218,8 @@ def load_dapo_math(path: str | Path, num_prompts: int, seed: int,
         if len(kept) < len(rows):
             log(f"DAPO-Math data {path}: skipped {len(rows) - len(kept)} prompt(s) whose ground truth "
                 "math-verify cannot parse")
+        if not kept:
+            raise ValueError(f"DAPO-Math data {path}: no row with a ground truth that can be scored")
         return MathTaskSet(tuple(kept))
     return MathTaskSet(tuple(_choose_scorable(rows, num_prompts, seed, path, log, "env.num_games")))
 
