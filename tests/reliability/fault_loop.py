@@ -7,9 +7,10 @@ The job is tests/tiny_run.py's smallest real job (configs/smoke.yaml cut down): 
 prior, RL with a checkpoint every 2 updates and an export every 2, the final export and
 evaluation, with a JAX compilation cache so that a resumed process does not recompile.
 An uninterrupted run of the same job is the reference. A fault is a signal sent from
-outside at a moment drawn uniformly over the reference run's wall time, so it lands in
-every stage in proportion to its length (imports, warm start, prior, RL, checkpoint
-writes, exports, evaluation); the stage is read from the process's last log line. After
+outside at a random moment of a randomly chosen target (`TARGETS`): seconds after the
+start (imports, games, model), after the log shows the warm start, the prior, RL updates
+or the evaluation began, or while a checkpoint step or an HF export is being written (its
+temporary folder exists); the stage is also read from the process's last log line. After
 each fault the job is started again with ``--resume``; a chain ends when a process
 finishes. Checked:
 
@@ -136,20 +137,50 @@ def metric_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run / "metrics.jsonl")]
 
 
-def run_once(args: list[str], log_path: Path, signum: int | None, delay: float) -> dict:
+# Where a fault lands: (target, what shows it has begun, seconds after that, drawn uniformly
+# up to this). A log line, or a temporary folder of a write in progress (an orbax step
+# being saved, an HF folder being exported), or the time since the start.
+TARGETS = (
+    ("start", None, 20.0),
+    ("warm start", "warm start: SFT on", 8.0),
+    ("prior", "prior: ", 5.0),
+    ("RL", "RL: update", 10.0),
+    ("checkpoint write", "checkpoints/*.orbax-checkpoint-tmp*", 0.0),
+    ("export", "**/.*.partial-*", 0.0),
+    ("evaluation", "evaluation:", 3.0),
+)
+
+
+def _begun(marker: str | None, run: Path, log_path: Path) -> bool:
+    if marker is None:
+        return True
+    if "*" in marker:
+        return any(run.glob(marker))
+    return marker in log_path.read_text()
+
+
+def run_once(args: list[str], log_path: Path, signum: int | None, delay: float,
+             target: tuple | None = None) -> dict:
+    """Runs train.py; sends ``signum`` ``delay`` seconds after ``target``'s marker shows."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    run = Path(args[args.index("--output_dir") + 1])
+    marker = target[1] if target is not None else None
     with open(log_path, "w") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.PIPE, cwd=ROOT, env=env, text=True)
         start = time.time()
         sent = False
+        seen = None
         while process.poll() is None:
-            if signum is not None and not sent and time.time() - start >= delay:
-                os.kill(process.pid, signum)
-                sent = True
+            if signum is not None and not sent:
+                if seen is None and _begun(marker, run, log_path):
+                    seen = time.time()
+                if seen is not None and time.time() - seen >= delay:
+                    os.kill(process.pid, signum)
+                    sent = True
             if time.time() - start > RUN_TIMEOUT_S:
                 process.kill()
                 break
-            time.sleep(0.05)
+            time.sleep(0.01)
         stderr = process.stderr.read()
         process.wait()
     stdout = log_path.read_text()
@@ -163,8 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/fault_loop"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_chain", type=int, default=8, help="faults per chain at most, then run to the end")
-    parser.add_argument("--max_delay", type=float, default=None,
-                        help="latest fault, seconds after a start (default: the reference run's wall time)")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="also write the summary here (docs/results/fault_loop.json)")
     options = parser.parse_args(argv)
     rng = random.Random(options.seed)
     out = options.out
@@ -193,17 +224,20 @@ def main(argv=None) -> int:
         args = job_args(cache, run)
         for attempt in range(options.max_chain + 1):
             name, signum = rng.choice(list(SIGNALS.items())) if attempt < options.max_chain else (None, None)
-            delay = rng.uniform(1.0, options.max_delay or wall)
+            target = rng.choice(TARGETS)
+            delay = rng.uniform(0.0, target[2])
+            if target[0] == "start":
+                delay += 1.0
             result = run_once(args + (["--resume"] if attempt else []), out / f"chain_{chains}_{attempt}.log",
-                              signum, delay)
+                              signum, delay, target)
             text = result["stdout"] + result["stderr"]
             if not result["sent"]:     # the process finished before the fault
                 if result["returncode"] != 0:
                     failures.append({"chain": chains, "attempt": attempt, "why": "a clean run failed",
                                      "stderr": result["stderr"][-2000:]})
                 break
-            record = {"chain": chains, "attempt": attempt, "signal": name, "delay_s": round(delay, 1),
-                      "stage": stage_of(result["stdout"]), "returncode": result["returncode"],
+            record = {"chain": chains, "attempt": attempt, "signal": name, "target": target[0],
+                      "delay_s": round(delay, 2), "stage": stage_of(result["stdout"]), "returncode": result["returncode"],
                       "traceback_lines": longest_traceback(text),
                       "stderr_tail": result["stderr"].strip().splitlines()[-1:] }
             faults.append(record)
@@ -243,10 +277,13 @@ def main(argv=None) -> int:
 
     summary = {"faults": len(faults), "chains": chains, "failures": len(failures),
                "by_signal": dict(Counter(f["signal"] for f in faults)),
+               "by_target": dict(Counter(f["target"] for f in faults)),
                "by_stage": dict(Counter(f["stage"] for f in faults)),
                "longest_traceback": max((f["traceback_lines"] for f in faults), default=0),
                "reference": reference, "failure_details": failures, "fault_records": faults}
     (out / "fault_loop.json").write_text(json.dumps(summary, indent=1))
+    if options.record:
+        options.record.write_text(json.dumps({k: v for k, v in summary.items() if k != "reference"}, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("fault_records",)}, indent=1))
     return 0 if not failures else 1
 
