@@ -278,8 +278,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def run_job(cfg: TrainConfig, paths: RunPaths, start: float) -> dict:
-    prepare_run(cfg, paths)  # the run lock; --resume: settings checked, the intact step chosen, before any work
     build.check_inputs(cfg)  # local inputs and the engine choice: fail before any work
+    prepare_run(cfg, paths)  # the run lock; --resume: settings checked, the intact step chosen, before any work
     if cfg.stage in ("all", "rl"):  # never silently restart a run
         refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)
     env = build_env(cfg, cfg.warmstart.enabled, log, cfg.progress)

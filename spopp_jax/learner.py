@@ -86,7 +86,7 @@ class LearnerConfig:
     most of a row, most of the [B, T, V] logits are skipped. Not combined with
     ``logprob_chunk_size`` (which takes precedence).
     ``max_consecutive_skips``: a `SkipGuard` built from this config stops the run after
-    that many train steps in a row skipped for a non-finite loss or gradient.
+    that many train steps in a row skipped for a non-finite loss, gradient or updated parameters.
     """
 
     learning_rate: float = 1e-6

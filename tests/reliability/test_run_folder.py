@@ -76,7 +76,8 @@ def test_second_job_on_one_output_dir_is_refused(tmp_path):
 
 @covers(Row("run folder", "a run lock left by a job killed with kill -9 (its pid gone)",
             "taken over with a log line '... was held by pid N ..., which is gone (a crash or kill); taking it "
-            "over'; the job goes on (here to its next check) and releases the lock when it ends",
+            "over'; the job goes on (here to its next check, a refused `--resume_step`) and releases the lock "
+            "when it ends",
             "the lock file is gone after the job; a reused pid (another start time) counts as gone too",
             kind="fault"))
 def test_stale_lock_is_taken_over(tmp_path):
@@ -88,9 +89,9 @@ def test_stale_lock_is_taken_over(tmp_path):
     dead.wait()
     (run / ".spopp-run.lock").write_text(lock_record(dead.pid))
     result = train(["--config_path", str(ROOT / "configs/smoke.yaml"), "--output_dir", str(run),
-                    "--progress", "false", "--env.game_dir", str(tmp_path / "no_such_games")])
+                    "--progress", "false", "--resume", "--resume_step", "99"])
     assert f"was held by pid {dead.pid}" in result.stdout and "which is gone" in result.stdout, result.stdout
-    assert result.returncode == 2 and "env.game_dir" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 2 and "--resume_step 99: no such checkpoint" in result.stderr, result.stderr[-2000:]
     assert not (run / ".spopp-run.lock").exists()
     me = this_process()
     assert not is_stale(me)
