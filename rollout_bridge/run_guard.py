@@ -13,7 +13,8 @@ cannot finish: one line saying what is kept and how to continue.
    prior and the checkpoints stay as they are. Steps newer than the chosen one are moved
    to ``<output_dir>/checkpoints_set_aside/`` (kept, out of orbax's way);
 3. without ``--resume`` on a folder without checkpoints, records the settings in
-   ``run_config.json`` for a later ``--resume`` to check.
+   ``run_config.json`` for a later ``--resume`` to check;
+4. removes half-written HF export folders a stopped job left (``.hf_model.partial-*``).
 
 `run_guarded(main)` replaces `run_errors.run_cleanly` as train.py's entry point: SIGINT
 (Ctrl-C) and SIGTERM raise `RunInterrupted` in the main thread, so they arrive between
@@ -80,6 +81,21 @@ def prepare_run(cfg, paths, log: Callable[[str], None] = _log) -> None:
     except BaseException:
         lock.release()
         raise
+    remove_interrupted_exports(Path(paths.root), log)
+
+
+def remove_interrupted_exports(root: Path, log: Callable[[str], None] = _log) -> int:
+    """Removes the staging folders of HF exports a killed job left (``.<name>.partial-*``,
+    `spopp_jax.export.export_model`); safe under the run lock: no other job exports here."""
+    import shutil
+
+    staged = [p for p in (*root.glob(".*.partial-*"), *root.glob("exports/.*.partial-*")) if p.is_dir()]
+    for folder in staged:
+        shutil.rmtree(folder, ignore_errors=True)
+    if staged:
+        log(f"removed {len(staged)} export folder(s) a stopped job left half-written: "
+            + ", ".join(p.name for p in staged))
+    return len(staged)
 
 
 def _saved_settings(paths, step: int | None) -> tuple[dict | None, str]:

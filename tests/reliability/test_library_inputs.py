@@ -40,8 +40,8 @@ def test_bad_eps_is_refused(maybe_jit, eps):
 
 
 @covers(Row("library input", "one NaN advantage among n under jit (eager: ValueError)",
-            "every whitened advantage is NaN (it used to be all 0: a silently zeroed batch); the learner's "
-            "guard then skips the update with `skipped_updates`=1",
+            "every whitened advantage is NaN, never a silently all-zero batch; the learner's guard then skips "
+            "the update with `skipped_updates`=1",
             "eager calls still raise '`advantages` must be finite'; under jit the batch is visibly poisoned",
             kind="fault"))
 def test_one_nan_advantage_poisons_the_batch_under_jit():
@@ -89,9 +89,10 @@ def _loss_inputs(advantage=1.0, mask_value=True):
 
 
 @covers(
-    Row("library input", "`policy_loss` with no action token (all masked) under jit (eager: ValueError)",
-        "loss_sum = 0 and token_count = 0: the caller divides by the global count (its responsibility; "
-        "train_step skips an empty batch's division)", "no NaN from 0/0 inside the loss"),
+    Row("library input", "`policy_loss` with no action token (all masked, or an empty [0, T] batch) under jit "
+        "(eager: ValueError)",
+        "loss_sum = 0 and token_count = 0 (the caller divides by the global token count)",
+        "no NaN from 0/0 inside the loss"),
     Row("library input", "`policy_loss` with a NaN advantage on an action token under jit (eager: ValueError)",
         "loss_sum is NaN, so the learner's update guard skips the step (`skipped_updates`=1)",
         "the NaN is never masked into a finite, wrong loss"),
@@ -103,6 +104,9 @@ def test_policy_loss_degenerate_input_under_jit():
     assert float(total) == 0.0 and int(count) == 0
     with pytest.raises(ValueError, match="no action token"):
         policy_loss(logp, None, rollout, adv, mask)
+    empty = jnp.zeros((0, 5))
+    total, count = loss(empty, empty, empty, empty > 0)
+    assert float(total) == 0.0 and int(count) == 0
     logp, rollout, adv, mask = _loss_inputs()
     adv = adv.at[0, 2].set(jnp.nan)
     total, count = loss(logp, rollout, adv, mask)
