@@ -304,7 +304,8 @@ def install_signal_handlers() -> None:
 def run_guarded(main: Callable[[], Any]) -> int:
     """`run_cleanly(main)` with the endings above: an interrupt, a non-finite run or an
     unreadable checkpoint print one line (see `ending_line`) and end the process with
-    ``os._exit``; everything else as `run_cleanly`."""
+    ``os._exit``; everything else as `run_cleanly`, and a single-process job that ends
+    with a status ends with ``os._exit`` too (no teardown)."""
     install_signal_handlers()
     try:
         status = run_cleanly(main)
@@ -324,12 +325,13 @@ def run_guarded(main: Callable[[], Any]) -> int:
         _release()
         os._exit(status)
     _release()
-    finished = status
+    import jax
 
-    def after_the_end(signum, frame):   # the job is over: a signal during teardown changes nothing
+    if jax.process_count() == 1:
+        # The job is over and its files are closed: end without the interpreter's teardown,
+        # where a signal meets the default handlers again (and XLA / orbax threads may
+        # still run). Several processes exit normally (jax.distributed's own shutdown).
         sys.stdout.flush()
-        os._exit(finished)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, after_the_end)
+        sys.stderr.flush()
+        os._exit(status)
     return status

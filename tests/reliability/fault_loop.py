@@ -146,16 +146,26 @@ TARGETS = (
     ("prior", "prior: ", 5.0),
     ("RL", "RL: update", 10.0),
     ("checkpoint write", "checkpoints/*.orbax-checkpoint-tmp*", 0.0),
-    ("export", "**/.*.partial-*", 0.0),
+    ("export", ".*.partial-*", 0.0),
     ("evaluation", "evaluation:", 3.0),
 )
 
 
-def _begun(marker: str | None, run: Path, log_path: Path) -> bool:
+def _writes(marker: str, run: Path) -> set[Path]:
+    try:    # orbax renames and deletes folders under the glob at any moment
+        found = set(run.glob(marker))
+        return found | set(run.glob("exports/" + marker)) if marker.startswith(".") else found
+    except OSError:
+        return set()
+
+
+def _begun(marker: str | None, run: Path, log_path: Path, before: set[Path]) -> bool:
+    """True once ``marker`` shows: a log line, or a write folder that was not there at the
+    start (a killed job's leftover temporary folder does not count)."""
     if marker is None:
         return True
     if "*" in marker:
-        return any(run.glob(marker))
+        return bool(_writes(marker, run) - before)
     return marker in log_path.read_text()
 
 
@@ -165,6 +175,7 @@ def run_once(args: list[str], log_path: Path, signum: int | None, delay: float,
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     run = Path(args[args.index("--output_dir") + 1])
     marker = target[1] if target is not None else None
+    before = _writes(marker, run) if marker and "*" in marker else set()
     with open(log_path, "w") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.PIPE, cwd=ROOT, env=env, text=True)
         start = time.time()
@@ -172,7 +183,7 @@ def run_once(args: list[str], log_path: Path, signum: int | None, delay: float,
         seen = None
         while process.poll() is None:
             if signum is not None and not sent:
-                if seen is None and _begun(marker, run, log_path):
+                if seen is None and _begun(marker, run, log_path, before):
                     seen = time.time()
                 if seen is not None and time.time() - seen >= delay:
                     os.kill(process.pid, signum)
