@@ -44,7 +44,11 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # GPUs of the learner and launched servers, JAX's memory settings: before JAX loads
+from rollout_bridge.run_guard import install_signal_handlers
+
+if __name__ == "__main__":
+    install_signal_handlers()  # before the heavy imports: Ctrl-C / SIGTERM end in one line at any stage
+    # GPUs of the learner and launched servers, JAX's memory settings: before JAX loads
     from rollout_bridge.node_layout import apply_before_jax
 
     apply_before_jax(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.yaml"))
@@ -71,6 +75,7 @@ from rollout_bridge.metrics import MetricsWriter, read_metrics
 from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, build_learner, follow_process_0, start_distributed
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.run_guard import prepare_run, run_guarded
 from rollout_bridge.run_report import final_line, log_regime, stage_times
 from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
 from rollout_bridge.config import ConfigFileError, TrainConfig, format_config_error, load_config
@@ -168,8 +173,8 @@ async def rl_stage(job: Job, policy: Path, chat, alpha0, beta0, learner: LeaderL
             chunk = min(cfg.checkpoint_every - orchestrator.updates % cfg.checkpoint_every,
                         cfg.steps - orchestrator.updates)
             await orchestrator.run(chunk)
-            learner.save(checkpointer, orchestrator.updates, {"orchestrator": orchestrator.state_dict()},
-                         checkpoint_key(cfg))
+            learner.save(checkpointer, orchestrator.updates, {"orchestrator": orchestrator.state_dict(),
+                         **writer.checkpoint_extras()}, checkpoint_key(cfg))
             if cfg.export_every and orchestrator.updates % cfg.export_every == 0:
                 build.export_policy(cfg, learner, policy, paths.export(orchestrator.updates), log)
         build.export_policy(cfg, learner, policy, paths.hf_model, log)
@@ -281,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def run_job(cfg: TrainConfig, paths: RunPaths, start: float) -> dict:
     build.check_inputs(cfg)  # local inputs and the engine choice: fail before any work
+    prepare_run(cfg, paths)  # the run lock; --resume: settings checked, the intact step chosen, before any work
     if cfg.stage in ("all", "rl"):  # never silently restart a run
         refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)
     env = build_env(cfg, cfg.warmstart.enabled, log, cfg.progress)
@@ -328,4 +334,4 @@ def finish_stages(job: Job, policy: Path, chat, start: float) -> dict:
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a native crash (XLA, a C extension) prints every thread's Python stack
-    raise SystemExit(run_cleanly(main))
+    raise SystemExit(run_guarded(main))

@@ -646,6 +646,7 @@ class TrainConfig:
     steps: int = 120
     output_dir: str = "runs/default"
     resume: bool = False
+    resume_step: Optional[int] = None  # with --resume: continue from this checkpoint step, not the newest intact one
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     progress: bool = True

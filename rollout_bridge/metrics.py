@@ -4,7 +4,10 @@
 flushed on every write so a crash loses nothing already written. On `--resume` from the
 checkpoint of step k, rows with step > k (work after that checkpoint, about to be redone)
 are dropped first (`MetricsWriter(..., resume_step=k)`), so the file never holds two rows
-for one step.
+for one step. Each checkpoint also holds the rows written since the previous one
+(`MetricsWriter.checkpoint_extras`, the checkpoint's extra ``metrics``): a resume rebuilds
+from it any row of that interval that is torn (a line that is not a whole JSON object, e.g.
+a crash or a full disk mid-write) or missing, and says so in one log line.
 
 Optional Weights & Biases sink (`WandbSink`, the `wandb` extra: `pip install
 'spopp-jax[wandb]'`): off by default; `offline` mode (the default when on) writes the run
@@ -38,19 +41,45 @@ def _scalar(value):
         return None
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All rows of a metrics.jsonl; a torn last line (crash mid-write) is ignored."""
-    rows = []
+def scan_metrics(path: str | os.PathLike) -> tuple[list[dict], int]:
+    """(rows, torn): every whole row of a metrics.jsonl and the number of torn lines
+    skipped (not a JSON object with a ``step``, or a last line without its newline)."""
+    rows, torn = [], 0
     path = Path(path)
     if not path.exists():
-        return rows
-    with open(path) as f:
-        for line in f:
+        return rows, torn
+    with open(path, "rb") as f:
+        for raw in f:
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
+                row = json.loads(raw) if raw.endswith(b"\n") else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+            elif raw.strip():
+                torn += 1
+    return rows, torn
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All whole rows of a metrics.jsonl; torn lines (crash mid-write) are skipped."""
+    return scan_metrics(path)[0]
+
+
+CHECKPOINT_EXTRA = "metrics"
+
+
+def checkpoint_rows(checkpoints_dir: str | os.PathLike, step: int) -> list[dict]:
+    """The metric rows saved with checkpoint ``step`` (`MetricsWriter.checkpoint_extras`);
+    [] for a checkpoint without them."""
+    folder = Path(checkpoints_dir) / str(step) / f"extra_{CHECKPOINT_EXTRA}"
+    if not folder.is_dir():
+        return []
+    import orbax.checkpoint as ocp
+
+    restored = ocp.PyTreeCheckpointHandler().restore(folder)
+    data = np.asarray(restored["tree"]["rows_json"], np.uint8)
+    return json.loads(data.tobytes().decode()) if data.size else []
 
 
 class MetricSink(Protocol):
@@ -106,15 +135,17 @@ class MetricsWriter:
     each of `sinks` (e.g. a `WandbSink`) receives the same row."""
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True,
-                 resume_step: int | None = None, sinks: Sequence[MetricSink] = ()):
+                 resume_step: int | None = None, sinks: Sequence[MetricSink] = (),
+                 checkpoints_dir: str | os.PathLike | None = None):
         self.sinks = list(sinks)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        self._since_checkpoint: list[dict] = []
         if resume_step is None:
             kept: list[dict] = []
         else:
-            kept = [r for r in read_metrics(self.path) if r.get("step", math.inf) <= resume_step]
+            kept = self._rows_to_keep(resume_step, checkpoints_dir)
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             for row in kept:
@@ -128,12 +159,35 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(self.run_dir / "tb"),
                                      purge_step=None if resume_step is None else resume_step + 1)
 
+    def _rows_to_keep(self, resume_step: int, checkpoints_dir) -> list[dict]:
+        """Rows up to ``resume_step``, one per step; rows of the checkpoint's interval
+        that are torn or missing come back from the checkpoint (one log line)."""
+        rows, torn = scan_metrics(self.path)
+        by_step = {r["step"]: r for r in rows if r["step"] <= resume_step}
+        saved = checkpoint_rows(checkpoints_dir or self.run_dir / "checkpoints", resume_step)
+        rebuilt = [r["step"] for r in saved if r["step"] not in by_step]
+        for row in saved:
+            by_step.setdefault(row["step"], row)
+        if torn or rebuilt:
+            print(f"metrics: {self.path} had {torn} torn line(s); "
+                  + (f"rows of steps {rebuilt} rebuilt from checkpoint {resume_step}" if rebuilt
+                     else "no row up to the checkpoint was lost"), flush=True)
+        return [by_step[s] for s in sorted(by_step)]
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """``{"metrics": ...}`` for a checkpoint's extras: the rows written since the
+        previous call (JSON bytes), so a resume can rebuild a torn or lost row."""
+        data = json.dumps(self._since_checkpoint).encode()
+        self._since_checkpoint = []
+        return {CHECKPOINT_EXTRA: {"rows_json": np.frombuffer(data, np.uint8).copy()}}
+
     def write(self, step: int, metrics: Mapping[str, object]) -> dict:
         row = {"step": int(step)}
         for key, value in metrics.items():
             scalar = _scalar(value)
             if scalar is not None and math.isfinite(scalar):
                 row[key] = scalar
+        self._since_checkpoint.append(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())

@@ -177,7 +177,8 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
             on_step: Callable[[int, dict], None] | None = None,
             start_epoch: int = 0, losses: Sequence[float] = (),
             on_epoch: Callable[[int, Any, list[float]], None] | None = None,
-            group_by_length: bool = False, width_multiple: int = 128, mesh: Any = None):
+            group_by_length: bool = False, width_multiple: int = 128, mesh: Any = None,
+            max_consecutive_skips: int = 5):
     """`epochs` shuffled passes of `sft_step(state, TrainBatch)`; returns (state, losses).
     Batches as `sft_batches` makes them (`group_by_length`, `width_multiple`); either way
     the loss per step is the global token mean over the batch's trained tokens.
@@ -185,14 +186,22 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
     Resuming: `start_epoch` epochs are already in `state` (their `losses` given); their
     shuffles are drawn and skipped, so the run continues exactly as if uninterrupted.
     `on_epoch(epochs_done, state, losses)` is called after each epoch (to checkpoint).
-    `mesh`: each batch's rows over its data x fsdp axes (the RL learner's layout)."""
-    from spopp_jax.learner import TrainBatch
+    `mesh`: each batch's rows over its data x fsdp axes (the RL learner's layout).
+
+    The step skips an update whose loss, gradient or updated parameters are not finite
+    (the state is left as it was); after `max_consecutive_skips` skipped steps in a row
+    `NonFiniteUpdatesError` stops the warm start (e.g. an infinite learning rate), as does
+    a warm start whose every step was skipped, so no model that never trained, or a NaN
+    one, is saved as its result."""
+    from spopp_jax.learner import SkipGuard, TrainBatch
     from spopp_jax.sharding import place_batch
 
     if not 0 <= start_epoch <= epochs:
         raise ValueError(f"start_epoch must be in [0, {epochs}], got {start_epoch}")
     rng = np.random.default_rng(seed)
+    guard = SkipGuard(max_consecutive_skips)
     losses = list(losses)
+    steps_before = len(losses)
     step = len(losses)
     for epoch in range(epochs):
         batches = sft_batches(examples, batch_size, rng, pad_id, group_by_length, width_multiple)
@@ -203,6 +212,8 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
         for arrays in batches:
             batch = TrainBatch(**arrays)
             state, metrics = sft_step(state, batch if mesh is None else place_batch(batch, mesh))
+            if "skipped_updates" in metrics:
+                guard.observe(metrics)
             loss = float(metrics["loss"])
             losses.append(loss)
             if on_step is not None:
@@ -210,4 +221,10 @@ def run_sft(sft_step: Callable, state, examples: Sequence[SFTExample], *, epochs
             step += 1
         if on_epoch is not None:
             on_epoch(epoch + 1, state, losses)
+    ran = step - steps_before
+    if ran and guard.total >= ran:
+        from spopp_jax.learner import NonFiniteUpdatesError
+
+        raise NonFiniteUpdatesError(f"warm start: all {ran} SFT steps had a non-finite loss, gradient or "
+                                    "updated parameters and were skipped (check warmstart.learning_rate)")
     return state, losses

@@ -18,6 +18,23 @@ Edge cases (SPEC 4):
   * *nearly* constant advantages are whitened as the formula says (|Ã_i| stays bounded by
     sqrt(Σw) for weighted entries, but noise is amplified; documented, not hidden).
 
+Degenerate input, eagerly and under ``jit`` (where value checks cannot run):
+
+  ============================  =============================  ==========================
+  input                         eager call                     under jit
+  ============================  =============================  ==========================
+  empty batch (n = 0)           ValueError                     ValueError (a shape)
+  every L_i = 0 (all masked)    Ã = 0 (token measure)          Ã = 0
+  a NaN / inf advantage         ValueError                     Ã = NaN for every entry:
+                                                               the learner's guard skips
+                                                               the update (never a silent
+                                                               all-zero batch)
+  a negative L_i                ValueError                     Ã = NaN for every entry
+  eps < 0, NaN or inf           ValueError (a negative eps     ValueError when eps is a
+                                flips signs where σ < |eps|,   Python number; a traced
+                                an infinite one zeroes Ã)      eps is not checked
+  ============================  =============================  ==========================
+
 Statistics are float32. :func:`whiten_tokens` computes the same thing from a packed token
 stream with segment sums, so it can run on the learner's ``[B, T]`` batch directly.
 """
@@ -66,8 +83,21 @@ def _check_trajectory_args(advantages, action_lengths) -> None:
     )
 
 
+def _check_eps(eps) -> None:
+    """eps must be finite and >= 0 when it is a concrete number (a traced one is not
+    checked): a negative eps flips the sign of Ã where σ < |eps|, an infinite one zeroes Ã."""
+    if isinstance(eps, (int, float, np.number)) or (_checks.is_concrete(eps) and np.ndim(eps) == 0):
+        value = float(eps)
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"`eps` must be finite and >= 0, got {value!r} (a negative eps flips "
+                             "the advantages' signs, an infinite one makes them all 0)")
+
+
 def _weighted_whiten(values: jax.Array, weights: jax.Array, eps: float) -> jax.Array:
-    """(values − μ_w) / (σ_w + eps), zeros when σ_w² = 0 or Σw = 0 (see module doc)."""
+    """(values − μ_w) / (σ_w + eps), zeros when σ_w² = 0 or Σw = 0; every entry NaN when a
+    value is not finite or a weight is negative or not finite (see module doc)."""
+    _check_eps(eps)
+    poisoned = ~jnp.all(jnp.isfinite(values) & jnp.isfinite(weights) & (weights >= 0))
     total = jnp.sum(weights)
     # Shift by the first positively weighted value: constant data become exact zeros.
     shift = values[jnp.argmax(weights > 0)]
@@ -78,7 +108,8 @@ def _weighted_whiten(values: jax.Array, weights: jax.Array, eps: float) -> jax.A
     var = jnp.sum(weights * centered * centered) / denom
     std = jnp.sqrt(var)
     ok = (var > 0) & (total > 0)
-    return jnp.where(ok, centered / jnp.where(ok, std + eps, 1.0), 0.0)
+    whitened = jnp.where(ok, centered / jnp.where(ok, std + eps, 1.0), 0.0)
+    return jnp.where(poisoned, jnp.nan, whitened)
 
 
 def whiten(

@@ -10,6 +10,12 @@ One checkpoint step is one orbax directory holding these items, written atomical
     checkpoint whose config or parameter shapes differ from what the caller expects and
     names every difference.
 - ``manifest``: JSON bookkeeping (extra names, which leaves were PRNG keys).
+- ``checksums.json``: the SHA-256 and size of every file above, written once orbax has
+    finalized the step (`spopp_jax.checkpoint_integrity`) and verified before a restore:
+    damaged bytes raise `CheckpointCorruptError` instead of restoring wrong numbers.
+
+A train state holding NaN or ±inf is never written (`NonFiniteStateError`): the newest
+step on disk is always the last finite one.
 
 Restoring onto another mesh: pass targets whose leaves are arrays or
 `jax.ShapeDtypeStruct`s carrying the *new* shardings; orbax reads each array straight
@@ -30,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from spopp_jax import checkpoint_integrity as integrity
 from spopp_jax.pytree_paths import path_name
 
 _TRAIN_STATE = "train_state"
@@ -49,6 +56,10 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint step on disk cannot be read (truncated or missing files)."""
+
+
+class NonFiniteStateError(ValueError):
+    """A train state holding NaN or ±inf was not saved; the earlier checkpoints stand."""
 
 
 class CheckpointWriteError(OSError):
@@ -196,6 +207,7 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
         self._async = async_save
+        self._pending: list[int] = []   # saved steps whose checksums are not written yet
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -212,9 +224,31 @@ class Checkpointer:
 
     def wait_until_finished(self) -> None:
         self._manager.wait_until_finished()
+        self._write_pending_checksums()
 
     def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._write_pending_checksums()
         self._manager.close()
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(int(step)))
+
+    def damage(self, step: int) -> str | None:
+        """Why step ``step`` fails its checksums (`checkpoint_integrity.find_damage`), or None."""
+        return integrity.find_damage(self.step_dir(step))
+
+    def verify(self, step: int) -> None:
+        """Raises `CheckpointCorruptError` naming the file when the step's bytes changed."""
+        why = self.damage(step)
+        if why is not None:
+            raise self._corrupt(step, why)
+
+    def _write_pending_checksums(self) -> None:
+        for step in self._pending:
+            if jax.process_index() == 0 and os.path.isdir(self.step_dir(step)):
+                integrity.write_checksums(self.step_dir(step))
+        self._pending = []
 
     def __enter__(self):
         return self
@@ -237,6 +271,13 @@ class Checkpointer:
         for name in extras:
             if not name.isidentifier():
                 raise ValueError(f"extras key {name!r} must be a Python identifier")
+        bad = integrity.non_finite_leaves(train_state)
+        if bad:
+            previous = self.all_steps()
+            raise NonFiniteStateError(
+                f"checkpoint step {step} was not written: the train state holds NaN/inf (in "
+                f"{', '.join(bad)}); the last finite checkpoint is "
+                f"{f'step {previous[-1]}' if previous else 'none'} in {self.directory}")
         items: dict[str, Any] = {_TRAIN_STATE: ocp.args.StandardSave(_to_savable(train_state))}
         key_impls = {}
         for name, tree in extras.items():
@@ -251,8 +292,9 @@ class Checkpointer:
         try:
             if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
                 raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
+            self._pending.append(int(step))
             if not self._async:
-                self._manager.wait_until_finished()
+                self.wait_until_finished()
         except (OSError, ValueError) as error:   # tensorstore reports ENOSPC/EFBIG as ValueError
             raise CheckpointWriteError(
                 f"checkpoint step {step} could not be written to {self.directory} "
@@ -286,6 +328,7 @@ class Checkpointer:
             step: the step to restore; the latest when None.
         """
         step = self._resolve_step(step)
+        self.verify(step)
         with self._readable(step):
             json_items = self._manager.restore(
                 step,

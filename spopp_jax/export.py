@@ -11,6 +11,13 @@ that folder's ``config.json`` before anything is written; a partial checkpoint (
 interrupted save, a missing item, unreadable array data) or a mismatched one is refused
 with a message naming the step folder and each difference.
 
+The step's files are checked against the checksums written with it
+(``checksums.json``, `spopp_jax.checkpoint_integrity`) and parameters holding NaN or ±inf
+are refused (`NonFiniteStateError`): a damaged or diverged step is never exported.
+``--out`` may not be a training run's folder, a folder holding checkpoints, or a folder
+that contains the checkpoint being exported, ``--overwrite`` or not: replacing it would
+delete the run.
+
 The output folder is written next to its final place and renamed into it when complete,
 so a crash never leaves a half-written model where transformers / vLLM would load it.
 Only the policy parameters are read (a partial orbax restore): the optimizer state, twice
@@ -36,10 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from spopp_jax.checkpoint import CheckpointMismatchError
+from spopp_jax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, NonFiniteStateError
+from spopp_jax.checkpoint_integrity import find_damage, non_finite_leaves
 
 __all__ = [
-    "IncompleteCheckpointError", "CheckpointMismatchError", "SamplingDefaults",
+    "IncompleteCheckpointError", "CheckpointMismatchError", "CheckpointCorruptError", "NonFiniteStateError",
+    "SamplingDefaults", "refuse_run_folder", "check_finite",
     "TOKENIZER_FILES", "check_step_complete", "read_step_config", "read_step_params",
     "resolve_model_folder", "model_from_params", "generation_config", "export_model", "export_checkpoint", "main",
 ]
@@ -53,6 +62,9 @@ PYTREE_METADATA_FILE = "_METADATA"            # per StandardSave item
 JSON_ITEM_FILE = "metadata"                   # per JsonSave item
 WARMSTART_FOLDER = "warmstart_model"          # train.py's RunPaths.warmstart_model
 GENERATION_CONFIG_FILE = "generation_config.json"
+# What marks a training run's folder (train.py's RunPaths and run lock) or a checkpoint
+RUN_FOLDER_MARKERS = ("checkpoints", "metrics.jsonl", "prior.json", "summary.json", "warmstart_checkpoints",
+                      ".spopp-run.lock", "run_config.json", "checkpoints_set_aside")
 # Tokenizer files a HF folder may carry; the ones present are copied byte for byte.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -111,7 +123,38 @@ def check_step_complete(step_dir: str | os.PathLike) -> Path:
         raise IncompleteCheckpointError(
             f"checkpoint {step_dir} is incomplete (missing {', '.join(missing)}): the save "
             "was interrupted or files were removed; use another step")
+    damage = find_damage(step_dir)
+    if damage is not None:
+        raise CheckpointCorruptError(f"checkpoint {step_dir} is damaged: {damage}; use another step")
     return step_dir
+
+
+def refuse_run_folder(out: str | os.PathLike, checkpoint: str | os.PathLike | None = None) -> None:
+    """FileExistsError when writing (and with ``--overwrite`` replacing) ``out`` could
+    destroy training output: ``out`` contains ``checkpoint``, is a run folder (any of
+    `RUN_FOLDER_MARKERS`) or holds an orbax checkpoint anywhere below it."""
+    out = Path(out).resolve()
+    if checkpoint is not None and Path(checkpoint).resolve().is_relative_to(out):
+        raise FileExistsError(f"--out {out} contains the checkpoint being exported; choose a new folder "
+                              "(e.g. <run>/hf_<step>)")
+    if not out.is_dir():
+        return
+    markers = [name for name in RUN_FOLDER_MARKERS if (out / name).exists()]
+    if markers:
+        raise FileExistsError(f"--out {out} is a training run's folder (it holds {', '.join(markers)}); "
+                              "export never replaces one, --overwrite or not: choose a new folder")
+    for folder, _, files in os.walk(out):
+        if STEP_METADATA_FILE in files:
+            raise FileExistsError(f"--out {out} holds checkpoints ({folder}); export never replaces "
+                                  "them, --overwrite or not: choose a new folder")
+
+
+def check_finite(arrays: Mapping[str, np.ndarray], source: str) -> None:
+    """NonFiniteStateError naming the parameters of `arrays` that hold NaN or ±inf."""
+    bad = non_finite_leaves(dict(arrays))
+    if bad:
+        raise NonFiniteStateError(f"{source}: parameters hold NaN/inf ({', '.join(bad)}); not exported "
+                                  "(export an earlier, finite step)")
 
 
 def read_step_config(step_dir: str | os.PathLike) -> dict[str, Any]:
@@ -326,8 +369,14 @@ def export_model(model, tokenizer_folder: str | os.PathLike, out: str | os.PathL
     """Writes `model` + the tokenizer files of `tokenizer_folder` + generation_config.json
     as a HF folder at `out`, atomically (staged beside `out`, renamed when complete).
     train.py calls it with the live policy (end of run, ``export_every``)."""
+    from flax import nnx
+
     from spopp_jax.models import save_pretrained
 
+    bad = non_finite_leaves(nnx.state(model, nnx.Param))
+    if bad:
+        raise NonFiniteStateError(f"the policy's parameters hold NaN/inf ({', '.join(bad)}); "
+                                  f"not exported to {out}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -351,6 +400,7 @@ def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike,
     saved = read_step_config(step_dir)
     folder = resolve_model_folder(step_dir, saved, model_folder)
     arrays = read_step_params(step_dir)
+    check_finite(arrays, f"checkpoint {step_dir}")
     dtype = dtype or (saved.get("model") or {}).get("compute_dtype")  # master weights -> compute dtype
     model = model_from_params(arrays, folder, dtype, source=f"checkpoint {step_dir}")
     return export_model(model, folder, out, SamplingDefaults.from_run_config(saved))
@@ -380,6 +430,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_export(args: argparse.Namespace) -> Path:
     out = Path(args.out)
+    refuse_run_folder(out, args.checkpoint)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise FileExistsError(f"--out {out} already holds files; pass --overwrite to "
                               "replace them")
@@ -394,7 +445,8 @@ def _export_or_message(argv: Sequence[str] | None) -> tuple[int, str]:
         written = _run_export(args)
     except (OSError, ValueError, NotImplementedError) as error:
         # IncompleteCheckpointError / FileNotFoundError / FileExistsError / disk full are
-        # OSErrors; CheckpointMismatchError and bad configs are ValueErrors.
+        # OSErrors; CheckpointMismatchError, CheckpointCorruptError, NonFiniteStateError
+        # and bad configs are ValueErrors.
         return EXIT_USAGE, f"export error: {error}"
     return 0, f"exported {args.checkpoint} -> {written}"
 

@@ -96,7 +96,7 @@ class LearnerConfig:
     most of a row, most of the [B, T, V] logits are skipped. Not combined with
     ``logprob_chunk_size`` (which takes precedence).
     ``max_consecutive_skips``: a `SkipGuard` built from this config stops the run after
-    that many train steps in a row skipped for a non-finite loss or gradient.
+    that many train steps in a row skipped for a non-finite loss, gradient or updated parameters.
     """
 
     learning_rate: float = 1e-6
@@ -733,11 +733,13 @@ def update_is_finite(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
 def _apply_update(
     optimizer, state: TrainState, grads: Params, loss: jax.Array
 ) -> tuple[TrainState, jax.Array, jax.Array]:
-    """One optimizer step, or none when the loss or the gradient is not finite.
+    """One optimizer step, or none when the loss, the gradient or the updated parameters
+    are not finite.
 
     Returns (state', grad_norm, skipped) with state' = the AdamW-updated state (``step``
-    + 1) when `update_is_finite`, else ``state`` itself, leaf for leaf (params, optimizer
-    moments and count, step): a non-finite loss or gradient never reaches the weights.
+    + 1) when `update_is_finite` and every updated parameter is finite (a finite gradient
+    times an infinite learning rate is not), else ``state`` itself, leaf for leaf (params,
+    optimizer moments and count, step): a non-finite value never reaches the weights.
     ``skipped`` is an int32 0/1. Jit-safe: the choice is a `jnp.where` per leaf, no host
     sync; the caller reads ``skipped`` from the step's metrics (`SkipGuard`).
     """
@@ -745,13 +747,14 @@ def _apply_update(
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     updated = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
-    ok = update_is_finite(loss, grad_norm)
+    params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
+    ok = update_is_finite(loss, grad_norm) & params_finite
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
     return new_state, grad_norm, jnp.logical_not(ok).astype(jnp.int32)
 
 
 class NonFiniteUpdatesError(RuntimeError):
-    """Too many train steps in a row had a non-finite loss or gradient (`SkipGuard`)."""
+    """Too many train steps in a row had a non-finite loss, gradient or update (`SkipGuard`)."""
 
 
 @dataclasses.dataclass
@@ -783,7 +786,7 @@ class SkipGuard:
         self.consecutive = self.consecutive + 1 if skipped > 0 else 0
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteUpdatesError(
-                f"{self.consecutive} train steps in a row had a non-finite loss or gradient "
+                f"{self.consecutive} train steps in a row had a non-finite loss, gradient or updated parameters "
                 f"(loss={float(metrics.get('loss', float('nan')))!r}, grad_norm="
                 f"{float(metrics.get('grad_norm', float('nan')))!r}); their updates were "
                 "skipped, parameters and optimizer state are those of the last finite step. "

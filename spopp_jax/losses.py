@@ -139,7 +139,12 @@ def policy_loss(
 
     Shape/dtype errors raise at trace time; value errors (all-zero ``action_mask``,
     non-finite log-probs or advantages on action tokens) raise only on concrete inputs and
-    are skipped under ``jit``.
+    are skipped under ``jit``, where they give: no action token -> ``(0, 0)`` (no 0/0
+    inside; the caller divides by the global count); a NaN or ±inf log-prob or advantage
+    on an action token -> a NaN ``loss_sum``, so the learner's update guard skips the step
+    (a non-finite value is never masked into a finite, wrong loss). An empty array (a zero
+    dimension) is an all-masked batch. Non-finite hyper-parameters are not refused:
+    ``clip_high = inf`` or ``is_cap = inf`` switch that clip off.
     """
     if old_logp is None:
         old_logp = jax.lax.stop_gradient(logp)
@@ -207,7 +212,7 @@ def _loss_metrics(
             jnp.where(mask, k3_from_log_ratio(jnp.log(clipped_ratio)), zero)
         ),
         "importance_weight_sum": jnp.sum(jnp.where(mask, is_weight, zero)),
-        "ratio_max": jnp.max(jnp.where(mask, ratio, zero)),
+        "ratio_max": jnp.max(jnp.where(mask, ratio, zero), initial=0.0),   # r >= 0; 0 for an empty batch
     }
 
 

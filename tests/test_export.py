@@ -167,7 +167,7 @@ def test_cli_refuses_damaged_array_data_in_one_message(run, tmp_path):
     step_dir = _damaged_copy(run, tmp_path, _truncated_arrays)
     out = tmp_path / "hf"
     _assert_refused(_cli("--checkpoint", str(step_dir), "--out", str(out)),
-                    "cannot be read", str(step_dir))
+                    "is damaged", str(step_dir))
     assert not out.exists()
 
 

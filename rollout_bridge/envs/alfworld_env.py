@@ -390,6 +390,11 @@ def read_game_file(path: str | os.PathLike) -> dict:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise GameFileError(f"game file {str(path)!r} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise GameFileError(f"game file {str(path)!r} is not UTF-8 text (byte {exc.start}); "
+                            "it is damaged or not a game.tw-pddl") from None
+    except (IsADirectoryError, PermissionError) as exc:
+        raise GameFileError(f"game file {str(path)!r} cannot be read: {exc.strerror}") from None
     if not isinstance(data, dict):
         raise GameFileError(f"game file {str(path)!r} must hold a JSON object, "
                             f"got {type(data).__name__}")

@@ -26,6 +26,8 @@ DOC = ROOT / "docs" / "RELIABILITY.md"
 
 CATEGORIES = (
     "numerics",
+    "library input",
+    "run folder",
     "config / CLI",
     "HF model folder",
     "tokenizer folder",
@@ -34,6 +36,7 @@ CATEGORIES = (
     "engine response",
     "environment output",
     "process crash",
+    "interrupt",
     "long run",
 )
 
@@ -143,7 +146,13 @@ def render(entries: list[TableEntry]) -> str:
         "for orbax's temporary folder; \"disk full\" is RLIMIT_FSIZE on the writer "
         "process (writes fail with EFBIG; an unprivileged stand-in for a full tmpfs); "
         "vLLM servers are the in-memory fake of tests/test_vllm_bridge.py; the 24-hour run "
-        "uses the virtual clock of `rollout_bridge.engine.fake.run_virtual`.",
+        "uses the virtual clock of `rollout_bridge.engine.fake.run_virtual`; SIGINT / SIGTERM are "
+        "sent to train.py from outside once its log shows the stage; a damaged checkpoint is a "
+        "flipped byte or a data file cut in half on a finished step. "
+        "`python tests/reliability/fault_loop.py --kills 50` sends kill -9 / SIGINT / SIGTERM at "
+        "random moments of a whole tiny job (warm start, prior, RL, checkpoint writes, exports, "
+        "evaluation), each followed by `--resume`, and checks the finished run against an "
+        "uninterrupted one (its last full run: `docs/results/fault_loop.json`).",
         "",
     ]
     for category in CATEGORIES:

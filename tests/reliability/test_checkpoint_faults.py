@@ -245,11 +245,14 @@ def test_checkpoint_with_other_shapes(saved):
             "above this build's)", "CheckpointMismatchError 'written by a newer spopp-jax "
             "(checkpoint format N, this build reads up to M)'", "nothing restored"))
 def test_checkpoint_from_a_newer_version(saved):
+    from spopp_jax.checkpoint_integrity import write_checksums
+
     manifest = saved / "2" / "manifest" / "metadata"
     record = json.loads(manifest.read_text())
     assert record["format_version"] == CHECKPOINT_FORMAT_VERSION
     record["format_version"] = CHECKPOINT_FORMAT_VERSION + 1
     manifest.write_text(json.dumps(record))
+    write_checksums(saved / "2")   # as that newer build would have written them
     with pytest.raises(CheckpointMismatchError, match="written by a newer spopp-jax"):
         restore_latest(saved)
 

@@ -8,6 +8,7 @@ max(k3(1 − ε_low), k3(1 + ε_high)) derived by hand (k3 falls on (0, 1], rise
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -210,3 +211,71 @@ def test_robust_kl_properties(log_ratios):
     metrics = _kl_metrics(inside.astype(np.float32))
     np.testing.assert_allclose(float(metrics["approx_kl_clipped"]), float(metrics["approx_kl"]),
                                rtol=1e-4, atol=1e-7)
+
+
+@covers(Row("numerics", "an infinite learning rate (`--optim.learning_rate inf`): finite loss and gradient, "
+            "non-finite updated parameters",
+            "every such update skipped (`skipped_updates`=1; the guard checks the updated parameters too); "
+            "`SkipGuard` stops the run after 5 in a row",
+            "params, moments and `step` bit-identical to before: no NaN model is ever checkpointed",
+            kind="malformed input"))
+def test_infinite_learning_rate_never_reaches_the_weights(tiny_model):
+    config = learner.LearnerConfig(learning_rate=float("inf"))
+    model_def, state = learner.init_train_state(tiny_model, config)
+    before = host_copy(state)
+    after, metrics = learner.make_train_step(model_def, config)(state, make_batch(np.random.default_rng(0)))
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert int(metrics["skipped_updates"]) == 1
+    assert_same_tree(after, before)
+
+
+class _Tokens:
+    pad_token_id = 0
+
+
+@covers(Row("numerics", "an infinite warm-start learning rate (`--warmstart.learning_rate inf`)",
+            "every SFT step skipped; the warm start stops with NonFiniteUpdatesError ('warm start: all N SFT "
+            "steps had a non-finite loss, gradient or updated parameters ...'; after 5 in a row for a longer one); "
+            "train.py prints it as one line and exits 1",
+            "no warm-start model is saved (never a NaN `hf_model` reported as done)", kind="malformed input"))
+def test_warm_start_with_infinite_learning_rate_stops(tiny_model):
+    from rollout_bridge.warmstart import SFTExample, run_sft
+
+    config = learner.LearnerConfig(learning_rate=float("inf"))
+    model_def, state = learner.init_train_state(tiny_model, config)
+    examples = [SFTExample(tuple(range(1, 9)), (False,) + (True,) * 7) for _ in range(4)]
+    step = learner.make_sft_step(model_def, config)
+    with pytest.raises(learner.NonFiniteUpdatesError, match="warm start: all 1 SFT steps"):
+        run_sft(step, state, examples, epochs=1, batch_size=4, pad_id=0)
+    model_def, state = learner.init_train_state(tiny_model, config)
+    with pytest.raises(learner.NonFiniteUpdatesError, match="5 train steps in a row"):
+        run_sft(step, state, examples, epochs=6, batch_size=4, pad_id=0)
+
+
+@covers(Row("numerics", "exporting a policy whose parameters hold NaN (train.py's end-of-run export, "
+            "`export_every`, `python -m spopp_jax.export` of a NaN step)",
+            "NonFiniteStateError '... parameters hold NaN/inf (...); not exported ...' (train.py: one line, exit 1, "
+            "no 'done')",
+            "no output folder is written", kind="fault"))
+def test_non_finite_policy_is_never_exported(tmp_path, tiny_model):
+    import sys
+
+    from flax import nnx
+
+    from spopp_jax import export
+    from spopp_jax.checkpoint import NonFiniteStateError
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_run import make_model_folder
+
+    folder = tmp_path / "start"
+    model = make_model_folder(folder, tied=True)
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    leaves[0] = jnp.full_like(leaves[0], jnp.nan) if jnp.issubdtype(leaves[0].dtype, jnp.floating) else leaves[0]
+    poisoned_model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    with pytest.raises(NonFiniteStateError, match="hold NaN/inf"):
+        export.export_model(poisoned_model, folder, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(NonFiniteStateError, match="not exported"):
+        export.check_finite({"w": np.array([1.0, np.inf], np.float32)}, "checkpoint X")

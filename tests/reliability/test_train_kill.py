@@ -206,8 +206,11 @@ def test_resume_drops_in_flight_work_is_open():
 
 @covers(Row("numerics", "train.py: every batch's advantages NaN from update 2 on (injected)",
             "each such update skipped and logged ('update skipped'), `learner/skipped_updates`=1 "
-            "in metrics.jsonl; after 5 in a row the run stops with NonFiniteUpdatesError",
-            "checkpoints written after the poisoning hold the step-1 parameters bit for bit",
+            "in metrics.jsonl; after 5 in a row the run stops with one line (exit 1): 'error: 5 train steps "
+            "in a row had a non-finite loss, gradient or updated parameters ... Not exported, not done; the last "
+            "finite checkpoint, step k in R, is the resume point ...'",
+            "checkpoints written after the poisoning hold the step-1 parameters bit for bit; no hf_model, no "
+            "summary.json",
             kind="fault"))
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
@@ -218,7 +221,10 @@ def test_train_py_skips_nan_updates_then_stops(reference):
                         *job(cache, run, steps=10)[2:]])
     assert done.returncode != 0
     output = done.stdout + done.stderr
-    assert "5 train steps in a row had a non-finite loss or gradient" in output, output[-3000:]
+    assert "5 train steps in a row had a non-finite loss, gradient or updated parameters" in output, output[-3000:]
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "Not exported, not done" in done.stderr and "Traceback" not in done.stderr
+    assert not (run / "hf_model").exists() and not (run / "summary.json").exists()
     assert output.count("update skipped") == 5
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["learner/skipped_updates"] for r in rows] == [0.0] + [1.0] * 4

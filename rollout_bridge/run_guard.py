@@ -1,0 +1,337 @@
+"""What a training job checks before it touches its run folder, and how it ends when it
+cannot finish: one line saying what is kept and how to continue.
+
+`prepare_run(cfg, paths)` (first thing `train.py` does with a run folder):
+
+1. takes the folder's run lock (`run_lock.RunLock`): a second job on one ``output_dir`` is
+   refused with one line naming the holder; a lock left by a killed job is taken over;
+2. with ``--resume``, picks the step to resume from before anything is rewritten: the
+   newest checkpoint whose files match their checksums (a damaged newer one is named in
+   one line) or ``--resume_step``; and compares the settings the run was made with (that
+   checkpoint's config, else ``run_config.json`` of the first start) with the settings
+   given now. A difference is refused with one line listing it, and the warm start, the
+   prior and the checkpoints stay as they are. Steps newer than the chosen one are moved
+   to ``<output_dir>/checkpoints_set_aside/`` (kept, out of orbax's way);
+3. without ``--resume`` on a folder without checkpoints, records the settings in
+   ``run_config.json`` for a later ``--resume`` to check;
+4. removes half-written HF export folders a stopped job left (``.hf_model.partial-*``).
+
+`run_guarded(main)` replaces `run_errors.run_cleanly` as train.py's entry point: SIGINT
+(Ctrl-C) and SIGTERM raise `RunInterrupted` in the main thread, so they arrive between
+Python bytecodes, never inside XLA's compiler threads; the job's ``finally`` blocks run;
+then one line says what the run folder keeps and the command that continues it, and the
+process ends with ``os._exit`` (128 + signal number) without the interpreter's teardown,
+which could run while XLA or orbax threads still work (a Ctrl-C during compilation
+segfaulted there). After the first signal, anything third-party code prints goes to
+``<output_dir>/interrupt.log``; a second signal ends the process at once. A run stopped
+for non-finite updates or a non-finite state, or by an unreadable checkpoint, ends the
+same way with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rollout_bridge.run_lock import RunLock
+from rollout_bridge.run_errors import EXIT_USER_ERROR, UserError, run_cleanly
+
+RUN_CONFIG_FILE = "run_config.json"
+SET_ASIDE_FOLDER = "checkpoints_set_aside"
+INTERRUPT_LOG = "interrupt.log"
+EXIT_FAILED = 1
+SHOWN_DIFFERENCES = 6
+
+_run: dict[str, Any] = {"root": None, "lock": None}
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived (``signum``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ------------------------------------------------------------------ before any work
+def complete_steps(checkpoints: Path) -> list[int]:
+    """Finalized orbax step folders (digit names), ascending."""
+    if not checkpoints.is_dir():
+        return []
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def prepare_run(cfg, paths, log: Callable[[str], None] = _log) -> None:
+    """Lock the run folder, then check (and with ``--resume`` prepare) what it holds; see
+    the module docstring. UserError on a refused start, with nothing in the folder changed."""
+    lock = RunLock(paths.root, log).acquire()
+    _run.update(root=Path(paths.root), lock=lock)
+    try:
+        check_resume(cfg, paths, log)
+    except BaseException:
+        lock.release()
+        raise
+    remove_interrupted_exports(Path(paths.root), log)
+
+
+def remove_interrupted_exports(root: Path, log: Callable[[str], None] = _log) -> int:
+    """Removes the staging folders of HF exports a killed job left (``.<name>.partial-*``,
+    `spopp_jax.export.export_model`); safe under the run lock: no other job exports here."""
+    import shutil
+
+    staged = [p for p in (*root.glob(".*.partial-*"), *root.glob("exports/.*.partial-*")) if p.is_dir()]
+    for folder in staged:
+        shutil.rmtree(folder, ignore_errors=True)
+    if staged:
+        log(f"removed {len(staged)} export folder(s) a stopped job left half-written: "
+            + ", ".join(p.name for p in staged))
+    return len(staged)
+
+
+def _saved_settings(paths, step: int | None) -> tuple[dict | None, str]:
+    from spopp_jax.export import read_step_config
+
+    if step is not None:
+        folder = paths.checkpoints / str(step)
+        return read_step_config(folder), f"checkpoint {folder}"
+    record = Path(paths.root) / RUN_CONFIG_FILE
+    if record.is_file():
+        return json.loads(record.read_text()), str(record)
+    return None, ""
+
+
+def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
+    """The checkpoint step ``--resume`` continues from (None: none, RL starts afresh)."""
+    from rollout_bridge.job import checkpoint_key
+    from rollout_bridge.prior import write_json_atomic
+    from spopp_jax.checkpoint import config_differences
+    from spopp_jax.checkpoint_integrity import find_damage
+
+    requested = getattr(cfg, "resume_step", None)
+    steps = complete_steps(paths.checkpoints)
+    key = checkpoint_key(cfg)
+    if not cfg.resume:
+        if requested is not None:
+            raise UserError(f"--resume_step {requested} needs --resume")
+        if not steps:
+            write_json_atomic(Path(paths.root) / RUN_CONFIG_FILE, key)
+        return None
+    damaged: list[tuple[int, str]] = []
+    chosen = None
+    if requested is not None:
+        if requested not in steps:
+            raise UserError(f"--resume_step {requested}: no such checkpoint in {paths.checkpoints} "
+                            f"(it has {steps or 'none'})")
+        why = find_damage(paths.checkpoints / str(requested))
+        if why is not None:
+            raise UserError(f"--resume_step {requested}: checkpoint {paths.checkpoints / str(requested)} "
+                            f"is damaged ({why}); pick another of {steps}")
+        chosen = requested
+    else:
+        for step in reversed(steps):
+            why = find_damage(paths.checkpoints / str(step))
+            if why is None:
+                chosen = step
+                break
+            damaged.append((step, why))
+        if steps and chosen is None:
+            raise UserError(f"--resume: every checkpoint in {paths.checkpoints} is damaged ("
+                            + "; ".join(f"step {s}: {w}" for s, w in damaged) + ")")
+    saved, source = _saved_settings(paths, chosen)
+    if saved is not None:
+        diffs = config_differences(saved, key)
+        if diffs:
+            shown = diffs[:SHOWN_DIFFERENCES] + ([f"... {len(diffs) - SHOWN_DIFFERENCES} more"]
+                                                 if len(diffs) > SHOWN_DIFFERENCES else [])
+            raise UserError(f"--resume: {paths.root} was made with other settings than these "
+                            f"({source}): {'; '.join(shown)}. Nothing was changed; resume with "
+                            "that run's settings, or choose a new --output_dir")
+    newer = [s for s in steps if chosen is not None and s > chosen]
+    if newer:
+        aside = Path(paths.root) / SET_ASIDE_FOLDER
+        aside.mkdir(exist_ok=True)
+        for step in newer:
+            target = aside / str(step)
+            if target.exists():
+                target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(paths.checkpoints / str(step), target)
+        why = {s: w for s, w in damaged}
+        reasons = "; ".join(f"step {s}: {why[s]}" if s in why else f"step {s}: newer than --resume_step"
+                            for s in newer)
+        log(f"resume: from checkpoint step {chosen}; set aside in {aside}: {reasons}")
+    return chosen
+
+
+# ------------------------------------------------------------------ ending
+def _kept(root: Path) -> str:
+    parts = []
+    if (root / "warmstart_model" / "warmstart.json").is_file():
+        parts.append("the warm start")
+    elif (root / "warmstart_checkpoints").is_dir():
+        parts.append("the warm start's last SFT epoch")
+    if (root / "prior.json").is_file():
+        parts.append("the prior")
+    steps = complete_steps(root / "checkpoints")
+    if steps:
+        parts.append(f"checkpoints up to step {steps[-1]}")
+    if (root / "metrics.jsonl").is_file() and steps:
+        parts.append("the metrics of those updates")
+    if (root / "summary.json").is_file():
+        parts.append("the final summary")
+    return ", ".join(parts) if parts else "nothing yet"
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    argv = list(sys.argv if argv is None else argv)
+    script = argv[0] if argv else "train.py"
+    args = [a for a in argv[1:] if a not in ("--resume", "--resume=true", "--resume=True")]
+    if "--resume" in argv[1:]:
+        index = argv[1:].index("--resume")
+        if index + 1 < len(argv[1:]) and argv[1:][index + 1] in ("true", "True"):
+            args.remove(argv[1:][index + 1])
+    return shlex.join(["python", script, *args, "--resume"])
+
+
+def _storage_line(error: BaseException) -> str | None:
+    from rollout_bridge.run_errors import storage_error_line
+
+    return storage_error_line(error)
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def ending_line(error: BaseException) -> tuple[int, str] | None:
+    """(exit status, the one line) for an ending this module owns, else None."""
+    from spopp_jax.checkpoint import CheckpointCorruptError, NonFiniteStateError
+    from spopp_jax.learner import NonFiniteUpdatesError
+
+    root = _run["root"]
+    where = f" in {root}" if root is not None else ""
+    signum = _signal_state["signum"]
+    chain = list(_chain(error))
+    if signum is not None or any(isinstance(e, KeyboardInterrupt) for e in chain):
+        signum = signum or signal.SIGINT
+        name = signal.Signals(signum).name
+        if root is None:
+            return 128 + signum, f"interrupted ({name}) before the run folder was opened: nothing in it changed"
+        return 128 + signum, (f"interrupted ({name}): kept{where}: {_kept(root)}; continue with: "
+                              f"{resume_command()}")
+    for link in chain:
+        if isinstance(link, (NonFiniteUpdatesError, NonFiniteStateError)):
+            steps = complete_steps(root / "checkpoints") if root is not None else []
+            resume = (f"the last finite checkpoint, step {steps[-1]}{where}, is the resume point "
+                      f"(--resume after fixing the cause)" if steps else "no checkpoint was written")
+            return EXIT_FAILED, f"error: {str(link).splitlines()[0]}. Not exported, not done; {resume}"
+        if isinstance(link, CheckpointCorruptError):
+            return EXIT_USER_ERROR, (f"error: {str(link).splitlines()[0]}; --resume continues from the newest "
+                                     "intact step, --resume_step <k> from another")
+    line = _storage_line(error)
+    if line is not None:
+        return EXIT_USER_ERROR, f"error: {line}"
+    return None
+
+
+_signal_state: dict[str, Any] = {"signum": None, "stderr_fd": None}
+
+
+def _on_signal(signum, frame) -> None:
+    if _signal_state["signum"] is not None:   # a second signal: out now
+        _write_line(f"interrupted again ({signal.Signals(signum).name}): exiting now; --resume continues "
+                    "from the last checkpoint")
+        _release()
+        os._exit(128 + signum)
+    _signal_state["signum"] = signum
+    if _run["root"] is None:   # nothing written yet (imports, config): no cleanup to wait for
+        _write_line(f"interrupted ({signal.Signals(signum).name}) before the run folder was opened: nothing in it changed")
+        os._exit(128 + signum)
+    _quiet_stderr()
+    raise RunInterrupted(signum)
+
+
+def _quiet_stderr() -> None:
+    """fd 2 -> <run>/interrupt.log (third-party teardown noise); our line uses the saved fd."""
+    root = _run["root"]
+    if _signal_state["stderr_fd"] is not None or root is None:
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        log = open(root / INTERRUPT_LOG, "a")
+        os.dup2(log.fileno(), 2)
+        sys.stderr = log
+        _signal_state["stderr_fd"] = saved
+    except OSError:
+        pass
+
+
+def _write_line(line: str) -> None:
+    fd = _signal_state["stderr_fd"]
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a closed or broken stdout must not hide the line
+        pass
+    os.write(fd if fd is not None else 2, (line + "\n").encode())
+
+
+def _release() -> None:
+    lock = _run["lock"]
+    if lock is not None:
+        lock.release()
+
+
+def install_signal_handlers() -> None:
+    """SIGINT and SIGTERM -> `_on_signal` (call first thing, before the heavy imports)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
+
+
+def run_guarded(main: Callable[[], Any]) -> int:
+    """`run_cleanly(main)` with the endings above: an interrupt, a non-finite run or an
+    unreadable checkpoint print one line (see `ending_line`) and end the process with
+    ``os._exit``; everything else as `run_cleanly`, and a single-process job that ends
+    with a status ends with ``os._exit`` too (no teardown)."""
+    install_signal_handlers()
+    try:
+        status = run_cleanly(main)
+    except BaseException as error:  # noqa: BLE001 - re-raised unless it is one of ours
+        ending = ending_line(error)
+        if ending is None:
+            raise
+        status, line = ending
+        noise = _run["root"] / INTERRUPT_LOG if _run["root"] is not None else None
+        if noise is not None and noise.is_file():
+            sys.stderr.flush()
+            if noise.stat().st_size == 0:
+                noise.unlink()
+            else:
+                line += f" (other output: {noise})"
+        _write_line(line)
+        _release()
+        os._exit(status)
+    _release()
+    import jax
+
+    if jax.process_count() == 1:
+        # The job is over and its files are closed: end without the interpreter's teardown,
+        # where a signal meets the default handlers again (and XLA / orbax threads may
+        # still run). Several processes exit normally (jax.distributed's own shutdown).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

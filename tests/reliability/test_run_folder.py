@@ -1,0 +1,176 @@
+"""The run folder is never lost to a user's command: one job per folder (the run lock),
+export never writes over a run or a checkpoint, and a `--resume` with other settings is
+refused before anything in the folder changes.
+
+train.py runs through its CLI (a subprocess); each case is refused (or the stale lock
+taken over) before any stage starts, so these runs take seconds. Evidence that nothing was
+touched: a digest of every file of the folder (path, bytes) before and after."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reliability_table import Row, covers
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from tiny_run import make_tiny_run, tiny_train_args  # noqa: E402
+
+RUN_TIMEOUT_S = 240
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def train(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=RUN_TIMEOUT_S)
+
+
+def lock_record(pid: int) -> str:
+    import json
+
+    from rollout_bridge.run_lock import process_start_ticks, _boot_id
+
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "boot_id": _boot_id(),
+                       "start_ticks": process_start_ticks(pid), "argv": "train.py --output_dir x",
+                       "since": time.time()})
+
+
+@covers(Row("run folder", "two train.py on one output_dir (the second started while the first runs)",
+            "the second exits 2 before any work: 'output_dir ... is in use by pid N on HOST (since ...: "
+            "train.py ...); wait for it to finish or choose another --output_dir'",
+            "the first job's folder is untouched (every file's digest equal)", kind="malformed input"))
+def test_second_job_on_one_output_dir_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        (run / ".spopp-run.lock").write_text(lock_record(holder.pid))
+        before = folder_digest(run)
+        result = train(["--config_path", str(ROOT / "configs/smoke.yaml"), "--output_dir", str(run),
+                        "--progress", "false"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"is in use by pid {holder.pid} on {socket.gethostname()}" in lines[0]
+    assert folder_digest(run) == before
+
+
+@covers(Row("run folder", "a run lock left by a job killed with kill -9 (its pid gone)",
+            "taken over with a log line '... was held by pid N ..., which is gone (a crash or kill); taking it "
+            "over'; the job goes on (here to its next check, a refused `--resume_step`) and releases the lock "
+            "when it ends",
+            "the lock file is gone after the job; a reused pid (another start time) counts as gone too",
+            kind="fault"))
+def test_stale_lock_is_taken_over(tmp_path):
+    from rollout_bridge.run_lock import Holder, is_stale, this_process
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / ".spopp-run.lock").write_text(lock_record(dead.pid))
+    result = train(["--config_path", str(ROOT / "configs/smoke.yaml"), "--output_dir", str(run),
+                    "--progress", "false", "--resume", "--resume_step", "99"])
+    assert f"was held by pid {dead.pid}" in result.stdout and "which is gone" in result.stdout, result.stdout
+    assert result.returncode == 2 and "--resume_step 99: no such checkpoint" in result.stderr, result.stderr[-2000:]
+    assert not (run / ".spopp-run.lock").exists()
+    me = this_process()
+    assert not is_stale(me)
+    assert is_stale(dataclasses.replace(me, start_ticks=(me.start_ticks or 0) + 1))   # pid reused
+    assert not is_stale(Holder(1, "another-host", "", None, "", 0.0))  # another host: never judged
+
+
+@covers(
+    Row("run folder", "`python -m spopp_jax.export --checkpoint R/checkpoints/2 --out R --overwrite` (the run "
+        "folder itself)",
+        "exit 2: 'export error: --out R contains the checkpoint being exported; choose a new folder'",
+        "the run folder (checkpoints, warm start, metrics) untouched, digest equal"),
+    Row("run folder", "export `--out` a run folder or any folder holding checkpoints, `--overwrite` or not",
+        "exit 2: 'export error: --out ... is a training run's folder (it holds checkpoints, ...)' / '... holds "
+        "checkpoints (...)'",
+        "the folder untouched, digest equal"),
+)
+def test_export_never_writes_over_a_run(tmp_path):
+    import shutil
+
+    from spopp_jax import export
+
+    run = make_tiny_run(tmp_path / "R").root
+    (run / "metrics.jsonl").write_text('{"step": 2}\n')
+    other = tmp_path / "other"
+    shutil.copytree(run / "checkpoints", other / "nested" / "ckpt")
+    step = run / "checkpoints" / "2"
+    sibling = tmp_path / "another_run"
+    sibling.mkdir()
+    (sibling / "prior.json").write_text("{}")
+    for out, says in ((run, "contains the checkpoint"), (run / "checkpoints", "contains the checkpoint"),
+                      (other, "holds checkpoints"), (sibling, "training run's folder")):
+        before = {p: folder_digest(p) for p in (run, other, sibling)}
+        status = export.main(["--checkpoint", str(step), "--out", str(out), "--overwrite"])
+        assert status == 2
+        assert {p: folder_digest(p) for p in (run, other, sibling)} == before, out
+        with pytest.raises(FileExistsError, match=says):
+            export.refuse_run_folder(out, step)
+    assert export.main(["--checkpoint", str(step), "--out", str(run / "hf_2")]) == 0   # a new folder is fine
+    assert (run / "hf_2" / "config.json").is_file()
+
+
+def _run_with_checkpoint(tmp_path: Path, with_checkpoint: bool):
+    """A run folder as train.py leaves it (lock released): a checkpoint whose config is the
+    tiny job's checkpoint key (or only run_config.json), a warm start and a prior."""
+    from rollout_bridge import components as build
+    from rollout_bridge.job import RunPaths
+    from rollout_bridge.run_guard import check_resume
+    from spopp_jax.checkpoint import Checkpointer
+    from rollout_bridge.config import load_config
+
+    args = tiny_train_args(tmp_path, 2) + ["--progress", "false", "--tensorboard", "false"]
+    cfg = load_config(build.preprocess_argv(list(args)))
+    paths = RunPaths(Path(cfg.output_dir))
+    paths.root.mkdir(parents=True)
+    check_resume(cfg, paths, log=lambda _: None)   # a first start: writes run_config.json
+    if with_checkpoint:
+        from rollout_bridge.job import checkpoint_key
+
+        with Checkpointer(paths.checkpoints) as checkpointer:
+            checkpointer.save(2, {"params": np.ones(3, np.float32)}, config=checkpoint_key(cfg))
+    paths.warmstart_model.mkdir()
+    (paths.warmstart_model / "warmstart.json").write_text('{"key": "w"}')
+    paths.prior.write_text('{"key": "p"}')
+    return args, paths
+
+
+@covers(Row("run folder", "`--resume` with another model config (`--model.tiny_hidden_size 48`), with a "
+            "checkpoint or before the first one",
+            "exit 2 before any stage: '--resume: R was made with other settings than these (checkpoint ... / "
+            "run_config.json): model.tiny_hidden_size: saved 32, expected 48. Nothing was changed; ...'",
+            "warm start, prior, checkpoints untouched (digest equal)"))
+@pytest.mark.parametrize("with_checkpoint", [True, False])
+def test_resume_with_other_settings_changes_nothing(tmp_path, with_checkpoint):
+    args, paths = _run_with_checkpoint(tmp_path, with_checkpoint)
+    before = folder_digest(paths.root)
+    result = train(args + ["--resume", "--model.tiny_hidden_size", "48"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "other settings" in lines[0] and "model.tiny_hidden_size: saved 32, expected 48" in lines[0]
+    assert folder_digest(paths.root) == before
