@@ -48,7 +48,7 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     run with another seed plays again."""
     from rollout_bridge import components
     from rollout_bridge.envs.kinds import build_env
-    from rollout_bridge.job import paired_gain
+    from rollout_bridge.job_report import paired_gain
     from rollout_bridge.config import load_config
 
     flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(games_dir(tmp_path)),
