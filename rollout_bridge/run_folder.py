@@ -136,4 +136,3 @@ def folder_digest(folder: Path, skip: tuple[str, ...] = (WARMSTART_RECORD_NAME,)
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
-

@@ -167,3 +167,4 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
                                                "wall_s": time.time() - start})
     saved.remove()  # the finished model is saved: the SFT checkpoints are not needed any more
     log(f"warm start: {len(losses)} steps in {time.time() - start:.0f}s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return folder
