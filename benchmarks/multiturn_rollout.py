@@ -108,7 +108,7 @@ def build(args):
 
 
 def play(view, chat, agent, engine_kwargs, model, episodes: int, system: str) -> dict:
-    from rollout_bridge.job import success_rollouts
+    from rollout_bridge.evaluation import success_rollouts
 
     async def run():
         engine = make_engine(system, model, engine_kwargs)

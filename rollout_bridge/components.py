@@ -120,9 +120,9 @@ SECTION_OWNERS = {
     "node": "rollout_bridge.node_layout.apply_before_jax (node.*: train.py's first statement, before JAX loads)",
     "env": "rollout_bridge.envs.kinds (env.*)",
     "math_tir": "rollout_bridge.envs.math_tir.build_math_tir (math_tir.*, env.kind=math_tir)",
-    "warmstart": "rollout_bridge.job.run_warmstart (warmstart.*)",
-    "prior": "rollout_bridge.job.run_prior (prior.*)",
-    "evaluation": "train.rl_loop / evaluate_policy through EvaluationSection.rollouts (evaluation.*)",
+    "warmstart": "rollout_bridge.warmstart_stage.run_warmstart (warmstart.*)",
+    "prior": "rollout_bridge.prior_stage.run_prior (prior.*)",
+    "evaluation": "rollout_bridge.evaluation (evaluate_after_rl, evaluate_policy) through EvaluationSection.rollouts (evaluation.*)",
 }
 JOB_FIELDS = ("stage", "seed", "steps", "output_dir", "resume", "checkpoint_every", "keep_checkpoints",
               "progress", "tensorboard", "export_every",

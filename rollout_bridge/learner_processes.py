@@ -11,7 +11,7 @@ import jax
 
 from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
-from rollout_bridge.job import RunPaths, log
+from rollout_bridge.run_folder import RunPaths, log
 from rollout_bridge.policy_learner import PolicyLearner
 from spopp_jax.checkpoint import Checkpointer
 from rollout_bridge.config import TrainConfig

@@ -11,10 +11,10 @@ episodes per game (4). Its paired SE then mostly measures binomial noise inside 
 (4 episodes of a game with success p carry variance p(1 - p)/4 per side), not how much the
 games differ. More episodes per game shrink that part. Everything else is the job's:
 `configs/default.yaml` plus the flags given (so the same held-out games, the same agent
-loop, the same engine settings and evaluation seed: `train.evaluate_policy`), each policy
+loop, the same engine settings and evaluation seed: `rollout_bridge.evaluation.evaluate_policy`), each policy
 on a fresh engine. The first `--policy` is the reference (e.g. the warm start); the gain of
 each later one is mean_g(after_g - before_g) with SE std_g / sqrt(G) over the G held-out
-games (`rollout_bridge.job.paired_gain`, the job's formula).
+games (`rollout_bridge.job_report.paired_gain`, the job's formula).
 """
 
 from __future__ import annotations
@@ -52,23 +52,23 @@ def main(argv=None) -> list[dict]:
     import train
     from rollout_bridge import components as build
     from rollout_bridge.envs.kinds import build_env
-    from rollout_bridge.job import RunPaths, log, margin_text, paired_gain, success_estimate
+    from rollout_bridge.evaluation import evaluate_policy
+    from rollout_bridge.job import build_job
+    from rollout_bridge.job_report import margin_text, paired_gain, success_estimate
+    from rollout_bridge.run_folder import RunPaths, log
 
     cfg = train.parse_config(rest)
     env = build_env(cfg, False, log, cfg.progress)
     try:
         if "heldout" not in env.extra_evals:
             raise SystemExit(f"env.kind={cfg.env.kind} with these settings has no held-out games")
-        agent = build.build_agent_config(cfg, env.max_turns)
-        job = train.Job(cfg, RunPaths(Path(cfg.output_dir)), env, agent,
-                        build.build_orchestrator_config(cfg, agent, cfg.seed), build.build_learner_config(cfg))
+        job = build_job(cfg, RunPaths(Path(cfg.output_dir)), env)
         load = os.getloadavg()[0]
         records = []
         for policy in args.policy:
             start = time.time()
             chat = build.load_chat(Path(policy), env.chat_tools)   # each policy with its own tokenizer
-            record = asyncio.run(train.evaluate_policy(job, Path(policy), chat, args.rollouts,
-                                                       f"of {policy}"))["heldout"]
+            record = asyncio.run(evaluate_policy(job, Path(policy), chat, args.rollouts, f"of {policy}"))["heldout"]
             records.append({"policy": policy, **record, "wall_s": time.time() - start})
     finally:
         env.close()

@@ -134,7 +134,7 @@ def test_alfred_fields_are_keyed_only_where_they_change_the_games():
     """Priors, warm starts and checkpoints of TextWorld runs, of downloaded ALFWorld games and
     of generated ALFWorld games made with both fields off stay reusable; the new sets are
     keyed."""
-    from rollout_bridge.job import stage_key
+    from rollout_bridge.run_folder import stage_key
 
     textworld = load_config([])
     assert not {"alfred_filter", "alfred_floor_plans"} & set(stage_key(textworld, "env")["env"])

@@ -16,7 +16,7 @@ from rollout_bridge.engine.jax_engine import JaxEngine
 from rollout_bridge.envs.base import ThreadedEnvironment
 from rollout_bridge.envs.textworld_env import ObservationStyle, TextWorldEnv, TextWorldTasks
 from rollout_bridge.envs.textworld_games import GameSetSpec, generate_game_set
-from rollout_bridge.job import evaluation_seed
+from rollout_bridge.evaluation import evaluation_seed
 from rollout_bridge.prior import rollout_successes
 from rollout_bridge.tokenizer import build_tiny_tokenizer
 from rollout_bridge.trajectory import DispatchStamp

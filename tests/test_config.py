@@ -270,13 +270,13 @@ def test_section_owners_really_read_each_field_of_their_section():
     """The owners of whole sections mention every field (a field nothing reads fails)."""
     import inspect
 
-    from rollout_bridge import components, job
+    from rollout_bridge import components, prior_stage, warmstart_stage
     from rollout_bridge.envs import kinds
 
     owners = {"model": [components.model_folder, components.tiny_model_shape, components.load_policy,
                         components.check_inputs],
               "mesh": [components.build_mesh], "env": [kinds.build_env, kinds.textworld_bundle, kinds.math_tir_bundle, kinds.alfworld_bundle],
-              "warmstart": [job.run_warmstart], "prior": [job.run_prior],
+              "warmstart": [warmstart_stage.run_warmstart], "prior": [prior_stage.run_prior],
               "evaluation": [EvaluationSection.rollouts, EvaluationSection.train_task_ids]}
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for section, functions in owners.items():

@@ -67,7 +67,7 @@ UNKEYED = [
 def test_unkeyed_fields_change_no_key(field, value, keyed, keyed_value):
     """Records and checkpoints stay valid whichever way an unkeyed field is set; a keyed
     field of the same section (the control) does change the key."""
-    from rollout_bridge.job import checkpoint_key, stage_key
+    from rollout_bridge.run_folder import checkpoint_key, stage_key
     from rollout_bridge.config import load_config
 
     section, name = field.split(".")

@@ -48,14 +48,14 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
     run with another seed plays again."""
     from rollout_bridge import components
     from rollout_bridge.envs.kinds import build_env
-    from rollout_bridge.job import paired_gain
+    from rollout_bridge.job_report import paired_gain
     from rollout_bridge.config import load_config
 
     flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(games_dir(tmp_path)),
              "--env.num_games", "2", "--env.heldout_games", "2", "--env.warmstart_games", "0",
              "--rollout.max_inflight", "2", "--model.tiny_dir", str(tmp_path / "tiny"),
              "--output_dir", str(tmp_path / "run"), "--progress", "false", "--prior.cache_dir", str(tmp_path / "cache")]
-    cfg = load_config(flags[2:])
+    cfg = load_config(flags)
     env = build_env(cfg, False, log=lambda _: None)
     try:
         policy = str(components.model_folder(cfg.model, env.corpus, lambda _: None))

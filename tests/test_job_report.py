@@ -1,4 +1,4 @@
-"""The end-of-job report (rollout_bridge.job): success with standard errors over games, the
+"""The end-of-job report (rollout_bridge.job_report): success with standard errors over games, the
 paired gain of RL over the warm start, the policy-lag histogram, learning_curve.png.
 Expected values are derived by hand from the docstring formulas."""
 
@@ -9,7 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from rollout_bridge.job import RunPaths, event_order, lag_histogram, paired_gain, report_run, success_estimate
+from rollout_bridge.job_report import paired_gain, report_run, success_estimate
+from rollout_bridge.run_folder import RunPaths
+from rollout_bridge.run_report import event_order, lag_histogram
 
 
 def test_success_estimate_by_hand():
@@ -61,7 +63,7 @@ def test_report_run_writes_curve_and_margins(tmp_path):
 
 
 def test_margins_with_zero_spread_say_so_instead_of_inf():
-    from rollout_bridge.job import margin_line, margin_text
+    from rollout_bridge.job_report import margin_line, margin_text
 
     assert margin_text(0.1, 0.05) == "+2.0 SE"
     assert margin_text(0.0, 0.0) == margin_text(0.2, 0.0) == "SE 0 (no spread over games)"
@@ -70,7 +72,7 @@ def test_margins_with_zero_spread_say_so_instead_of_inf():
 
 
 def test_a_measured_reference_widens_the_margin_by_its_own_se(tmp_path, caplog):
-    from rollout_bridge.job import margin_line
+    from rollout_bridge.job_report import margin_line
 
     estimate = {"success_rate": 0.5, "se": 0.03, "games": 4, "episodes": 16}
     line = margin_line("held-out", estimate, 0.1, "prompt-blind ceiling", 0.04)
@@ -84,7 +86,7 @@ def test_a_measured_reference_widens_the_margin_by_its_own_se(tmp_path, caplog):
 
 
 def test_sft_progress_logs_each_tenth_with_the_window_mean(capsys):
-    from rollout_bridge.job import SFTProgress
+    from rollout_bridge.warmstart_stage import SFTProgress
 
     progress = SFTProgress(total_steps=20, epochs=2, progress=False)
     for step in range(20):
@@ -103,7 +105,7 @@ def test_rl_progress_logs_each_tenth_with_the_window_mean(capsys):
     the updates since the previous line."""
     from types import SimpleNamespace
 
-    from rollout_bridge.job import UpdateLogger
+    from rollout_bridge.rl_stage import UpdateLogger
 
     class Writer:
         def __init__(self):
@@ -138,7 +140,7 @@ def test_rl_progress_logs_each_tenth_with_the_window_mean(capsys):
 def test_rl_progress_counts_from_a_resumed_update(capsys):
     from types import SimpleNamespace
 
-    from rollout_bridge.job import UpdateLogger
+    from rollout_bridge.rl_stage import UpdateLogger
 
     writer = SimpleNamespace(write=lambda step, row: None, close=lambda: None)
     logger = UpdateLogger(writer, steps=10, start_step=6, progress=False)

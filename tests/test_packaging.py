@@ -159,7 +159,7 @@ def test_train_py_needs_only_the_train_extra():
     code = ("import runpy\nsys.argv = ['train.py', '--help']\n"
             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
             "except SystemExit as stop:\n    assert stop.code in (0, None), stop.code\n"
-            "import rollout_bridge.envs.textworld_env, rollout_bridge.engine.jax_engine, rollout_bridge.job\n"
+            "import rollout_bridge.envs.textworld_env, rollout_bridge.engine.jax_engine, rollout_bridge.rl_stage\n"
             "print('ok')\n")
     result = run_blocked(code, blocked=others)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

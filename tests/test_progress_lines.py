@@ -50,7 +50,8 @@ def test_game_generation_draws_a_bar_or_logs_tenths_never_both(monkeypatch, term
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_rl_and_warm_start_bars_only_on_a_terminal_their_lines_always(monkeypatch, capsys, terminal):
-    from rollout_bridge.job import SFTProgress, UpdateLogger
+    from rollout_bridge.rl_stage import UpdateLogger
+    from rollout_bridge.warmstart_stage import SFTProgress
 
     stderr = _Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", stderr)
@@ -75,7 +76,7 @@ def test_rl_and_warm_start_bars_only_on_a_terminal_their_lines_always(monkeypatc
 def test_evaluation_rollouts_log_tenths_without_a_terminal(monkeypatch, capsys):
     import asyncio
 
-    from rollout_bridge import job
+    from rollout_bridge import evaluation
 
     async def fake_rollouts(engine, env_factory, chat, num_tasks, n, agent, concurrency, on_done, crn_seed,
                             task_ids):
@@ -83,12 +84,12 @@ def test_evaluation_rollouts_log_tenths_without_a_terminal(monkeypatch, capsys):
             on_done(None)
         return np.zeros(num_tasks), np.full(num_tasks, n)
 
-    monkeypatch.setattr(job, "rollout_successes", fake_rollouts)
+    monkeypatch.setattr(evaluation, "rollout_successes", fake_rollouts)
     for terminal in (False, True):
         stderr = _Terminal() if terminal else io.StringIO()
         monkeypatch.setattr(sys, "stderr", stderr)
         env = SimpleNamespace(num_tasks=20, env_factory=None)
-        asyncio.run(job.success_rollouts(None, env, None, None, 4, 2, "prior", progress=True))
+        asyncio.run(evaluation.success_rollouts(None, env, None, None, 4, 2, "prior", progress=True))
         out = capsys.readouterr().out
         assert (out.count("prior: ") == 10) is not terminal
         assert (stderr.getvalue() == "") is not terminal

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from rollout_bridge import run_report
-from rollout_bridge.job import RunPaths, plot_job_curve, report_run
+from rollout_bridge.job_report import report_run
+from rollout_bridge.learning_curve import plot_job_curve
+from rollout_bridge.run_folder import RunPaths
 from rollout_bridge.run_report import (TUNED_REGIME, final_line, recipe_differences, regime_report,
                                        stage_times, success_axis_limits)
 from rollout_bridge.config import load_config

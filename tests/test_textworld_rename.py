@@ -144,7 +144,7 @@ def test_rename_fraction_is_drawn_per_episode(tasks):
 def test_rename_episodes_is_keyed_only_when_set():
     import dataclasses
 
-    from rollout_bridge.job import stage_key
+    from rollout_bridge.run_folder import stage_key
     from rollout_bridge.config import TrainConfig
 
     cfg = TrainConfig()

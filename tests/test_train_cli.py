@@ -110,7 +110,7 @@ def test_compilation_cache_dir_keeps_executables_and_the_environment_wins(tmp_pa
     under JAX's default 1 s of compile time, lands in the folder, unless
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise); a JAX_COMPILATION_CACHE_DIR
     already set is used instead and reported."""
-    code = ("import sys, jax; from rollout_bridge.job import enable_compilation_cache; "
+    code = ("import sys, jax; from rollout_bridge.run_folder import enable_compilation_cache; "
             "print(enable_compilation_cache(sys.argv[1])); jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()")
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}

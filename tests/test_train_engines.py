@@ -107,7 +107,7 @@ def test_server_settings_reach_the_launcher():
 
 
 def test_other_servers_keep_the_checkpoint_and_prior_reusable():
-    from rollout_bridge.job import checkpoint_key, stage_key
+    from rollout_bridge.run_folder import checkpoint_key, stage_key
 
     launched = load_config(VLLM_SERVER + ["--rollout.servers.launch.count", "2"])
     more = load_config(VLLM_SERVER + ["--rollout.servers.launch.count", "3", "--rollout.servers.capacity", "16",

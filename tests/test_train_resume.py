@@ -34,7 +34,7 @@ def _tiny_job(tmp: Path, steps: int) -> list[str]:
 
 
 def _digest(method_state) -> str:
-    from rollout_bridge.job import state_digest
+    from rollout_bridge.run_folder import state_digest
 
     return state_digest(method_state)
 

@@ -153,7 +153,7 @@ def test_run_sft_grouped_by_length_pads_each_batch_to_its_longest_and_resumes_ex
 
 
 def test_stage_key_keys_group_by_length_only_for_a_warm_start_trained_with_it():
-    from rollout_bridge.job import stage_key
+    from rollout_bridge.run_folder import stage_key
     from rollout_bridge.config import TrainConfig
 
     def key(**warmstart):
@@ -294,7 +294,7 @@ def test_run_sft_resumed_after_an_epoch_continues_exactly(tasks, chat):
 def test_sft_checkpoints_restore_the_saved_epoch_and_drop_other_settings(tasks, chat, tmp_path):
     import jax
 
-    from rollout_bridge.job import SFTCheckpoints
+    from rollout_bridge.warmstart_stage import SFTCheckpoints
     from spopp_jax.learner import LearnerConfig, init_train_state, make_sft_step
     from spopp_jax.models import ModelConfig, init_model
 

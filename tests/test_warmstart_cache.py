@@ -1,4 +1,4 @@
-"""The warm-start cache key (rollout_bridge.job.warmstart_key): a cached warm start is
+"""The warm-start cache key (rollout_bridge.warmstart_stage.warmstart_key): a cached warm start is
 reused only when the SFT would come out the same. Everything the SFT result depends on
 must change the key; where the run writes or how long RL runs must not."""
 
@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from rollout_bridge.job import folder_digest, warmstart_key
+from rollout_bridge.run_folder import folder_digest
+from rollout_bridge.warmstart_stage import warmstart_key
 from rollout_bridge.config import TrainConfig
 
 
