@@ -112,7 +112,7 @@ def _saved_settings(paths, step: int | None) -> tuple[dict | None, str]:
 
 def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
     """The checkpoint step ``--resume`` continues from (None: none, RL starts afresh)."""
-    from rollout_bridge.job import checkpoint_key
+    from rollout_bridge.run_folder import checkpoint_key
     from rollout_bridge.prior import write_json_atomic
     from spopp_jax.checkpoint import config_differences
     from spopp_jax.checkpoint_integrity import find_damage

@@ -32,7 +32,7 @@ def checkpoints(tmp_path_factory):
     import train
     from rollout_bridge import components
     from rollout_bridge.distributed_learner import saved_state
-    from rollout_bridge.job import checkpoint_key
+    from rollout_bridge.run_folder import checkpoint_key
     from rollout_bridge.orchestrator import Orchestrator
     from spopp_jax.checkpoint import Checkpointer
     from spopp_jax.learner import LearnerConfig, init_train_state

@@ -79,7 +79,7 @@ def test_non_finite_state_is_never_saved(tmp_path):
 def _run(tmp_path: Path, steps=(1, 2, 3)):
     """A run folder with checkpoints `steps` saved with the tiny job's checkpoint key."""
     from rollout_bridge import components as build
-    from rollout_bridge.job import RunPaths, checkpoint_key
+    from rollout_bridge.run_folder import RunPaths, checkpoint_key
     from rollout_bridge.config import load_config
 
     cfg = load_config(build.preprocess_argv(tiny_train_args(tmp_path, 4)))

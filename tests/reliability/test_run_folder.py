@@ -138,7 +138,7 @@ def _run_with_checkpoint(tmp_path: Path, with_checkpoint: bool):
     """A run folder as train.py leaves it (lock released): a checkpoint whose config is the
     tiny job's checkpoint key (or only run_config.json), a warm start and a prior."""
     from rollout_bridge import components as build
-    from rollout_bridge.job import RunPaths
+    from rollout_bridge.run_folder import RunPaths
     from rollout_bridge.run_guard import check_resume
     from spopp_jax.checkpoint import Checkpointer
     from rollout_bridge.config import load_config
@@ -149,7 +149,7 @@ def _run_with_checkpoint(tmp_path: Path, with_checkpoint: bool):
     paths.root.mkdir(parents=True)
     check_resume(cfg, paths, log=lambda _: None)   # a first start: writes run_config.json
     if with_checkpoint:
-        from rollout_bridge.job import checkpoint_key
+        from rollout_bridge.run_folder import checkpoint_key
 
         with Checkpointer(paths.checkpoints) as checkpointer:
             checkpointer.save(2, {"params": np.ones(3, np.float32)}, config=checkpoint_key(cfg))
