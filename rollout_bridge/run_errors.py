@@ -36,6 +36,7 @@ STORAGE_ERRNOS = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is exhausted",
     errno.EROFS: "the file system is read-only",
+    errno.EFBIG: "a file reached the size limit (ulimit -f, or the file system's largest file)",
 }
 # tensorstore (orbax's array writer) reports a full disk as text, without an errno
 STORAGE_MESSAGES = {os.strerror(code): reason for code, reason in STORAGE_ERRNOS.items()}
