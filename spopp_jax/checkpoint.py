@@ -86,15 +86,17 @@ class CheckpointWriteError(OSError):
 
 # ----------------------------------------------------------------------------- failure noise
 _MAX_DETAILS = 200   # records kept (the first ones: later ones repeat the same failure)
+_CLOSED_LOOP = "Event loop is closed"
 _REMOVE_TRIES = 5
 _REMOVE_WAIT_S = 0.1
 
 
 class _WorkerNoise(logging.Filter):
-    """While a save runs (and for good after one failed): absl ERROR records from orbax's
-    worker threads and unraisable exceptions (tensorstore's callbacks into a closed event
-    loop) are kept in ``details`` instead of printed. A save that succeeds hands what it
-    kept back to the usual handlers."""
+    """While a save runs: absl ERROR records from worker threads and unraisable exceptions
+    are kept in ``details`` instead of printed; a save that succeeds hands them back to the
+    usual handlers. After a save failed, the late ones of the same failure keep going to
+    ``details``: absl ERROR records logged from orbax's threads and tensorstore's callbacks
+    into orbax's closed event loop ("Event loop is closed")."""
 
     def __init__(self):
         super().__init__()
@@ -112,7 +114,9 @@ class _WorkerNoise(logging.Filter):
                 self.details.append(text)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or record.threadName == "MainThread" or not (self.active or self.failed):
+        if record.levelno < logging.ERROR or record.threadName == "MainThread":
+            return True
+        if not self.active and not (self.failed and "orbax" in record.pathname):
             return True
         text = f"{record.levelname}:{record.name}: {record.getMessage()}"
         if record.exc_info:
@@ -123,7 +127,8 @@ class _WorkerNoise(logging.Filter):
         return False
 
     def unraisable(self, info) -> None:
-        if not (self.active or self.failed):
+        late = self.failed and isinstance(info.exc_value, RuntimeError) and _CLOSED_LOOP in str(info.exc_value)
+        if not (self.active or late):
             return self._previous_hook(info)
         lines = traceback.format_exception(info.exc_type, info.exc_value, info.exc_traceback)
         self._keep(f"unraisable exception ({info.err_msg or 'in'} {info.object!r}):\n" + "".join(lines))

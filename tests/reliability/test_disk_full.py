@@ -156,3 +156,17 @@ def test_disk_fills_during_a_checkpoint_save_of_a_real_run(tmp_path):
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def test_a_save_that_succeeds_keeps_no_details_and_leaves_the_hooks_as_they_were(tmp_path):
+    import logging
+
+    import numpy as np
+
+    from spopp_jax.checkpoint import Checkpointer, failure_details
+
+    hook, filters, kept = sys.unraisablehook, list(logging.getLogger("absl").filters), len(failure_details())
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        checkpointer.save(1, {"w": np.arange(4, dtype=np.float32)})
+    assert sys.unraisablehook is hook and logging.getLogger("absl").filters == filters
+    assert len(failure_details()) == kept
