@@ -25,7 +25,12 @@ which could run while XLA or orbax threads still work (a Ctrl-C during compilati
 segfaulted there). After the first signal, anything third-party code prints goes to
 ``<output_dir>/interrupt.log``; a second signal ends the process at once. A run stopped
 for non-finite updates or a non-finite state, or by an unreadable checkpoint, ends the
-same way with one line.
+same way with one line. So does a refused write (a full disk, a quota, a read-only file
+system, a file-size limit) anywhere in the job: the line names the reason, what was being
+written, the file system's mount point with its free space, what the run folder keeps and
+the command that continues; the full error and what orbax's worker threads reported about
+it (`spopp_jax.checkpoint.failure_details`) go to ``<output_dir>/storage_error.log`` (or,
+with no room even for that, to a file in the temporary folder), named at the line's end.
 """
 
 from __future__ import annotations
