@@ -144,6 +144,8 @@ def test_disk_fills_during_a_checkpoint_save_of_a_real_run(tmp_path):
         assert "--resume (details: " in line and line.endswith(".log)"), line
         details = Path(line.rsplit("(details: ", 1)[1][:-1])
         assert "No space left on device" in details.read_text()
+        if details.parent != run:
+            details.unlink()
         assert [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == [2]
 
         (disk / "disk_filler").unlink()
