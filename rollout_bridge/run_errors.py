@@ -6,8 +6,10 @@ for the mistakes and accidents a user can act on:
   (`unknown_fields_line` rewrites draccus' "fields ... are not valid" message: which file,
   which dotted names, the closest valid names),
 - an `output_dir` that cannot be created or written (`check_output_dir`, a probe file),
-- a disk that fills up (or a quota, a read-only file system) during any write of the run
-  (`run_cleanly` finds the errno in the exception chain).
+- a disk that fills up (or a quota, a read-only file system, a file-size limit) during any
+  write of the run (`run_cleanly` finds the errno, or tensorstore's text for it, in the
+  exception chain; train.py's `run_guard.run_guarded` states it with the disk and what the
+  run folder keeps).
 
 Everything else keeps its traceback: it is a bug to report, not a user mistake.
 `run_cleanly(main)` is the one place train.py's entry point goes through.
@@ -36,6 +38,7 @@ STORAGE_ERRNOS = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is exhausted",
     errno.EROFS: "the file system is read-only",
+    errno.EFBIG: "a file reached the size limit (ulimit -f, or the file system's largest file)",
 }
 # tensorstore (orbax's array writer) reports a full disk as text, without an errno
 STORAGE_MESSAGES = {os.strerror(code): reason for code, reason in STORAGE_ERRNOS.items()}

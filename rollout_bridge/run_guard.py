@@ -25,11 +25,18 @@ which could run while XLA or orbax threads still work (a Ctrl-C during compilati
 segfaulted there). After the first signal, anything third-party code prints goes to
 ``<output_dir>/interrupt.log``; a second signal ends the process at once. A run stopped
 for non-finite updates or a non-finite state, or by an unreadable checkpoint, ends the
-same way with one line.
+same way with one line. So does a refused write (a full disk, a quota, a read-only file
+system, a file-size limit) anywhere in the job: the line names the reason, what was being
+written, the file system's mount point with its free space, what the run folder keeps and
+the command that continues; the full error and what orbax's worker threads reported about
+it (`spopp_jax.checkpoint.failure_details`) go to ``<output_dir>/storage_error.log`` (or,
+with no room even for that, to a file in the temporary folder), named at the line's end.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shlex
@@ -45,6 +52,7 @@ from rollout_bridge.run_errors import EXIT_USER_ERROR, UserError, run_cleanly
 RUN_CONFIG_FILE = "run_config.json"
 SET_ASIDE_FOLDER = "checkpoints_set_aside"
 INTERRUPT_LOG = "interrupt.log"
+STORAGE_ERROR_LOG = "storage_error.log"
 EXIT_FAILED = 1
 SHOWN_DIFFERENCES = 6
 
@@ -202,10 +210,90 @@ def resume_command(argv: list[str] | None = None) -> str:
     return shlex.join(["python", script, *args, "--resume"])
 
 
-def _storage_line(error: BaseException) -> str | None:
-    from rollout_bridge.run_errors import storage_error_line
+class _StorageEnding(BaseException):
+    """A refused write (full disk, quota, read-only) on its way past `run_cleanly` to
+    `ending_line`, which names the disk and what the run folder keeps."""
 
-    return storage_error_line(error)
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    device = path.stat().st_dev
+    while path.parent != path and path.parent.stat().st_dev == device:
+        path = path.parent
+    return path
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def _disk(root: Path) -> str:
+    """'<mount point> has <free> free of <size>': the file system holding ``root``."""
+    try:
+        stats = os.statvfs(root)
+        return (f"{_mount_point(root)} has {_megabytes(stats.f_bavail * stats.f_frsize)} free of "
+                f"{_megabytes(stats.f_blocks * stats.f_frsize)}")
+    except OSError:
+        return str(root)
+
+
+def _write_details(root: Path, error: BaseException) -> Path | None:
+    """The full error and what orbax's threads reported, in <root>/STORAGE_ERROR_LOG, or
+    when the full disk refuses that too, in the temporary folder; None if neither works."""
+    import traceback
+
+    from spopp_jax.checkpoint import failure_details
+
+    text = "".join(traceback.format_exception(error)) + "".join(
+        f"\n--- reported by a checkpoint worker thread ---\n{d}" for d in failure_details())
+    import tempfile
+
+    for path in (root / STORAGE_ERROR_LOG,
+                 Path(tempfile.gettempdir()) / f"spopp-{STORAGE_ERROR_LOG[:-4]}-{os.getpid()}.log"):
+        try:
+            with open(path, "a") as log:
+                log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}\n{text}\n")
+            return path
+        except OSError:
+            with contextlib.suppress(OSError):
+                if path.is_file() and path.stat().st_size == 0:
+                    path.unlink()
+    return None
+
+
+def _storage_line(error: BaseException) -> str | None:
+    """One line for a refused write: the reason, what was being written, the disk, what
+    the run folder keeps and the command that continues it."""
+    from rollout_bridge.run_errors import STORAGE_ERRNOS, storage_error_line
+    from spopp_jax.checkpoint import CheckpointWriteError
+
+    REMEDIES = {STORAGE_ERRNOS[errno.EROFS]: "make it writable",
+                STORAGE_ERRNOS[errno.EFBIG]: "raise the limit or free space"}
+
+    if storage_error_line(error) is None:
+        return None
+    reason, what = None, None
+    for link in _chain(error):
+        if isinstance(link, CheckpointWriteError) and what is None and link.step is not None:
+            what = f"checkpoint step {link.step}"
+        if isinstance(link, OSError) and link.errno in STORAGE_ERRNOS and reason is None:
+            reason = STORAGE_ERRNOS[link.errno]
+            what = what or (str(link.filename) if link.filename else None)
+        for code, text in STORAGE_ERRNOS.items():
+            if reason is None and os.strerror(code) in str(link):
+                reason = text
+    root = _run["root"]
+    what = f" while writing {what}" if what else ""
+    remedy = REMEDIES.get(reason, "free space")
+    if root is None:
+        return f"{reason}{what}: {remedy} and rerun"
+    details = _write_details(root, error)
+    return (f"{reason}{what}: {_disk(root)}; kept in {root}: {_kept(root)}; {remedy}, then "
+            f"continue with: {resume_command()}" + (f" (details: {details})" if details else ""))
 
 
 def _chain(error: BaseException):
@@ -224,6 +312,8 @@ def ending_line(error: BaseException) -> tuple[int, str] | None:
     root = _run["root"]
     where = f" in {root}" if root is not None else ""
     signum = _signal_state["signum"]
+    if isinstance(error, _StorageEnding):
+        error = error.error
     chain = list(_chain(error))
     if signum is not None or any(isinstance(e, KeyboardInterrupt) for e in chain):
         signum = signum or signal.SIGINT
@@ -245,6 +335,12 @@ def ending_line(error: BaseException) -> tuple[int, str] | None:
     if line is not None:
         return EXIT_USER_ERROR, f"error: {line}"
     return None
+
+
+def _storage_line_needed(error: BaseException) -> bool:
+    from rollout_bridge.run_errors import UserError, storage_error_line
+
+    return not isinstance(error, UserError) and storage_error_line(error) is not None
 
 
 _signal_state: dict[str, Any] = {"signum": None, "stderr_fd": None}
@@ -307,8 +403,17 @@ def run_guarded(main: Callable[[], Any]) -> int:
     ``os._exit``; everything else as `run_cleanly`, and a single-process job that ends
     with a status ends with ``os._exit`` too (no teardown)."""
     install_signal_handlers()
+
+    def main_with_storage_endings():
+        try:
+            return main()
+        except Exception as error:  # noqa: BLE001 - only a refused write is rerouted
+            if _storage_line_needed(error):
+                raise _StorageEnding(error) from error
+            raise
+
     try:
-        status = run_cleanly(main)
+        status = run_cleanly(main_with_storage_endings)
     except BaseException as error:  # noqa: BLE001 - re-raised unless it is one of ours
         ending = ending_line(error)
         if ending is None:

@@ -14,6 +14,14 @@ One checkpoint step is one orbax directory holding these items, written atomical
     finalized the step (`spopp_jax.checkpoint_integrity`) and verified before a restore:
     damaged bytes raise `CheckpointCorruptError` instead of restoring wrong numbers.
 
+A save that fails (a full disk, a quota) raises one `CheckpointWriteError` and removes the
+step's temporary folder as far as orbax's threads let it (a folder left behind is ignored
+by later saves and restores, like one a killed job leaves); the earlier steps are untouched. The
+tracebacks orbax's and tensorstore's worker threads report about the same failure (absl
+ERROR records, "Event loop is closed" from futures that complete after orbax closed its
+event loop) are kept in `failure_details()` instead of printed; after a failed save the
+late ones keep going there too, so the caller decides what the user sees.
+
 A train state holding NaN or ±inf is never written (`NonFiniteStateError`): the newest
 step on disk is always the last finite one.
 
@@ -26,7 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import shutil
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -63,7 +77,100 @@ class NonFiniteStateError(ValueError):
 
 
 class CheckpointWriteError(OSError):
-    """A save failed (e.g. the disk is full); the previous checkpoints are untouched."""
+    """A save of ``step`` failed (e.g. the disk is full); the previous checkpoints are untouched."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+# ----------------------------------------------------------------------------- failure noise
+_MAX_DETAILS = 200   # records kept (the first ones: later ones repeat the same failure)
+_CLOSED_LOOP = "Event loop is closed"
+_REMOVE_TRIES = 5
+_REMOVE_WAIT_S = 0.1
+
+
+class _WorkerNoise(logging.Filter):
+    """While a save runs: absl ERROR records from worker threads and unraisable exceptions
+    are kept in ``details`` instead of printed; a save that succeeds hands them back to the
+    usual handlers. After a save failed, the late ones of the same failure keep going to
+    ``details``: absl ERROR records logged from orbax's threads and tensorstore's callbacks
+    into orbax's closed event loop ("Event loop is closed")."""
+
+    def __init__(self):
+        super().__init__()
+        self.details: list[str] = []
+        self.active = 0
+        self.failed = False
+        self._held: list[Any] = []
+        self._lock = threading.Lock()
+        self._previous_hook = None
+        self._kept_before = 0
+
+    def _keep(self, text: str) -> None:
+        with self._lock:
+            if len(self.details) < _MAX_DETAILS:
+                self.details.append(text)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or record.threadName == "MainThread":
+            return True
+        if not self.active and not (self.failed and "orbax" in record.pathname):
+            return True
+        text = f"{record.levelname}:{record.name}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        self._keep(text)
+        if not self.failed:
+            self._held.append(record)
+        return False
+
+    def unraisable(self, info) -> None:
+        late = self.failed and isinstance(info.exc_value, RuntimeError) and _CLOSED_LOOP in str(info.exc_value)
+        if not (self.active or late):
+            return self._previous_hook(info)
+        lines = traceback.format_exception(info.exc_type, info.exc_value, info.exc_traceback)
+        self._keep(f"unraisable exception ({info.err_msg or 'in'} {info.object!r}):\n" + "".join(lines))
+        if not self.failed:
+            self._held.append(info)
+
+    @contextlib.contextmanager
+    def catching(self):
+        logger = logging.getLogger("absl")
+        if self.active == 0 and not self.failed:
+            logger.addFilter(self)
+            self._previous_hook = sys.unraisablehook
+            sys.unraisablehook = self.unraisable
+            self._kept_before = len(self.details)
+        self.active += 1
+        try:
+            yield
+        except BaseException:
+            self.failed = True   # the worker threads go on failing after the save raised
+            raise
+        finally:
+            self.active -= 1
+            if self.active == 0 and not self.failed:
+                held, self._held = self._held, []
+                del self.details[self._kept_before:]
+                logger.removeFilter(self)
+                sys.unraisablehook = self._previous_hook
+                for item in held:
+                    if isinstance(item, logging.LogRecord):
+                        logger.handle(item)
+                    else:
+                        self._previous_hook(item)
+
+
+_noise = _WorkerNoise()
+
+
+def failure_details() -> list[str]:
+    """What orbax's and tensorstore's threads reported about failed saves (see the module
+    docstring), oldest first."""
+    with _noise._lock:
+        return list(_noise.details)
 
 
 class RestoredCheckpoint(NamedTuple):
@@ -231,6 +338,23 @@ class Checkpointer:
         self._write_pending_checksums()
         self._manager.close()
 
+    def _remove_partial(self, step: int) -> None:
+        """Removes the temporary folder of a failed save of ``step`` (frees its space),
+        once orbax's threads for it have ended."""
+        with contextlib.suppress(Exception), _noise.catching():
+            self._manager.wait_until_finished()
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for attempt in range(_REMOVE_TRIES):   # a late tensorstore write may recreate a file
+            partial = [name for name in os.listdir(self.directory)
+                       if name.startswith(f"{step}.orbax-checkpoint-tmp")]
+            if not partial:
+                return
+            if attempt:
+                time.sleep(_REMOVE_WAIT_S)
+            for name in partial:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(int(step)))
 
@@ -290,16 +414,18 @@ class Checkpointer:
             "format_version": CHECKPOINT_FORMAT_VERSION})
         previous = self.all_steps()
         try:
-            if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
-                raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
-            self._pending.append(int(step))
-            if not self._async:
-                self.wait_until_finished()
+            with _noise.catching():
+                if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
+                    raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
+                self._pending.append(int(step))
+                if not self._async:
+                    self.wait_until_finished()
         except (OSError, ValueError) as error:   # tensorstore reports ENOSPC/EFBIG as ValueError
+            self._remove_partial(int(step))
             raise CheckpointWriteError(
                 f"checkpoint step {step} could not be written to {self.directory} "
                 f"({type(error).__name__}: {error}); the previous checkpoints {previous} "
-                "are intact"
+                "are intact", step=int(step)
             ) from error
 
     # -- restore

@@ -12,11 +12,15 @@ opened its checkpoint folder (the warm start and the prior rollouts are not coun
 - ``checkpoint``: during the N-th `Checkpointer.save`, as soon as orbax's temporary folder
   for that step appears (the write is in progress).
 
-One more PHASE injects a numeric fault instead of a kill:
+Two more PHASEs inject a fault instead of a kill:
 
 - ``nan_batch``: from the N-th train step on, every batch's advantages are NaN (as a
   broken reward / advantage pipeline would make them): the learner must skip those
   updates and stop the run after `LearnerConfig.max_consecutive_skips` of them.
+- ``fill_disk``: just before the N-th `Checkpointer.save`, a file ``disk_filler`` beside
+  the run folder takes all but `FILL_LEAVE_BYTES` of its file system's free space (the
+  disk fills up while the job runs, as another job's output would fill it); the save
+  then meets ENOSPC part-way.
 
 SIGKILL cannot be caught, so nothing is flushed or cleaned up: the same as `kill -9` from
 outside, but landing exactly in the named phase. Before dying the hook prints
@@ -36,7 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ("rollout", "learner", "publish", "checkpoint", "nan_batch")
+PHASES = ("rollout", "learner", "publish", "checkpoint", "nan_batch", "fill_disk")
+FILLER = "disk_filler"
+FILL_LEAVE_BYTES = 64 * 1024
 _TMP_GLOB = "*.orbax-checkpoint-tmp*"
 _POLL_S = 0.002
 
@@ -58,6 +64,16 @@ class _Trigger:
         print(f"KILL_HOOK {self.phase} {self.count}", flush=True)
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fill_disk(filler: Path, leave: int = FILL_LEAVE_BYTES) -> None:
+    """Allocates ``filler`` so that ``leave`` bytes stay free on its file system."""
+    stats = os.statvfs(filler.parent)
+    size = stats.f_bavail * stats.f_frsize - leave
+    if size > 0:
+        with open(filler, "wb") as handle:
+            os.posix_fallocate(handle.fileno(), 0, size)
+    print(f"KILL_HOOK fill_disk: {filler} takes {size} bytes", flush=True)
 
 
 def install(phase: str, nth: int) -> _Trigger:
@@ -132,6 +148,8 @@ def install(phase: str, nth: int) -> _Trigger:
 
     @functools.wraps(original_save)
     def save(self, *args, **kwargs):
+        if trigger.hit("fill_disk"):
+            fill_disk(Path(self.directory).parent.parent / FILLER)
         if trigger.hit("checkpoint"):
             directory = Path(self.directory)
 

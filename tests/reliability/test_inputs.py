@@ -186,6 +186,24 @@ def test_config_and_cli(case, tmp_path, capsys):
     assert case.stderr_has in err, err
 
 
+@covers(Row("config / CLI", "`python train.py --config_path configs/smoke.yaml --optim.learning_rate inf` "
+            "(and `--warmstart.learning_rate inf`), the whole command",
+            "exit 2 and one stderr line 'config error: <field> must be finite, got inf', before any work",
+            "no output_dir created, nothing logged on stdout"))
+@pytest.mark.parametrize("field", ["optim.learning_rate", "warmstart.learning_rate"])
+def test_train_py_refuses_an_infinite_learning_rate_before_any_work(field, tmp_path):
+    import os
+    import subprocess
+
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config_path", str(ROOT / "configs" / "smoke.yaml"),
+                           "--output_dir", str(run), f"--{field}", "inf"], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [f"config error: {field} must be finite, got inf"], done.stderr[-3000:]
+    assert done.stdout.strip() == "" and not run.exists()
+
+
 # ------------------------------------------------------------------ HF model folders
 
 
