@@ -124,9 +124,9 @@ SECTION_OWNERS = {
     "prior": "rollout_bridge.prior_stage.run_prior (prior.*)",
     "evaluation": "rollout_bridge.evaluation (evaluate_after_rl, evaluate_policy) through EvaluationSection.rollouts (evaluation.*)",
 }
-JOB_FIELDS = ("stage", "seed", "steps", "output_dir", "resume", "checkpoint_every", "keep_checkpoints",
-              "progress", "tensorboard", "export_every",
-              "compilation_cache_dir")  # read by train.py's composition itself
+JOB_FIELDS = ("stage", "seed", "steps", "output_dir", "resume", "resume_step", "checkpoint_every",
+              "keep_checkpoints", "progress", "tensorboard", "export_every",
+              "compilation_cache_dir")  # read by train.py's composition (resume_step: run_guard.prepare_run)
 WANDB_FIELDS = ("wandb", "wandb_mode", "wandb_project")  # read by wandb_sinks
 
 # ------------------------------------------------------------------ extension points
