@@ -16,6 +16,7 @@ from rollout_bridge.components import load_policy
 from rollout_bridge.evaluation import evaluation_seed, success_rollouts
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
 from rollout_bridge.prior import prior_record, read_prior_file, write_json_atomic
+from rollout_bridge.run_errors import UserError
 from rollout_bridge.run_folder import RunPaths, folder_digest, log, stage_key
 from rollout_bridge.run_report import prior_text
 
@@ -62,6 +63,10 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
             await engine.close()
 
     successes, trials = asyncio.run(rollouts())
+    if not np.asarray(trials).sum():  # a prior of no evidence would be saved as success NaN and reused
+        raise UserError(f"prior: none of the {n * env.num_tasks} episodes finished, so no prior was written "
+                        f"(a prompt longer than rollout.max_seq_len={cfg.rollout.max_seq_len}, or an env that fails "
+                        "every episode?)", "config error")
     mass = cfg.prior.mass if cfg.prior.mass is not None else 1.0 / (1.0 - rho)
     record = prior_record(successes, trials, mass)
     record.update(key=key, wall_s=time.time() - start)

@@ -204,6 +204,28 @@ def test_train_py_refuses_an_infinite_learning_rate_before_any_work(field, tmp_p
     assert done.stdout.strip() == "" and not run.exists()
 
 
+@covers(Row("config / CLI", "`python train.py --config_path configs/smoke.yaml --rollout.max_seq_len 64 --stage prior`: "
+            "every prompt longer than the sequence limit, so no prior episode finishes",
+            "exit 2 and one stderr line 'config error: prior: none of the N episodes finished, so no prior was "
+            "written (a prompt longer than rollout.max_seq_len=64, ...)'",
+            "no prior.json (before: one with success_rate NaN, reused by the next run); the warm start is kept"))
+def test_a_prior_without_one_finished_episode_is_refused_not_saved(tmp_path):
+    import os
+    import subprocess
+
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config_path", str(ROOT / "configs" / "smoke.yaml"),
+                           "--output_dir", str(run), "--rollout.max_seq_len", "64", "--stage", "prior",
+                           "--progress", "false"], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("config error: prior: none of the")]
+    assert len(ours) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "rollout.max_seq_len=64" in ours[0]
+    assert not (run / "prior.json").exists()
+    assert (run / "warmstart_model").is_dir()
+
+
 # ------------------------------------------------------------------ HF model folders
 
 
