@@ -49,13 +49,15 @@ def _project_modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, modules) -> set[str]:
-    """Project modules ``path`` imports anywhere in its body (function-level imports too)."""
+    """Project modules ``path`` imports anywhere in its body (function-level imports too),
+    with the packages each passes through (importing ``a.b.c`` runs ``a.b``'s ``__init__``)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
         elif isinstance(node, ast.Import):
             out |= {alias.name for alias in node.names}
+    out |= {".".join(name.split(".")[:k]) for name in set(out) for k in range(2, name.count(".") + 1)}
     return out & set(modules)
 
 

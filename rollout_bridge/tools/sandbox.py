@@ -63,7 +63,7 @@ import threading
 import time
 from typing import Literal
 
-from rollout_bridge.envs.math_tir.sections import SandboxConfig  # noqa: F401 (re-exported)
+from rollout_bridge.tools.sandbox_config import SandboxConfig  # noqa: F401 (re-exported)
 from rollout_bridge.tools.jsonl_process import JsonLineProcess
 
 logger = logging.getLogger(__name__)
