@@ -117,6 +117,19 @@ def storage_error_line(error: BaseException) -> str | None:
     return None
 
 
+# settings a newer version renamed: the old dotted name -> the new one (named in the hint
+# instead of the closest spelling, which can point at the wrong field)
+RENAMED = {
+    "model.dtype": "model.compute_dtype (model.param_dtype holds the master weights)",
+    "advantage.measure": "method.measure",
+    "loss.dual_clip": "method.dual_clip",
+    "tracker.spo_d_half": "method.d_half (with --method spo)",
+    "tracker.spo_rho_min": "method.rho_min (with --method spo)",
+    "tracker.spo_rho_max": "method.rho_max (with --method spo)",
+    "rollout.group_size": "method.group_size (with --method grpo or rloo)",
+}
+
+
 def _valid_names(config_class: type, section: str | None) -> list[str]:
     """Field names of `config_class` (a dataclass with defaults) or of its `section`."""
     import dataclasses
@@ -145,6 +158,9 @@ def unknown_fields_line(message: str, config_path: str | None,
         except (AttributeError, TypeError):
             valid = []
         for name, full in zip(names, dotted):
+            if full in RENAMED:
+                hints.append(f"{full} was renamed to {RENAMED[full]}")
+                continue
             close = difflib.get_close_matches(name, valid, n=SUGGESTIONS)
             if close:
                 prefix = f"{section}." if section else ""

@@ -122,6 +122,19 @@ def test_config_from_another_version_names_file_fields_and_closest(tmp_path):
     assert unknown_fields_line("rollout.top_p must be in (0, 1]", None) is None
 
 
+@pytest.mark.parametrize("yaml_text, old, new", [
+    ("model:\n  dtype: bfloat16\n", "model.dtype", "model.compute_dtype"),
+    ("advantage:\n  measure: trajectory\n", "advantage.measure", "method.measure"),
+    ("loss:\n  dual_clip: 10.0\n", "loss.dual_clip", "method.dual_clip"),
+    ("tracker:\n  spo_rho_min: 0.9\n", "tracker.spo_rho_min", "method.rho_min"),
+])
+def test_a_renamed_setting_names_its_new_name(tmp_path, yaml_text, old, new):
+    """A config written before a rename is told the new name, not the closest spelling
+    (difflib pointed model.dtype at model.param_dtype, the master weights' dtype)."""
+    line = unknown_fields_line(_draccus_message(tmp_path, yaml_text), "old.yaml", TrainConfig)
+    assert f"{old} was renamed to {new}" in line, line
+
+
 def test_quiet_drops_only_the_torch_notice():
     quiet.install()
     quiet.install()                                          # idempotent
