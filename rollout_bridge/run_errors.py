@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = ["EXIT_USER_ERROR", "UserError", "config_path_argument", "check_config_path", "check_output_dir",
-           "storage_error_line", "unknown_fields_line", "run_cleanly"]
+           "storage_error_line", "error_chain", "unknown_fields_line", "run_cleanly"]
 
 EXIT_USER_ERROR = 2   # as argparse and the config checks
 CONFIG_FLAG = "--config_path"
@@ -95,7 +95,8 @@ def check_output_dir(path: str | os.PathLike, field: str = "output_dir") -> Path
     return folder
 
 
-def _chain(error: BaseException) -> Iterable[BaseException]:
+def error_chain(error: BaseException) -> Iterable[BaseException]:
+    """``error``, then its causes / contexts, each once."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -105,7 +106,7 @@ def _chain(error: BaseException) -> Iterable[BaseException]:
 
 def storage_error_line(error: BaseException) -> str | None:
     """'<what>: the disk is full (<file>)' if `error` (or its cause) is a refused write."""
-    for link in _chain(error):
+    for link in error_chain(error):
         if isinstance(link, OSError) and link.errno in STORAGE_ERRNOS:
             where = f" ({link.filename})" if link.filename else ""
             return f"{STORAGE_ERRNOS[link.errno]}{where}: free space and rerun (--resume " \

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rollout_bridge.run_lock import RunLock
-from rollout_bridge.run_errors import EXIT_USER_ERROR, UserError, run_cleanly
+from rollout_bridge.run_errors import EXIT_USER_ERROR, UserError, error_chain, run_cleanly
 
 RUN_CONFIG_FILE = "run_config.json"
 SET_ASIDE_FOLDER = "checkpoints_set_aside"
@@ -277,7 +277,7 @@ def _storage_line(error: BaseException) -> str | None:
     if storage_error_line(error) is None:
         return None
     reason, what = None, None
-    for link in _chain(error):
+    for link in error_chain(error):
         if isinstance(link, CheckpointWriteError) and what is None and link.step is not None:
             what = f"checkpoint step {link.step}"
         if isinstance(link, OSError) and link.errno in STORAGE_ERRNOS and reason is None:
@@ -296,14 +296,6 @@ def _storage_line(error: BaseException) -> str | None:
             f"continue with: {resume_command()}" + (f" (details: {details})" if details else ""))
 
 
-def _chain(error: BaseException):
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
 def ending_line(error: BaseException) -> tuple[int, str] | None:
     """(exit status, the one line) for an ending this module owns, else None."""
     from spopp_jax.checkpoint import CheckpointCorruptError, NonFiniteStateError
@@ -314,7 +306,7 @@ def ending_line(error: BaseException) -> tuple[int, str] | None:
     signum = _signal_state["signum"]
     if isinstance(error, _StorageEnding):
         error = error.error
-    chain = list(_chain(error))
+    chain = list(error_chain(error))
     if signum is not None or any(isinstance(e, KeyboardInterrupt) for e in chain):
         signum = signum or signal.SIGINT
         name = signal.Signals(signum).name
