@@ -54,15 +54,21 @@ EIGHT_CPU_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "J
 def run_on_8_devices():
     """``run(args, timeout=600)``: ``python *args`` in a subprocess that sees 8 simulated CPU
     devices (the flag must be set before jax is imported, hence a fresh process); returns
-    the ``CompletedProcess`` with text stdout / stderr."""
+    the ``CompletedProcess`` with text stdout / stderr. The subprocess runs in the checkout's
+    root with the root first on ``PYTHONPATH``, as pytest's own process does: a worker may
+    import ``train`` and read ``configs/*.yaml`` whatever the caller's environment."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
 
     def run(args, timeout: float = 600):
-        env = {**os.environ, **EIGHT_CPU_DEVICES}
-        return subprocess.run([sys.executable, *map(str, args)], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, **EIGHT_CPU_DEVICES, "PYTHONPATH": path}
+        return subprocess.run([sys.executable, *map(str, args)], env=env, cwd=root, capture_output=True,
+                               text=True, timeout=timeout)
 
     return run
 
