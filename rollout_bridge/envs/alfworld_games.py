@@ -40,18 +40,17 @@ by `workers` processes with a progress callback.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
 import json
-import multiprocessing
 import os
 import random
 import re
 from pathlib import Path
 from typing import Callable, Sequence
 
+from rollout_bridge.envs.process_pool import worker_pool
 from rollout_bridge.envs.alfworld_env import (GAME_FILE, GAME_KEYS, AlfredPddlGame,  # noqa: F401 (re-exported)
                                             GameFileError, read_game_file)
 
@@ -745,9 +744,7 @@ def generate_game_set(spec: AlfworldSetSpec, data_dir: str | os.PathLike, worker
         results = map(_make_one, jobs)
         pool = None
     else:
-        # spawn, not fork: the parent may run JAX threads and hold fast-downward copies
-        pool = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"))
+        pool = worker_pool(workers)  # spawned: the parent may run JAX threads and hold fast-downward copies
         results = pool.map(_make_one, jobs)
     try:
         for generated in results:

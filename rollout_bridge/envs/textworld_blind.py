@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+
+from rollout_bridge.envs.process_pool import worker_pool
 
 CACHE_NAME = "blind_ceiling.json"
 
@@ -134,7 +135,7 @@ def blind_ceilings(game_files: Sequence[str | os.PathLike], max_turns: int, work
     if progress is not None:
         progress(done, len(files))
     if todo:
-        with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        with worker_pool(max(1, workers)) as pool:
             futures = [pool.submit(random_walk_success, _description(f), max_turns) for f in todo]
             for path, future in zip(todo, futures):
                 caches[path.parent].setdefault(path.name, {})[key] = future.result()

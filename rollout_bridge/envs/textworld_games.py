@@ -36,10 +36,10 @@ import hashlib
 import json
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from rollout_bridge.envs.process_pool import worker_pool
 from rollout_bridge.envs.textworld_env import (PLAYABLE_SUFFIXES, list_game_files,  # noqa: F401 (re-exported)
                                                start_game, task_name_for)
 
@@ -176,7 +176,7 @@ def _seed_stream(spec: GameSetSpec, folder: Path, workers: int):
         for seed in seeds:
             yield seed, path_of(seed), generate_game(seed, spec, path_of(seed))
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with worker_pool(workers) as pool:
         pending = []
         try:
             for seed in seeds:
