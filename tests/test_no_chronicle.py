@@ -45,7 +45,7 @@ TIMING = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:s|ms|µs|us|min|tok/s)(?![\w/])"
 MEASURE_WORD = re.compile(r"\bmeasured\b|\bmedian\b|\bload(?: average)?\s+[\d~]|\bper-round\b", re.IGNORECASE)
 # a run log: "Measured 2026-12-01 (seed 0, ...): ...", "Measured on the shared 2-core box ..."
 RUN_LOG = re.compile(r"\bMeasured\s+(?:\d|\(|on\b|in\b)")
-SPEEDUP = re.compile(r"~?\b\d+(?:\.\d+)?x\s+(?:slower|faster)\b|\d\s?(?:s|ms|µs|us)\s*(?:->|→)\s*\d", re.IGNORECASE)
+SPEEDUP = re.compile(r"~?\b\d+(?:\.\d+)?x\s+(?:slower|faster)\b|\d\s?(?:s|ms|µs|us)?\s*(?:->|→)\s*\d[\d,.]*\s?(?:s|ms|µs|us)\b", re.IGNORECASE)
 
 
 def chronicle_markers(text: str, dates: bool = True) -> list:
@@ -65,8 +65,10 @@ def measurement_markers(paragraph: str) -> list:
     """A measured time in a paragraph that should describe, not report: a timing beside
     "measured" / "median" / a load average, or a before -> after speed-up."""
     found = []
-    if TIMING.search(paragraph) and MEASURE_WORD.search(paragraph):
-        found.append(f"measurement {TIMING.search(paragraph).group(0)!r} ({MEASURE_WORD.search(paragraph).group(0)!r})")
+    for sentence in re.split(r"(?<=\.)\s+(?=[A-Z(*`])", paragraph):
+        timing, word = TIMING.search(sentence), MEASURE_WORD.search(sentence)
+        if timing and word:
+            found.append(f"measurement {timing.group(0)!r} ({word.group(0)!r})")
     if RUN_LOG.search(paragraph):
         found.append(f"run log {RUN_LOG.search(paragraph).group(0)!r}")
     if SPEEDUP.search(paragraph):
@@ -164,6 +166,7 @@ def test_the_markers_catch_history_and_spare_descriptions():
     assert measurement_markers("135 -> 97 µs per call")
     assert measurement_markers("Measured 2026-12-01 (seed 0): held-out success 0.102")
     assert not measurement_markers("a 30 s timeout per call; the step runs at most 120 s")
+    assert not measurement_markers("A ~50 ms computation. Printed: the median per system.")
     assert not measurement_markers("2e-5 absolute (float32; measured ~3e-7 on the tiny model)")
 
 
