@@ -39,7 +39,8 @@ DATE = re.compile(r"(?<![\w/.-])20\d\d-[01]\d-[0-3]\d(?![\w/-])")
 USED_TO = re.compile(r"(?<!\bis )(?<!\bare )(?<!\bbe )(?<!\bbeen )(?<!\bbeing )(?<!\bwas )(?<!\bwere )"
                      r"(?<![,;:(] )(?<!^)\bused to\b")
 THEN_AND_NOW = re.compile(r"\bpreviously\b|\bbefore\s+(?:this|the)\s+(?:change|fix|branch|commit|redesign|rewrite)\b"
-                          r"|\buntil\s+(?:now|recently)\b|\bthe\s+default\s+until\b", re.IGNORECASE)
+                          r"|\buntil\s+(?:now|recently)\b|\bthe\s+default\s+until\b"
+                          r"|\b(?:this|that|the\s+previous|an\s+earlier)\s+(?:branch|PR|pull\s+request)\b", re.IGNORECASE)
 # a measured time or ratio: "562 s", "97 µs", "135 -> 97 µs", "~13x slower"
 TIMING = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:s|ms|µs|us|min|tok/s)(?![\w/])")
 MEASURE_WORD = re.compile(r"\bmeasured\b|\bmedian\b|\bload(?: average)?\s+[\d~]|\bper-round\b", re.IGNORECASE)
@@ -154,7 +155,8 @@ def page_hits(path: Path) -> list:
 def test_the_markers_catch_history_and_spare_descriptions():
     for text in ("Math-TIR (issue #14, SPEC 6)", "(#15)", "issue 16's comparison", "the default job until 2026-12-01",
                  "observed 2026-12-02", "a null answer used to load as the string", "previously the step",
-                 "the path before this change", "(session 50)", "review round 2"):
+                 "the path before this change", "(session 50)", "review round 2",
+                 "10m, BEFORE this branch"):
         assert chronicle_markers(text), text
     for text in ("Used to size the recipes' micro-batches", "it is used to size", "docs/results/2026-12-05_matched/",
                  "SPEC 6", "one aiohttp session per server", "--rounds 3", "round 2 is busy (the benchmark's rounds)",
