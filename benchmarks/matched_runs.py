@@ -1,7 +1,8 @@
 """Matched TextWorld runs: SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
 
 Every run is `python train.py --stage rl` (the command users run), from ONE shared
-warm-start checkpoint and ONE shared offline prior, so that arms differ only in the method each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
+warm-start checkpoint and ONE shared offline prior, so that arms differ only in the method
+each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
 prior, decoding, budget, optimizer and runtime).
 
     python benchmarks/matched_runs.py run --arms spopp spo grpo --seeds 0 1 2 3 4

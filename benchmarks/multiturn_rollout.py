@@ -18,8 +18,8 @@ together prefill in one call per width bucket, each over the cache window its ro
 ``one_prefill_call`` (the same reuse, but all admitted requests in one call padded to the
 widest and attending all ``max_len`` cache positions),
 ``full_prefill`` (no reuse), ``power_of_two_buckets`` (prefill rows, width and cache
-window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): fewer
-shapes, more padding), ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
+window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): fewer shapes, more
+padding), ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
 episodes in flight) and ``half_in_flight`` (the recipe's slots, half as many episodes in
 flight). The headline compares the first two given.
 
