@@ -1,4 +1,4 @@
-"""The benchmark protocol every speed script follows (issue 16, STYLE.md "Benchmarks").
+"""The benchmark protocol every speed script follows (STYLE.md "Benchmarks").
 
 A speed claim is a same-run ratio taken on an idle machine:
   * systems are timed in interleaved rounds (a, b, c, a, b, c, ...), so load from other

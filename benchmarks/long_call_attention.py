@@ -1,6 +1,6 @@
 """Learner train step on calls longer than the attention chunk: causal query blocks (each
-rematerialised in the backward pass, today's path) against dense query chunks over all
-keys (`chunked_attention`, the path before session 45), same weights, batch and step.
+rematerialised in the backward pass, the model's path) against dense query chunks over
+all keys (`chunked_attention`), same weights, batch and step.
 
     python benchmarks/long_call_attention.py                 # the main job's shape
     python benchmarks/long_call_attention.py --seq 2048 --rounds 7

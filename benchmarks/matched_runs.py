@@ -1,8 +1,8 @@
 """Matched TextWorld runs: SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
 
-Issue #7, evidence items 1-3. Every run is `python train.py --stage rl` (the command users
-run), from ONE shared warm-start checkpoint and ONE shared offline prior, so that arms differ
-only in the method each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
+Every run is `python train.py --stage rl` (the command users run), from ONE shared
+warm-start checkpoint and ONE shared offline prior, so that arms differ only in the method
+each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
 prior, decoding, budget, optimizer and runtime).
 
     python benchmarks/matched_runs.py run --arms spopp spo grpo --seeds 0 1 2 3 4
@@ -10,15 +10,15 @@ prior, decoding, budget, optimizer and runtime).
         --seeds 0 1 2 3 4 --steps 80
     python benchmarks/matched_runs.py report            # tables + figures from what is there
     python benchmarks/matched_runs.py run --config configs/textworld_agentic.yaml --root runs/matched_agentic
-        # the published (issue #7) runs were on the tiny 2-turn default job
+        # the smoke task's runs (docs/RESULTS.md) are on configs/smoke.yaml, the default --config
     python benchmarks/matched_runs.py run --config configs/textworld_agentic_text.yaml \
         --warm-start runs/textworld_agentic_text/warmstart_model --drain config --steps 40 \
-        --root runs/matched_text      # evidence v2 (issue #15): in-flight publishing, lag > 1
+        --root runs/matched_text      # in-flight publishing, policy lag > 1
     python benchmarks/matched_runs.py run --config configs/default.yaml \
         --warm-start assets/textworld_text_warmstart --drain config --steps 120 \
         --arms spopp spo grpo event_traj receipt_token receipt_traj --seeds 0 1 2 3 4 5 \
         --root runs/matched_r120 --archive docs/results/evidence_r120
-        # the same on the default recipe at 120 updates (docs/RESULTS.md, session 51 on)
+        # the same on the default recipe at 120 updates (docs/RESULTS.md, "SPO++ vs SPO vs GRPO")
 
 `--warm-start` makes a finished warm start the shared one (no SFT is run; the shared stage
 only computes the offline prior from it). `--drain finish` (the default) pins the drain of

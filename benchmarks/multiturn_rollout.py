@@ -1,5 +1,5 @@
-"""Multi-turn rollouts with and without the JAX engine's prefix reuse (issue #15's budget),
-and with the prefill of before session 45 (one call per admission, over the whole cache).
+"""Multi-turn rollouts with and without the JAX engine's prefix reuse (the main job's
+rollout budget), and with one prefill call per admission over the whole cache.
 
 A turn of an agent conversation prompts the engine with the whole history again. Without
 prefix reuse every turn prefills that history from scratch; with it, a turn prefills only
@@ -16,10 +16,10 @@ within sampling noise (the exact equivalence is tests/test_jax_engine.py's).
 Systems (``--systems``): ``prefix_reuse`` (the engine as shipped: the requests admitted
 together prefill in one call per width bucket, each over the cache window its rows reach),
 ``one_prefill_call`` (the same reuse, but all admitted requests in one call padded to the
-widest and attending all ``max_len`` cache positions: the engine before session 45),
+widest and attending all ``max_len`` cache positions),
 ``full_prefill`` (no reuse), ``power_of_two_buckets`` (prefill rows, width and cache
-window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): the engine before session
-49), ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
+window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): fewer shapes, more
+padding), ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
 episodes in flight) and ``half_in_flight`` (the recipe's slots, half as many episodes in
 flight). The headline compares the first two given.
 
@@ -77,7 +77,7 @@ def make_engine(system: str, model, engine_kwargs: dict):
         return JaxEngine(model, **{**engine_kwargs, "num_slots": max(1, engine_kwargs["num_slots"] // 2)})
     engine = JaxEngine(model, **engine_kwargs)
     if system == "power_of_two_buckets":
-        engine.shape_bucket = _bucket                               # the engine before session 49
+        engine.shape_bucket = _bucket                               # powers of two only
     if system == "one_prefill_call":
         engine.min_key_window = engine_kwargs["max_len"]           # attend the whole cache
         engine._prefill_groups = lambda admitted: [admitted]       # one call, padded to the widest

@@ -8,8 +8,8 @@ mini-batches 2..K only (mini-batch 1 takes its own gradient forward's log-probs,
 
 Both variants run the job's learner config (``old_logp_source: current``,
 ``action_logits_fraction`` `--fraction`). "forward over all K": π_old of every row at the
-step's starting params, computed as the train step did before session 50 (`lax.map` over
-all K·M micro-batch pieces) in its own jitted call and passed as ``batch.old_logp``, then
+step's starting params, from one no-grad forward (`lax.map` over all K·M micro-batch
+pieces) in its own jitted call and passed as ``batch.old_logp``, then
 the train step. "forward over 2..K": the train step alone. Batches and model as in
 benchmarks/action_head.py; their first losses and gradient norms are printed (they must
 agree to float32 rounding).
@@ -43,7 +43,7 @@ def main(args):
 
     @jax.jit
     def all_pieces_logp(params, batch):
-        """The train step's π_old before session 50: one no-grad forward over all K·M pieces
+        """π_old from one no-grad forward over all K·M pieces
         (`lax.map`, one micro-batch of rows at a time), 0 off the action mask."""
         def piece_logp(piece):
             return learner.model_token_logprobs(

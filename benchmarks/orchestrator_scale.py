@@ -24,7 +24,7 @@ per dispatched-and-received trajectory, for
 each measured in a fresh process (so one path's ``gc.freeze`` or garbage cannot change the
 other's figure), old and new alternating per row, with the 1-minute load average printed
 next to each figure (this machine is shared: say so next to any figure). The old path
-runs today's agent loop and ``Trajectory`` (token arrays): the ratio is the orchestrator's
+runs this checkout's agent loop and ``Trajectory`` (token arrays): the ratio is the orchestrator's
 share of the gain only. Each figure is measured after a 3-update warm-up that pays the
 compiles (``cpu_per_trajectory``); the mean number of requests in flight when an update
 ends is printed (about one batch under "finish", ``slots`` under "none"). The
@@ -128,7 +128,7 @@ def load_old_module(ref: str, relative_path: str, name: str):
 def pack_cost(batch: int, mean_tokens: int, rounds: int = 5, seed: int = 0) -> tuple[float, float]:
     """(old, new) best-of-``rounds`` seconds of ``pack_train_arrays`` for one batch of
     ``batch`` trajectories of ~``mean_tokens`` tokens (exponential lengths): the old
-    ``Trajectory`` of TUPLES_REF (tuples of Python numbers, a row loop) against today's
+    ``Trajectory`` of TUPLES_REF (tuples of Python numbers, a row loop) against this checkout's
     (read-only arrays, one scatter per array), same data, rounds interleaved."""
     import rollout_bridge.trajectory as new
 

@@ -1,4 +1,4 @@
-"""Learner idle time on publish: blocking export vs ``BackgroundPublisher`` (issue #12, 2).
+"""Learner idle time on publish: blocking export vs ``BackgroundPublisher``.
 
 Each update is one jitted SPO++ ``train_step`` (donating its state) followed by a publish
 of the new params as an HF folder (``save_pretrained``, the filesystem publish of the

@@ -1,5 +1,5 @@
 """Non-blocking publish: the next learner update starts while the previous weights are
-exported and installed (issue #12 item 2; SPEC 3, "Publishing without a drain").
+exported and installed (SPEC 3, "Publishing without a drain").
 
 Why a snapshot: the learner's jitted step DONATES its TrainState, so the parameter buffers
 of update t are deleted when update t+1 is dispatched. Handing those buffers to a slow

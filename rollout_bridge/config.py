@@ -201,7 +201,7 @@ class EnvSection:
     # textworld and alfworld: "Actions:" then one command per line, tokenized as a reply typing it
     actions_per_line: bool = True
     # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
-    # control, trained and evaluated like the agent (issue #15 item 3 with free-text commands)
+    # control for free-text commands, trained and evaluated like the agent
     blind_observations: bool = False
     # textworld, free-text commands: the folder of a finished run of this recipe with
     # blind_observations=true on the same games; its success after RL is printed beside the

@@ -1,4 +1,4 @@
-"""The learner as several processes (``train.py --distributed``, issue #12 item 4).
+"""The learner as several processes (``train.py --distributed``).
 
 Data path (SPMD: every process must run the same jitted computations in the same order):
 

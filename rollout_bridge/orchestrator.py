@@ -93,13 +93,15 @@ Host cost (garbage collection), once per process at the first ``run``: (1) ``gc.
 every object alive then (imported libraries, model, tokenizer: millions of objects with
 JAX, transformers and torch loaded) moves to the collector's permanent generation and is
 never scanned again. Without it each full collection (triggered by the in-flight
-episodes' objects ageing into the oldest generation) rescans that whole heap: measured
-40-130 µs per trajectory of CPU at 64-10k slots (docs/RESULTS.md, orchestrator section).
+episodes' objects ageing into the oldest generation) rescans that whole heap, a cost per
+trajectory that grows with the heap, not with the work.
 Frozen objects are still freed by reference counting; only a reference cycle among them
 would outlive its use (none is expected in startup state). (2) The youngest generation's
-threshold is raised to at least ``GC_GEN0_THRESHOLD`` (CPython: 700): with 10k episodes in
-flight, young collections were another ~40 µs per trajectory (135 -> 97 µs at 10k slots /
-100k tasks, same load); the cyclic garbage that can wait is at most that many objects.
+threshold is raised to at least ``GC_GEN0_THRESHOLD`` (CPython: 700): with thousands of
+episodes in flight, young collections are a measurable share of a trajectory's host cost;
+the cyclic garbage that can wait is at most that many objects. The cost per
+trajectory with and without these: docs/PERFORMANCE.md, "Orchestrator host cost per
+trajectory".
 Both are process-wide: a program that embeds the orchestrator and manages its own
 collector sets ``OrchestratorConfig(tune_gc=False)`` (``train.py`` keeps the default).
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Can a tiny random Qwen3 learn associative recall? The skill a policy needs to read a
-shuffled, numbered action list (issues #15 and #18), on synthetic tokens, with our own
+shuffled, numbered action list, on synthetic tokens, with our own
 learner (`spopp_jax.learner.make_sft_step`, AdamW, global token-mean cross-entropy).
 
     python scripts/recall_drill.py --pairs 2 --queries all --layout contiguous --layers 2
@@ -20,11 +20,8 @@ has a random number of pairs; `--grow`: a curriculum over that number. Printed e
 reaches: `chance` (uniform over the N values) and `elimination` (uniform over the values
 not queried yet in this row, the best without recall when every key is queried).
 
-Measured 2026-12-01 (docs/RESULTS.md, "Why the agentic warm start cannot read yet"): one
-query per row stays at chance (2 pairs, 15,000 steps); every key queried, 2 pairs, leaves
-the elimination plateau after 1,000-5,500 steps (seed and layout dependent); 8 pairs, or
-2-8 mixed, stay at elimination for 15,000 steps. PyTorch `transformers` on the same config
-behaves the same: the model and the training signal, not our implementation.
+What it found (step counts, with the PyTorch `transformers` cross-check): docs/RESULTS.md,
+"Associative recall in a tiny model".
 """
 
 from __future__ import annotations

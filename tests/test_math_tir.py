@@ -1,4 +1,4 @@
-"""Math-TIR (issue #14): tool-call format, DAPO parquet loader, teacher filter, the
+"""Math-TIR: tool-call format, DAPO parquet loader, teacher filter, the
 final-message loss mask token by token, and episodes through the agent loop with the real
 sandbox and verifier."""
 

@@ -1,5 +1,5 @@
 """math-verify wrapper: DAPO-style answers (fractions, radicals, intervals, sets, LaTeX vs
-plain), and errors/time-outs scored 0 without crashing (issue #14)."""
+plain), and errors/time-outs scored 0 without crashing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The learner as several processes (issue #12 item 4): 2 processes x 4 virtual CPU
+"""The learner as several processes: 2 processes x 4 virtual CPU
 devices, cross-process collectives over gloo, give the same parameters after 3 train
 steps as 1 process x 8 devices and as 1 device (this pytest process).
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 (hybrid Gated DeltaNet + output-gated attention, issue #13) against references
+"""Qwen3.5 (hybrid Gated DeltaNet + output-gated attention) against references
 nobody here wrote: transformers' PyTorch `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration`
 (their torch fallbacks `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`)
 on tiny random configs built here, and our own full forward for cached decode.

@@ -1,4 +1,4 @@
-"""The tool sandbox holds against hostile code (issue #14, "Show"): each attempt is a
+"""The tool sandbox holds against hostile code: each attempt is a
 bounded-time failure, the host is untouched, and the next call on the pool works.
 
 Skipped (with the reason) where bubblewrap cannot start, e.g. user namespaces disabled.

@@ -1,4 +1,4 @@
-"""Launched servers die with a SIGKILLed trainer (issue #12): ``VllmServerLauncher``'s
+"""Launched servers die with a SIGKILLed trainer: ``VllmServerLauncher``'s
 watchdog stops every server process group, children included, when the launching
 process dies without ``close()``. Fake servers (small Python scripts, not vLLM): one that
 exits on SIGTERM and leaves an engine-core-like child that IGNORES SIGTERM (the watchdog

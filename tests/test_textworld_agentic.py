@@ -1,4 +1,4 @@
-"""The agentic TextWorld task of configs/textworld_agentic.yaml (issue #15): shuffled number-only
+"""The agentic TextWorld task of configs/textworld_agentic.yaml: shuffled number-only
 actions, the goal once, parallel generation, and the exact prompt-blind ceiling.
 
 References nobody here wrote: the z-machine game itself (the admissible commands the DP

@@ -96,8 +96,8 @@ ABORT_DURING_STEP = textwrap.dedent("""
 def test_an_episode_aborted_during_a_real_step_closes_its_game_after_the_step(game_files):
     """Through `as_async` (what `run_episode` uses), closing a game whose step is still
     running in its thread waits for that step; unserialized, the close unloads jericho's
-    interpreter under it and the process dies with SIGSEGV (seen in train.py at the end of
-    RL, 2026-12-02; this script crashed on its first abort without the lock)."""
+    interpreter under it and the process dies with SIGSEGV (train.py aborts episodes this
+    way at the end of RL; without the lock this script crashes on its first abort)."""
     done = subprocess.run([sys.executable, "-c", ABORT_DURING_STEP, *map(str, game_files)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""train.py's engine choice (issue #12): ``rollout.engine`` jax | vllm | vllm_server built by
+"""train.py's engine choice: ``rollout.engine`` jax | vllm | vllm_server built by
 ``components.build_engine``; the job's vLLM servers (``RolloutServers``) over stand-in
 servers (tests/standin_vllm_server.py: real HTTP on 127.0.0.1, no model); bad
 combinations end in a config error / UserError naming the field (exit 2 from train.py).

