@@ -1,6 +1,6 @@
-"""Matched TextWorld runs: SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
+"""Matched runs (TextWorld, ALFWorld, Math-TIR): SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
 
-Issue #7, evidence items 1-3. Every run is `python train.py --stage rl` (the command users
+Every run is `python train.py --stage rl` (the command users
 run), from ONE shared warm-start checkpoint and ONE shared offline prior, so that arms differ
 only in the method each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
 prior, decoding, budget, optimizer and runtime).
@@ -10,15 +10,21 @@ prior, decoding, budget, optimizer and runtime).
         --seeds 0 1 2 3 4 --steps 80
     python benchmarks/matched_runs.py report            # tables + figures from what is there
     python benchmarks/matched_runs.py run --config configs/textworld_agentic.yaml --root runs/matched_agentic
-        # the published (issue #7) runs were on the tiny 2-turn default job
+        # the smoke-task runs of docs/RESULTS.md were on the tiny 2-turn default job
     python benchmarks/matched_runs.py run --config configs/textworld_agentic_text.yaml \
         --warm-start runs/textworld_agentic_text/warmstart_model --drain config --steps 40 \
-        --root runs/matched_text      # evidence v2 (issue #15): in-flight publishing, lag > 1
+        --root runs/matched_text      # in-flight publishing, lag > 1
     python benchmarks/matched_runs.py run --config configs/default.yaml \
         --warm-start assets/textworld_text_warmstart --drain config --steps 120 \
         --arms spopp spo grpo event_traj receipt_token receipt_traj --seeds 0 1 2 3 4 5 \
         --root runs/matched_r120 --archive docs/results/evidence_r120
-        # the same on the default recipe at 120 updates (docs/RESULTS.md, session 51 on)
+        # the same on the default recipe at 120 updates (docs/RESULTS.md)
+    python benchmarks/matched_runs.py run --config configs/math_tir_tiny.yaml --drain config \
+        --steps 200 --seeds 0 1 2 3 4 5 --root runs/math_tir_matched \
+        --extra --checkpoint_every 10 --keep_checkpoints 21 \
+        --env.data_dir runs/math_tir_matched/data --model.tiny_dir runs/math_tir_matched/tiny_model
+    python benchmarks/matched_runs.py report --root runs/math_tir_matched --updates-per-step 10 \
+        --auc step_mean      # Math-TIR (SPEC 7): every plotted step's policy kept in checkpoints/
 
 `--warm-start` makes a finished warm start the shared one (no SFT is run; the shared stage
 only computes the offline prior from it). `--drain finish` (the default) pins the drain of
@@ -105,6 +111,9 @@ def parse_args(argv=None):
     report.add_argument("--updates-per-step", type=int, default=8,
                         help="learner updates per plotted step (8 x 16 = 128 trajectories, "
                              "the paper's plotted step)")
+    report.add_argument("--auc", choices=("trapezoid", "step_mean"), default="trapezoid",
+                        help="AUC of the plotted curve (SPEC 7): the normalised trapezoid (ALFWorld, "
+                             "TextWorld) or the step mean (Math-TIR)")
     report.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
     report.add_argument("--out", type=Path, default=None, help="also write the markdown here")
     return parser.parse_args(argv)
