@@ -42,7 +42,8 @@ Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
 `report` (see `matched_report.py`) reads the runs' `metrics.jsonl` and prints markdown.
 
 `archive --root R --to D` copies what the report reads (each run's `summary.json`,
-`metrics.jsonl`, `command.json`, and the shared prior and warm-start record) into D, e.g.
+`metrics.jsonl`, `command.json`, and the shared prior and warm-start record: its folder and
+the sha256 of its weights, given or built by the shared stage) into D, e.g.
 under docs/results, so that a campaign spread over several sessions keeps its finished
 runs (`report --root D`); `run --root R --archive D` skips the runs D already holds and
 refuses a warm start whose weights differ from the archived one (sha256 of its
@@ -144,8 +145,9 @@ def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -
                    str(shared), "--progress", "false", "--tensorboard", "false", *extra, *given]
         print("shared stage:", " ".join(command), flush=True)
         subprocess.run(command, cwd=REPO, check=True)
-        if warm_start is not None:
-            (shared / "warm_start.txt").write_text(f"{model}\nsha256 {weights_digest(model)}\n")
+        # the weights' digest, also of a warm start built here (Math-TIR's: no shipped one), so
+        # that runs added later to an archive of these are refused another warm start
+        (shared / "warm_start.txt").write_text(f"{model}\nsha256 {weights_digest(model)}\n")
     return model, prior
 
 

@@ -331,3 +331,29 @@ def test_runs_of_different_batch_sizes_are_refused(tmp_path):
         write_run(root, arm, 0, [0.5] * 4, per_update={"diag/num_trajectories": [batch] * 4})
     with pytest.raises(SystemExit, match="different batch sizes \\[4, 8\\]"):
         matched_report.report(args_for(root, tmp_path))
+
+
+def test_a_warm_start_built_by_the_shared_stage_is_pinned_by_its_digest(tmp_path, monkeypatch):
+    import subprocess
+
+    import pytest
+
+    import matched_runs
+
+    def train_prior(command, **kw):  # what `train.py --stage prior` leaves in the shared folder
+        shared = tmp_path / "runs" / "shared"
+        (shared / "warmstart_model").mkdir(parents=True)
+        (shared / "warmstart_model" / "model.safetensors").write_bytes(b"built weights")
+        (shared / "prior.json").write_text("{}")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(matched_runs.subprocess, "run", train_prior)
+    model, _ = matched_runs.shared_stage(tmp_path / "runs", ["--config_path", "configs/math_tir_tiny.yaml"])
+    record = (tmp_path / "runs" / "shared" / "warm_start.txt").read_text().splitlines()
+    assert record == [str(model), f"sha256 {matched_runs.weights_digest(model)}"]
+    kept = tmp_path / "kept"
+    matched_runs.archive(tmp_path / "runs", kept)
+    matched_runs.check_archived_warm_start(kept, model)  # the same build: accepted
+    (model / "model.safetensors").write_bytes(b"a rebuild that differs")
+    with pytest.raises(SystemExit, match="not the one the runs"):
+        matched_runs.check_archived_warm_start(kept, model)
