@@ -43,7 +43,7 @@ Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
 
 `archive --root R --to D` copies what the report reads (each run's `summary.json`,
 `metrics.jsonl`, `command.json`, and the shared prior and warm-start record: its folder and
-the sha256 of its weights, given or built by the shared stage) into D, e.g.
+the sha256 of its weights, and the warm start itself when the shared stage built it) into D, e.g.
 under docs/results, so that a campaign spread over several sessions keeps its finished
 runs (`report --root D`); `run --root R --archive D` skips the runs D already holds and
 refuses a warm start whose weights differ from the archived one (sha256 of its
@@ -175,8 +175,8 @@ def weights_digest(model: Path) -> str:
 
 
 def archive(root: Path, to: Path) -> int:
-    """Copy the finished runs' report inputs (and the shared prior / warm-start record)
-    from root to `to`; returns the number of runs copied."""
+    """Copy the finished runs' report inputs (and the shared prior, the warm-start record and
+    a warm start the shared stage built) from root to `to`; returns the number of runs copied."""
     copied = 0
     for summary in sorted(root.glob("*/seed*/summary.json")):
         folder = summary.parent
@@ -194,6 +194,8 @@ def archive(root: Path, to: Path) -> int:
         if (shared / name).is_file():
             (to / "shared").mkdir(parents=True, exist_ok=True)
             shutil.copy2(shared / name, to / "shared" / name)
+    if (shared / "warmstart_model").is_dir():  # built here (not a given --warm-start): keep it to continue from
+        shutil.copytree(shared / "warmstart_model", to / "shared" / "warmstart_model", dirs_exist_ok=True)
     return copied
 
 

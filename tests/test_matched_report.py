@@ -354,6 +354,8 @@ def test_a_warm_start_built_by_the_shared_stage_is_pinned_by_its_digest(tmp_path
     kept = tmp_path / "kept"
     matched_runs.archive(tmp_path / "runs", kept)
     matched_runs.check_archived_warm_start(kept, model)  # the same build: accepted
+    kept_model = kept / "shared" / "warmstart_model"      # kept, so a later campaign can start from it
+    assert matched_runs.weights_digest(kept_model) == matched_runs.weights_digest(model)
     (model / "model.safetensors").write_bytes(b"a rebuild that differs")
     with pytest.raises(SystemExit, match="not the one the runs"):
         matched_runs.check_archived_warm_start(kept, model)
