@@ -1,8 +1,8 @@
 """Matched runs (TextWorld, ALFWorld, Math-TIR): SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
 
-Every run is `python train.py --stage rl` (the command users
-run), from ONE shared warm-start checkpoint and ONE shared offline prior, so that arms differ
-only in the method each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
+Every run is `python train.py --stage rl` (the command users run), from ONE shared
+warm-start checkpoint and ONE shared offline prior, so that arms differ only in the method
+each runs (ARMS below) (SPEC 7: matched runs share checkpoint, prompts,
 prior, decoding, budget, optimizer and runtime).
 
     python benchmarks/matched_runs.py run --arms spopp spo grpo --seeds 0 1 2 3 4
@@ -10,15 +10,15 @@ prior, decoding, budget, optimizer and runtime).
         --seeds 0 1 2 3 4 --steps 80
     python benchmarks/matched_runs.py report            # tables + figures from what is there
     python benchmarks/matched_runs.py run --config configs/textworld_agentic.yaml --root runs/matched_agentic
-        # the smoke-task runs of docs/RESULTS.md were on the tiny 2-turn default job
+        # the smoke task's runs (docs/RESULTS.md) are on configs/smoke.yaml, the default --config
     python benchmarks/matched_runs.py run --config configs/textworld_agentic_text.yaml \
         --warm-start runs/textworld_agentic_text/warmstart_model --drain config --steps 40 \
-        --root runs/matched_text      # in-flight publishing, lag > 1
+        --root runs/matched_text      # in-flight publishing, policy lag > 1
     python benchmarks/matched_runs.py run --config configs/default.yaml \
         --warm-start assets/textworld_text_warmstart --drain config --steps 120 \
         --arms spopp spo grpo event_traj receipt_token receipt_traj --seeds 0 1 2 3 4 5 \
         --root runs/matched_r120 --archive docs/results/evidence_r120
-        # the same on the default recipe at 120 updates (docs/RESULTS.md)
+        # the same on the default recipe at 120 updates (docs/RESULTS.md, "SPO++ vs SPO vs GRPO")
     python benchmarks/matched_runs.py run --config configs/math_tir_tiny.yaml --drain config \
         --steps 200 --seeds 0 1 2 3 4 5 --root runs/math_tir_matched \
         --extra --checkpoint_every 10 --keep_checkpoints 21 \
