@@ -1,8 +1,11 @@
-"""Tables and figures from the matched TextWorld runs (`matched_runs.py report`).
+"""Tables and figures from matched runs (`matched_runs.py report`): TextWorld, ALFWorld, Math-TIR.
 
 Reads `<root>/<arm>/seed<k>/{metrics.jsonl,summary.json}` and prints markdown:
- 1. SPO++ vs SPO vs GRPO: AUC over the common plotted steps, last-5 mean, success of the
-    final policy (the run's evaluation after RL), paired differences per seed; Figure-1-style plot.
+ 1. SPO++ vs SPO vs GRPO: AUC over the common plotted steps (`--auc`: the normalised
+    trapezoid of ALFWorld, or the step mean (1/T) Σ r_t of Math-TIR, SPEC 7), last-5 mean,
+    success of the final policy (the run's evaluation after RL), paired differences per
+    seed; Figure-1-style plot. Collapsed runs, final policies below the warm start, and
+    turns per episode (Math-TIR: 1 + tool calls).
  2. The tracker x measure 2x2 (retention 0.875 and dual-clip 2 fixed): C10 per cell, the
     paired effects, and the paper's Table-2 comparisons against SPO.
  3. Per-batch Cov_n(L, A), the loss-weighted centre trajectory whitening leaves
@@ -12,7 +15,10 @@ Reads `<root>/<arm>/seed<k>/{metrics.jsonl,summary.json}` and prints markdown:
     and each 2x2 score regressed on the run's out-of-event-order share (slope per tracker).
  5. Held-out games (where the recipe has them): each arm's gain over the shared warm start,
     runs past 2 SE, and the arms paired by seed (SPO++ vs SPO and GRPO, the 2x2).
-A plotted step is `updates_per_step` consecutive updates (8 x 16 = 128 trajectories).
+ 6. Every other evaluation the env kind makes before and after RL (Math-TIR: training and
+    held-out problems with the tool disabled), the same way.
+A plotted step is `updates_per_step` consecutive updates (8 x 16 = 128 trajectories on
+TextWorld; the trajectories per update are read from the runs' metrics).
 """
 
 from __future__ import annotations
@@ -100,6 +106,20 @@ def hardware_text(root: Path, num_runs: int) -> str:
     return ", ".join(parts)
 
 
+AUC_MEASURES = {"trapezoid": area_under_curve, "step_mean": lambda curve: float(np.mean(curve))}
+AUC_TEXT = {"trapezoid": "normalised trapezoid area", "step_mean": "step mean (1/T) Σ r_t"}
+
+
+def trajectories_per_update(runs) -> int:
+    """Trajectories per learner update, from the runs' metrics (``diag/num_trajectories``;
+    16, the CPU recipes' batch, for runs that predate it). Every run must agree."""
+    sizes = {int(row["diag/num_trajectories"]) for by_seed in runs.values() for r in by_seed.values()
+             for row in r.rows[:1] if "diag/num_trajectories" in row}
+    if len(sizes) > 1:
+        raise SystemExit(f"the runs train on different batch sizes {sorted(sizes)}: not matched runs")
+    return sizes.pop() if sizes else 16
+
+
 def pm(values, scale: float = 1.0, digits: int = 3) -> str:
     values = np.asarray(values, np.float64) * scale
     if values.size == 1:
@@ -129,17 +149,20 @@ PAIRED_HEADER = ["| comparison (points = 100 x reward) | mean ± std | signs per
 # ----------------------------------------------------------------------------- 1. main runs
 
 
-def main_section(runs, ups: int, figures: Path, title: str = "matched runs") -> list[str]:
+def main_section(runs, ups: int, figures: Path, title: str = "matched runs", auc_measure: str = "trapezoid") -> list[str]:
     arms = [a for a in MAIN_ARMS if a in runs]
     if not arms:
         return ["(no main runs found)"]
     t_common = min(len(r.curve(ups)) for a in arms for r in runs[a].values())
-    auc = {a: {s: area_under_curve(r.curve(ups)[:t_common]) for s, r in runs[a].items()} for a in arms}
+    measure = AUC_MEASURES[auc_measure]
+    auc = {a: {s: measure(r.curve(ups)[:t_common]) for s, r in runs[a].items()} for a in arms}
     k = min(5, t_common)
     last5 = {a: {s: last_mean(r.curve(ups)[:t_common], k) for s, r in runs[a].items()} for a in arms}
     after = {a: {s: r.summary["success_after_rl"] for s, r in runs[a].items()} for a in arms}
-    lines = [f"T = {t_common} common plotted steps of {ups} updates x 16 trajectories = "
-             f"{ups * 16} trajectories; AUC and last-5 are training-rollout success (SPEC 7); "
+    batch = trajectories_per_update(runs)
+    lines = [f"T = {t_common} common plotted steps of {ups} updates x {batch} trajectories = "
+             f"{ups * batch} trajectories; AUC ({AUC_TEXT[auc_measure]}) and last-5 are "
+             "training-rollout success (SPEC 7); "
              f"'after RL' is the final policy on {evaluation_text(runs, arms)}; mean ± sample std over seeds.",
              "", f"| arm | runs | AUC | last-{k} mean | success before RL | success after RL | RL wall time (s) |",
              "|---|---|---|---|---|---|---|"]
@@ -153,12 +176,12 @@ def main_section(runs, ups: int, figures: Path, title: str = "matched runs") -> 
         for name, score in (("AUC", auc), (f"last-{k}", last5), ("after RL", after)):
             lines.append(paired_line(f"SPO++ − {LABELS[other]}, {name}", score["spopp"], score[other]))
     path = figures / "matched_runs.png"
-    figure_one(runs, arms, ups, t_common, path, title)
+    figure_one(runs, arms, ups, t_common, path, title, batch)
     lines += ["", f"![matched runs]({FIG}/{path.name})"]
     return lines
 
 
-def figure_one(runs, arms, ups: int, t_common: int, path: Path, title: str) -> None:
+def figure_one(runs, arms, ups: int, t_common: int, path: Path, title: str, batch: int) -> None:
     """Thin per-seed lines, the mean, and a standard-error band per arm."""
     import matplotlib
 
@@ -175,7 +198,7 @@ def figure_one(runs, arms, ups: int, t_common: int, path: Path, title: str) -> N
         se = curves.std(axis=0, ddof=1) / np.sqrt(len(curves)) if len(curves) > 1 else 0 * mean
         ax.plot(steps, mean, color=color, lw=2.2, label=f"{LABELS[arm]} (n={len(curves)})")
         ax.fill_between(steps, mean - se, mean + se, color=color, alpha=0.18)
-    ax.set_xlabel(f"plotted step ({ups * 16} trajectories)")
+    ax.set_xlabel(f"plotted step ({ups * batch} trajectories)")
     ax.set_ylabel("training success rate")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)
@@ -213,6 +236,25 @@ def collapse_onset(run: Run, ups: int) -> int | None:
     return first_dead * ups + 1
 
 
+def below_warm_start(run: Run) -> bool | None:
+    """The final policy is worse than the shared warm start on the training tasks by more
+    than 2 SE of their paired difference (``train_gain_over_warm_start``); None when the
+    run did not record it."""
+    gain = run.summary.get("train_gain_over_warm_start") or {}
+    if "gain" not in gain or not np.isfinite(gain.get("se", np.nan)):
+        return None
+    return gain["gain"] < -2 * gain["se"]
+
+
+def turns_text(rs, ups: int) -> str:
+    """Mean turns per episode (``turns_mean``) in the first and the last plotted step, mean
+    over runs; 'n/a' for runs that did not log it."""
+    curves = [plotted_steps(r.series("turns_mean"), ups) for r in rs if all("turns_mean" in row for row in r.rows)]
+    if not curves or len(curves) < len(rs):
+        return "n/a"
+    return f"{np.mean([c[0] for c in curves]):.2f} → {np.mean([c[-1] for c in curves]):.2f}"
+
+
 def collapse_section(runs, ups: int) -> list[str]:
     before = [r.summary.get("success_before_rl") for a in runs for r in runs[a].values()]
     before = [b for b in before if b is not None]
@@ -220,13 +262,23 @@ def collapse_section(runs, ups: int) -> list[str]:
     lines = [f"A run counts as collapsed when its final policy succeeds < {COLLAPSE_LEVEL} in its evaluation "
              f"after RL ({prior}) and its training curve ends in plotted steps "
              f"below {COLLAPSE_LEVEL}: the policy has fallen into an absorbing reply (e.g. an empty reply, "
-             "whose saturated softmax carries no gradient).", "",
-             "| arm | runs | collapsed | seed (first update of the collapsed stretch) |", "|---|---|---|---|"]
+             "whose saturated softmax carries no gradient, or an answer without the tool). 'Below the warm "
+             "start': runs whose final policy is worse than the shared warm start on the training tasks by "
+             "more than 2 SE (paired by task). Turns per episode: first → last plotted step, mean over runs "
+             "(Math-TIR: 1 + tool calls).", "",
+             "| arm | runs | collapsed | seed (first update of the collapsed stretch) | below the warm start "
+             "| turns per episode |", "|---|---|---|---|---|---|"]
     for arm in present(runs):
         onsets = {s: collapse_onset(r, ups) for s, r in sorted(runs[arm].items())}
         hit = {s: u for s, u in onsets.items() if u is not None}
         where = ", ".join(f"{s} ({u})" for s, u in hit.items()) or "none"
-        lines.append(f"| {LABELS.get(arm, arm)} | {len(onsets)} | {len(hit)} | {where} |")
+        below = {s: below_warm_start(r) for s, r in sorted(runs[arm].items())}
+        graded = [s for s, b in below.items() if b is not None]
+        worse = [s for s in graded if below[s]]
+        below_cell = (f"{len(worse)} of {len(graded)}" + (f" (seed {', '.join(map(str, worse))})" if worse else "")
+                      if graded else "n/a")
+        lines.append(f"| {LABELS.get(arm, arm)} | {len(onsets)} | {len(hit)} | {where} | {below_cell} "
+                     f"| {turns_text(list(runs[arm].values()), ups)} |")
     return lines
 
 
@@ -423,15 +475,35 @@ def scatter(pairs, path: Path, score: str) -> None:
 # ----------------------------------------------------------------------------- 5. held-out games
 
 
-def heldout_by_arm(runs) -> dict[str, dict[int, float]]:
-    """Held-out success of each run's final policy (games never trained on), where recorded."""
+def after_by_arm(runs, name: str) -> dict[str, dict[int, float]]:
+    """Success of each run's final policy in the evaluation ``name`` (``<name>_after_rl``
+    of summary.json: heldout, no_tool, heldout_no_tool, ...), where recorded."""
     out = {}
     for arm, by_seed in runs.items():
-        scores = {s: r.summary["heldout_after_rl"]["success_rate"] for s, r in by_seed.items()
-                  if (r.summary.get("heldout_after_rl") or {}).get("success_rate") is not None}
+        scores = {s: r.summary[f"{name}_after_rl"]["success_rate"] for s, r in by_seed.items()
+                  if (r.summary.get(f"{name}_after_rl") or {}).get("success_rate") is not None}
         if scores:
             out[arm] = scores
     return out
+
+
+def heldout_by_arm(runs) -> dict[str, dict[int, float]]:
+    """Held-out success of each run's final policy (games never trained on), where recorded."""
+    return after_by_arm(runs, "heldout")
+
+
+def evaluation_cells(rs, name: str, after: dict[int, float]) -> list[str]:
+    """One arm's row for the evaluation ``name``: episodes per run, success before and after
+    RL, the runs' paired gains over the warm start and how many pass +2 SE and -2 SE."""
+    gains = [r.summary.get(f"{name}_gain_over_warm_start") or {} for r in rs]
+    graded = [g for g in gains if "gain" in g]
+    past = sum(1 for g in graded if g["gain"] > 2 * g.get("se", np.inf))
+    below = sum(1 for g in graded if g["gain"] < -2 * g.get("se", np.inf))
+    episodes = sorted({(r.summary.get(f"{name}_after_rl_estimate") or {}).get("episodes") for r in rs} - {None})
+    before = [b for r in rs if (b := (r.summary.get(f"{name}_before_rl") or {}).get("success_rate")) is not None]
+    return [" / ".join(map(str, episodes)) or "n/a", pm(before) if before else "n/a", pm(list(after.values())),
+            pm([g["gain"] for g in graded]) if graded else "n/a",
+            f"{past} of {len(graded)}" + (f" ({below} below −2 SE)" if below else "") if graded else "n/a"]
 
 
 def heldout_section(runs) -> list[str]:
@@ -453,15 +525,7 @@ def heldout_section(runs) -> list[str]:
         if arm not in held:
             continue
         rs = [runs[arm][s] for s in sorted(held[arm])]
-        gains = [r.summary.get("heldout_gain_over_warm_start") or {} for r in rs]
-        past = sum(1 for g in gains if "gain" in g and g["gain"] > 2 * g.get("se", np.inf))
-        graded = sum(1 for g in gains if "gain" in g)
-        episodes = sorted({(r.summary.get("heldout_after_rl_estimate") or {}).get("episodes") for r in rs} - {None})
-        before = [b for r in rs if (b := (r.summary.get("heldout_before_rl") or {}).get("success_rate")) is not None]
-        cells = [" / ".join(map(str, episodes)) or "n/a", pm(before) if before else "n/a", pm(list(held[arm].values())),
-                 pm([g["gain"] for g in gains if "gain" in g]) if graded else "n/a",
-                 f"{past} of {graded}" if graded else "n/a"]
-        lines.append(f"| {LABELS.get(arm, arm)} | {len(rs)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {LABELS.get(arm, arm)} | {len(rs)} | " + " | ".join(evaluation_cells(rs, "heldout", held[arm])) + " |")
     lines += ["", *PAIRED_HEADER]
     for other in [a for a in ("spo", "grpo") if a in held and "spopp" in held]:
         lines.append(paired_line(f"SPO++ − {LABELS[other]}, held-out after RL", held["spopp"], held[other]))
@@ -470,6 +534,44 @@ def heldout_section(runs) -> list[str]:
     else:
         lines += ["", f"(held-out 2x2 incomplete: have {sorted(held)})"]
     return lines
+
+
+# ----------------------------------------------------------------------------- 6. other evaluations
+
+
+def other_evaluations(runs) -> list[str]:
+    """Names of the env kind's evaluations besides the training tasks and held-out games
+    that some run recorded after RL (summary.json ``<name>_after_rl``), sorted."""
+    names = {key.removesuffix("_after_rl") for by_seed in runs.values() for r in by_seed.values()
+             for key, value in r.summary.items()
+             if key.endswith("_after_rl") and isinstance(value, dict) and "success_rate" in value}
+    return sorted(names - {"heldout"})
+
+
+def other_evaluations_section(runs) -> list[str]:
+    """Per evaluation and arm (Math-TIR: ``no_tool``, ``heldout_no_tool``, the training and
+    held-out problems with the tool disabled): success before/after RL and the gain over the
+    warm start, as for the held-out games; then SPO++ against SPO and GRPO paired by seed."""
+    names = other_evaluations(runs)
+    if not names:
+        return ["(no other evaluations in these runs)"]
+    lines = ["The env kind's other evaluations of the final policy, each against the shared warm start on "
+             "the same episodes, as for the held-out games (no_tool: the training problems with the tool "
+             "disabled; heldout_no_tool: the held-out ones); mean ± sample std over seeds.", "",
+             "| evaluation | arm | runs | episodes per run | before RL | after RL | gain over warm start "
+             "| runs past 2 SE |", "|---|---|---|---|---|---|---|---|"]
+    paired = []
+    for name in names:
+        after = after_by_arm(runs, name)
+        for arm in present(runs):
+            if arm not in after:
+                continue
+            rs = [runs[arm][s] for s in sorted(after[arm])]
+            lines.append(f"| {name} | {LABELS.get(arm, arm)} | {len(rs)} | "
+                         + " | ".join(evaluation_cells(rs, name, after[arm])) + " |")
+        for other in [a for a in ("spo", "grpo") if a in after and "spopp" in after]:
+            paired.append(paired_line(f"SPO++ − {LABELS[other]}, {name} after RL", after["spopp"], after[other]))
+    return [*lines, "", *PAIRED_HEADER, *paired] if paired else lines
 
 
 # ----------------------------------------------------------------------------- entry
@@ -601,12 +703,13 @@ def report(args) -> str:
              f"Report made on {cpu_model()}; python {platform.python_version()}, jax {jax.__version__}. "
              f"RL wall time per run {min(walls):.0f} to {max(walls):.0f} s, {sum(walls) / 60:.0f} min in all.",
              "", "### SPO++ vs SPO vs GRPO", "",
-             *main_section(runs, ups, args.figures, f"{recipe}: matched runs (training success)"),
+             *main_section(runs, ups, args.figures, f"{recipe}: matched runs (training success)", args.auc),
              "", "### Collapsed runs", "", *collapse_section(runs, ups),
              "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups),
              "", "### Length-advantage covariance and the loss-weighted centre", "",
              *covariance_section(runs, ups, args.figures),
              "", "### Held-out games", "", *heldout_section(runs),
+             "", "### Other evaluations", "", *other_evaluations_section(runs),
              "", "### Policy lag, event order and held-out success", "", *regime_section(runs),
              "", "Score against the out-of-event-order share:", "", *order_effect_lines(runs, ups)]
     text = "\n".join(lines) + "\n"

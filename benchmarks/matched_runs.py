@@ -1,4 +1,4 @@
-"""Matched TextWorld runs: SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
+"""Matched runs (TextWorld, ALFWorld, Math-TIR): SPO++ vs SPO vs GRPO, and the tracker x measure ablation.
 
 Every run is `python train.py --stage rl` (the command users run), from ONE shared
 warm-start checkpoint and ONE shared offline prior, so that arms differ only in the method
@@ -19,6 +19,12 @@ prior, decoding, budget, optimizer and runtime).
         --arms spopp spo grpo event_traj receipt_token receipt_traj --seeds 0 1 2 3 4 5 \
         --root runs/matched_r120 --archive docs/results/evidence_r120
         # the same on the default recipe at 120 updates (docs/RESULTS.md, "SPO++ vs SPO vs GRPO")
+    python benchmarks/matched_runs.py run --config configs/math_tir_tiny.yaml --drain config \
+        --steps 200 --seeds 0 1 2 3 4 5 --root runs/math_tir_matched \
+        --extra --checkpoint_every 10 --keep_checkpoints 21 \
+        --env.data_dir runs/math_tir_matched/data --model.tiny_dir runs/math_tir_matched/tiny_model
+    python benchmarks/matched_runs.py report --root runs/math_tir_matched --updates-per-step 10 \
+        --auc step_mean      # Math-TIR (SPEC 7): every plotted step's policy kept in checkpoints/
 
 `--warm-start` makes a finished warm start the shared one (no SFT is run; the shared stage
 only computes the offline prior from it). `--drain finish` (the default) pins the drain of
@@ -36,7 +42,8 @@ Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
 `report` (see `matched_report.py`) reads the runs' `metrics.jsonl` and prints markdown.
 
 `archive --root R --to D` copies what the report reads (each run's `summary.json`,
-`metrics.jsonl`, `command.json`, and the shared prior and warm-start record) into D, e.g.
+`metrics.jsonl`, `command.json`, and the shared prior and warm-start record: its folder and
+the sha256 of its weights, and the warm start itself when the shared stage built it) into D, e.g.
 under docs/results, so that a campaign spread over several sessions keeps its finished
 runs (`report --root D`); `run --root R --archive D` skips the runs D already holds and
 refuses a warm start whose weights differ from the archived one (sha256 of its
@@ -105,6 +112,9 @@ def parse_args(argv=None):
     report.add_argument("--updates-per-step", type=int, default=8,
                         help="learner updates per plotted step (8 x 16 = 128 trajectories, "
                              "the paper's plotted step)")
+    report.add_argument("--auc", choices=("trapezoid", "step_mean"), default="trapezoid",
+                        help="AUC of the plotted curve (SPEC 7): the normalised trapezoid (ALFWorld, "
+                             "TextWorld) or the step mean (Math-TIR)")
     report.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
     report.add_argument("--out", type=Path, default=None, help="also write the markdown here")
     return parser.parse_args(argv)
@@ -135,8 +145,9 @@ def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -
                    str(shared), "--progress", "false", "--tensorboard", "false", *extra, *given]
         print("shared stage:", " ".join(command), flush=True)
         subprocess.run(command, cwd=REPO, check=True)
-        if warm_start is not None:
-            (shared / "warm_start.txt").write_text(f"{model}\nsha256 {weights_digest(model)}\n")
+        # the weights' digest, also of a warm start built here (Math-TIR's: no shipped one), so
+        # that runs added later to an archive of these are refused another warm start
+        (shared / "warm_start.txt").write_text(f"{model}\nsha256 {weights_digest(model)}\n")
     return model, prior
 
 
@@ -164,8 +175,8 @@ def weights_digest(model: Path) -> str:
 
 
 def archive(root: Path, to: Path) -> int:
-    """Copy the finished runs' report inputs (and the shared prior / warm-start record)
-    from root to `to`; returns the number of runs copied."""
+    """Copy the finished runs' report inputs (and the shared prior, the warm-start record and
+    a warm start the shared stage built) from root to `to`; returns the number of runs copied."""
     copied = 0
     for summary in sorted(root.glob("*/seed*/summary.json")):
         folder = summary.parent
@@ -183,6 +194,8 @@ def archive(root: Path, to: Path) -> int:
         if (shared / name).is_file():
             (to / "shared").mkdir(parents=True, exist_ok=True)
             shutil.copy2(shared / name, to / "shared" / name)
+    if (shared / "warmstart_model").is_dir():  # built here (not a given --warm-start): keep it to continue from
+        shutil.copytree(shared / "warmstart_model", to / "shared" / "warmstart_model", dirs_exist_ok=True)
     return copied
 
 

@@ -14,9 +14,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import matched_report
 
 
-def write_run(root, arm, seed, success, centre=-0.1, after=None, regime=None):
+def write_run(root, arm, seed, success, centre=-0.1, after=None, regime=None, per_update=None):
+    """``per_update``: more metrics per update, name -> one value per update."""
     folder = root / arm / f"seed{seed}"
     folder.mkdir(parents=True)
+    per_update = per_update or {}
     with open(folder / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps({
                 "step": step, "success_rate": s,
@@ -24,6 +26,7 @@ def write_run(root, arm, seed, success, centre=-0.1, after=None, regime=None):
                 "diag/center_after_trajectory_whitening": centre,
                 "diag/center_after_token_whitening": 0.0,
                 "diag/length_q10": 2.0, "diag/length_q50": 3.0, "diag/length_q90": 4.0,
+                **{name: values[step - 1] for name, values in per_update.items()},
             }) + "\n" for step, s in enumerate(success, 1))
     (folder / "summary.json").write_text(json.dumps({
         "success_before_rl": 0.2,
@@ -31,8 +34,8 @@ def write_run(root, arm, seed, success, centre=-0.1, after=None, regime=None):
         "rl_wall_s": 10.0, **(regime or {})}))
 
 
-def args_for(root, tmp_path):
-    return argparse.Namespace(root=root, updates_per_step=2, figures=tmp_path / "figures", out=None)
+def args_for(root, tmp_path, auc="trapezoid"):
+    return argparse.Namespace(root=root, updates_per_step=2, figures=tmp_path / "figures", out=None, auc=auc)
 
 
 def test_main_table_and_paired_differences_hand_derived(tmp_path):
@@ -271,3 +274,88 @@ def test_a_continued_campaign_starts_from_the_archived_prior(tmp_path):
     model.mkdir()
     (model / "config.json").write_text("{}")
     assert matched_runs.shared_stage(root, [], warm_start=model) == (model.resolve(), root / "shared" / "prior.json")
+
+
+def math_tir_summary(no_tool_held, train_gain):
+    """A Math-TIR run's summary fields: the tool-disabled evaluations before/after RL and
+    the final policy's paired gain over the warm start on the training problems."""
+    def evaluation(before, after, gain):
+        return {"before_rl": {"success_rate": before}, "after_rl": {"success_rate": after},
+                "after_rl_estimate": {"episodes": 256}, "gain_over_warm_start": gain}
+
+    fields = {"train_gain_over_warm_start": train_gain}
+    for name, after, gain in (("no_tool", 0.0, {"gain": 0.0, "se": 0.0}),
+                              ("heldout_no_tool", no_tool_held, {"gain": no_tool_held, "se": 0.05})):
+        fields.update({f"{name}_{key}": value for key, value in evaluation(0.0, after, gain).items()})
+    return fields
+
+
+def test_math_tir_step_mean_auc_tool_free_evaluations_and_runs_below_the_warm_start(tmp_path):
+    import matched_runs
+
+    root = tmp_path / "runs"
+    # 2 updates of 4 trajectories per plotted step; plotted curves per seed
+    curves = {("spopp", 0): [0.5, 0.5, 0.8], ("spo", 0): [0.5, 0.5, 0.5],
+              ("spopp", 1): [0.6, 0.6, 0.6], ("spo", 1): [0.5, 0.5, 0.8]}
+    turns = {0: [2, 2, 2, 2, 1, 1], 1: [2] * 6}  # SPO++ seed 0 stops calling the tool
+    for (arm, seed), curve in curves.items():
+        per_update = {"diag/num_trajectories": [4] * 6}
+        if arm == "spopp":
+            per_update["turns_mean"] = turns[seed]
+        gain = {"gain": -0.1 if (arm, seed) == ("spo", 1) else 0.1, "se": 0.02}
+        write_run(root, arm, seed, [x for x in curve for _ in range(2)], after=0.5, per_update=per_update,
+                  regime=math_tir_summary(0.25 if (arm, seed) == ("spopp", 0) else 0.0, gain))
+    text = matched_report.report(args_for(root, tmp_path, auc="step_mean"))
+    assert "T = 3 common plotted steps of 2 updates x 4 trajectories = 8 trajectories; AUC (step mean" in text
+    # step mean: SPO++ 0.6 and 0.6; SPO 0.5 and 0.6
+    assert "| SPO++ | 2 | 0.600 ± 0.000 |" in text
+    assert "| SPO++ − SPO, AUC | +5.00 ± 7.07 | +0 (1+/0-) | +10.0, +0.0 |" in text
+    # the trapezoid: SPO++ 0.575 and 0.6, SPO 0.5 and 0.575
+    trapezoid = matched_report.report(args_for(root, tmp_path))
+    assert "| SPO++ − SPO, AUC | +5.00 ± 3.54 | ++ (2+/0-) | +7.5, +2.5 |" in trapezoid
+    # the tool-disabled evaluations, each arm against the warm start and paired by seed
+    assert "| heldout_no_tool | SPO++ | 2 | 256 | 0.000 ± 0.000 | 0.125 ± 0.177 | 0.125 ± 0.177 | 1 of 2 |" in text
+    assert "| no_tool | SPO | 2 | 256 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0 of 2 |" in text
+    assert "| SPO++ − SPO, heldout_no_tool after RL | +12.50 ± 17.68 | +0 (1+/0-) | +25.0, +0.0 |" in text
+    # no collapse; SPO seed 1 ends 5 SE below the warm start; SPO++'s turns 2 -> (1 + 2) / 2
+    assert "| SPO++ | 2 | 0 | none | 0 of 2 | 2.00 → 1.50 |" in text
+    assert "| SPO | 2 | 0 | none | 1 of 2 (seed 1) | n/a |" in text
+    assert matched_runs.parse_args(["report", "--auc", "step_mean"]).auc == "step_mean"
+
+
+def test_runs_of_different_batch_sizes_are_refused(tmp_path):
+    import pytest
+
+    root = tmp_path / "runs"
+    for arm, batch in (("spopp", 4), ("spo", 8)):
+        write_run(root, arm, 0, [0.5] * 4, per_update={"diag/num_trajectories": [batch] * 4})
+    with pytest.raises(SystemExit, match="different batch sizes \\[4, 8\\]"):
+        matched_report.report(args_for(root, tmp_path))
+
+
+def test_a_warm_start_built_by_the_shared_stage_is_pinned_by_its_digest(tmp_path, monkeypatch):
+    import subprocess
+
+    import pytest
+
+    import matched_runs
+
+    def train_prior(command, **kw):  # what `train.py --stage prior` leaves in the shared folder
+        shared = tmp_path / "runs" / "shared"
+        (shared / "warmstart_model").mkdir(parents=True)
+        (shared / "warmstart_model" / "model.safetensors").write_bytes(b"built weights")
+        (shared / "prior.json").write_text("{}")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(matched_runs.subprocess, "run", train_prior)
+    model, _ = matched_runs.shared_stage(tmp_path / "runs", ["--config_path", "configs/math_tir_tiny.yaml"])
+    record = (tmp_path / "runs" / "shared" / "warm_start.txt").read_text().splitlines()
+    assert record == [str(model), f"sha256 {matched_runs.weights_digest(model)}"]
+    kept = tmp_path / "kept"
+    matched_runs.archive(tmp_path / "runs", kept)
+    matched_runs.check_archived_warm_start(kept, model)  # the same build: accepted
+    kept_model = kept / "shared" / "warmstart_model"      # kept, so a later campaign can start from it
+    assert matched_runs.weights_digest(kept_model) == matched_runs.weights_digest(model)
+    (model / "model.safetensors").write_bytes(b"a rebuild that differs")
+    with pytest.raises(SystemExit, match="not the one the runs"):
+        matched_runs.check_archived_warm_start(kept, model)
