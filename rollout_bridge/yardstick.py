@@ -217,7 +217,7 @@ def common_steps(runs: Sequence[Run], requested: Sequence[int] | None, start: bo
         missing = {run.label: sorted(set(requested) - set(run.steps) - {0}) for run in runs}
         missing = {label: steps for label, steps in missing.items() if steps}
         if missing:
-            raise UserError(f"--steps: runs without those checkpoints: {missing}")
+            raise UserError(f"--eval_steps: runs without those checkpoints: {missing}")
         steps = sorted(set(requested) - {0})
     else:
         steps = sorted(held)
@@ -233,7 +233,9 @@ def policy_digest(run: Run, step: int) -> str:
     SHA-256, written with it), else its files; step 0: the start folder's files."""
     if step == 0:
         return folder_digest(run.start_folder)
-    checksums = run.step_dir(step) / "checksums.json"
+    from spopp_jax.checkpoint_integrity import CHECKSUM_FILE
+
+    checksums = run.step_dir(step) / CHECKSUM_FILE
     if checksums.is_file():
         return hashlib.sha1(checksums.read_bytes()).hexdigest()
     return folder_digest(run.step_dir(step))
@@ -311,16 +313,16 @@ async def evaluate_run(job, run: Run, steps: Sequence[int], mix: TaskMix, record
 def training_curve(rows: Sequence[dict], steps: Sequence[int]) -> list[float] | None:
     """The run's own training-rollout success beside the yardstick (what the learning
     curves showed until now: each method's own task sampling): at each evaluated step s > 0
-    the mean ``success_rate`` of the updates in (previous evaluated step, s]; None when
-    an interval holds no row (no metrics.jsonl, a run not that far)."""
+    the mean ``success_rate`` of the updates in (previous evaluated step, s] (their rows; a
+    torn one is left out); None when update s has no row (no metrics.jsonl, a run not that far)."""
     by_update = {row["step"]: row["success_rate"] for row in rows if "success_rate" in row}
     out, previous = [], 0
     for step in steps:
         if step == 0:
             continue
-        window = [by_update[u] for u in range(previous + 1, step + 1) if u in by_update]
-        if not window:
+        if step not in by_update:
             return None
+        window = [by_update[u] for u in range(previous + 1, step + 1) if u in by_update]
         out.append(float(np.mean(window)))
         previous = step
     return out or None

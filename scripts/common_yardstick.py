@@ -7,7 +7,7 @@ defines the mix and the scores.
 
     python scripts/common_yardstick.py --runs runs/m/spopp_0 runs/m/grpo_0 ... \
         --out docs/results/yardstick_x [--set train] [--tasks 32] [--rollouts 4] \
-        [--steps 20,40,...] [--start true] [--reference spopp] [any train.py flag]
+        [--eval_steps 20,40,...] [--start true] [--reference spopp] [any train.py flag]
 
 The train.py flags (e.g. `--config_path configs/math_tir_tiny.yaml`) give the tasks, the
 agent and the engine; each run's saved env settings and decoding must equal them (the
@@ -54,8 +54,9 @@ def parse_args(argv=None):
                         help="the task set: train, or an extra set of the env kind (heldout, no_tool, ...)")
     parser.add_argument("--tasks", type=int, default=None, help="the first N tasks of the set (default: all)")
     parser.add_argument("--rollouts", type=int, default=4, help="episodes per task and policy")
-    parser.add_argument("--steps", type=_steps, default=None,
-                        help="checkpoint steps to evaluate (default: the steps every run holds)")
+    parser.add_argument("--eval_steps", type=_steps, default=None,
+                        help="checkpoint steps to evaluate, e.g. 20,40,60 (default: the steps every run holds; "
+                             "--steps is train.py's)")
     parser.add_argument("--start", type=_bool, default=True, help="also evaluate each run's starting policy (step 0)")
     parser.add_argument("--reference", default=None, help="the arm the others are compared with (default spopp)")
     parser.add_argument("--figure", type=_bool, default=True)
@@ -85,7 +86,7 @@ def main(argv=None) -> dict:
     enable_compilation_cache(cfg.compilation_cache_dir)
     runs = [ys.read_run(folder) for folder in args.runs]
     ys.check_runs(cfg, runs)
-    steps = ys.common_steps(runs, args.steps, args.start)
+    steps = ys.common_steps(runs, args.eval_steps, args.start)
     arms = ys.arm_order([run.arm for run in runs], args.reference)
     machine = machine_text()
     log(f"yardstick: {len(runs)} runs ({', '.join(run.label for run in runs)}), steps {steps}; {machine}")

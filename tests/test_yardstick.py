@@ -77,8 +77,8 @@ def test_paired_by_seed_uses_the_seeds_both_arms_hold():
 def test_training_curve_is_the_mean_training_success_since_the_previous_evaluated_step():
     rows = [{"step": u, "success_rate": u / 10} for u in range(1, 9)] + [{"step": 9, "loss": 1.0}]
     assert ys.training_curve(rows, [0, 4, 8]) == pytest.approx([0.25, 0.65])   # updates 1-4, 5-8
-    assert ys.training_curve(rows, [2, 8]) == pytest.approx([0.15, 0.5])       # 1-2, 3-8
-    assert ys.training_curve(rows, [0, 4, 12]) is None                         # 9-12: no success rows
+    assert ys.training_curve(rows, [2, 8]) == pytest.approx([0.15, 0.55])      # 1-2, 3-8
+    assert ys.training_curve(rows, [0, 4, 12]) is None                         # update 12 has no row
     assert ys.training_curve([], [0, 4]) is None
 
 
@@ -215,15 +215,15 @@ def test_every_policy_plays_the_same_episodes_on_the_real_engine(setup, runs, tm
 def test_the_same_episode_seeds_for_every_arm_and_step(setup, runs, tmp_path):
     """evaluate_run over runs and steps with a scripted engine that wins an episode when its
     turn seed and a number drawn from the policy's weights agree: identical policies (two
-    arms) give identical curves, another policy another one, and every (run, step) sees
-    exactly the same set of turn seeds."""
+    arms) give identical curves, another policy another one, and every (run, step) opens
+    the same episodes: the same tasks with the same first-turn seeds."""
     from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
 
     train = setup.env.train
     demos = [[reply for _, reply in train.demonstration(t)] for t in range(train.num_tasks)]
     firsts = [train.episode(t).reset().split("\n")[0] for t in range(train.num_tasks)]
     job = _job(setup, tmp_path)
-    seen: list[set] = []   # the turn seeds each engine (one per run and step) was asked with
+    seen: list[set] = []   # (task, first-turn seed) of each episode, one set per engine (run and step)
 
     def scripted(model, seed):
         import jax
@@ -238,7 +238,8 @@ def test_the_same_episode_seeds_for_every_arm_and_step(setup, runs, tmp_path):
             text = chat.tokenizer.decode(list(request.prompt_ids))
             task = next(t for t, first in enumerate(firsts) if first in text)
             turn = text.count("<|im_start|>assistant") - 1
-            seeds.add(request.params.seed)
+            if turn == 0:   # an episode's later turns depend on its replies (a win ends it)
+                seeds.add((task, request.params.seed))
             good = (request.params.seed + salt) % 5 < 2
             reply = demos[task][min(turn, len(demos[task]) - 1)] if good else "xyzzy"
             return ScriptedReply(tuple(chat.encode(reply)) + (chat.turn_close_ids[0],))
@@ -257,7 +258,8 @@ def test_the_same_episode_seeds_for_every_arm_and_step(setup, runs, tmp_path):
     assert curves["a"][0] == curves["c"][0]                    # step 0: the shared start
     assert curves["a"][1:] != curves["c"][1:]                  # other policies, another curve
     assert 0 < sum(map(sum, curves["a"])) < sum(map(sum, (r["trials"] for r in records["a"])))
-    assert len(seen) == 9 and len({frozenset(s) for s in seen}) == 1   # 3 runs x 3 steps, one seed set
+    # 3 runs x 3 steps, each opening the same 16 episodes (4 tasks x 4) with the same seeds
+    assert len(seen) == 9 and len({frozenset(s) for s in seen}) == 1 and len(seen[0]) == 16
     # written as they finish, reused when asked again with the same settings
     assert sorted(p.name for p in (tmp_path / "ev" / "spopp_seed0").iterdir()) == \
         ["step_0.json", "step_2.json", "step_4.json"]
