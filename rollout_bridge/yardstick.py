@@ -348,10 +348,13 @@ def run_summary(run: Run, records: Sequence[dict]) -> dict:
             "per_task": {"successes": successes.tolist(), "trials": trials.tolist()}}
 
 
+ARM_ORDER = ("spopp", "spo", "grpo", "rloo")   # the tables' order of the known methods
+
+
 def arm_order(arms: Sequence[str], reference: str | None) -> list[str]:
-    """The reference arm first (default spopp when present, else the first by name)."""
-    arms = sorted(set(arms))
-    reference = reference or ("spopp" if "spopp" in arms else arms[0])
+    """The reference arm first (default spopp when present), then ``ARM_ORDER``, then by name."""
+    arms = sorted(set(arms), key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), a))
+    reference = reference or arms[0]
     if reference not in arms:
         raise UserError(f"--reference {reference}: no run of that arm (arms: {arms})")
     return [reference, *(a for a in arms if a != reference)]

@@ -82,6 +82,14 @@ def test_training_curve_is_the_mean_training_success_since_the_previous_evaluate
     assert ys.training_curve([], [0, 4]) is None
 
 
+def test_arms_are_compared_with_the_reference_arm():
+    arms = ["grpo", "receipt_token", "spo", "spopp", "grpo"]
+    assert ys.arm_order(arms, None) == ["spopp", "spo", "grpo", "receipt_token"]
+    assert ys.arm_order(arms, "grpo") == ["grpo", "spopp", "spo", "receipt_token"]
+    with pytest.raises(UserError, match="--reference rloo"):
+        ys.arm_order(arms, "rloo")
+
+
 # ------------------------------------------------------------------ tiny runs
 ARGS = ["--rollout.max_inflight", "4", "--progress", "false", "--tensorboard", "false"]
 
