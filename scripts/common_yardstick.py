@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import subprocess
@@ -75,7 +76,6 @@ def main(argv=None) -> dict:
     from rollout_bridge import yardstick as ys
     from rollout_bridge.envs.kinds import build_env
     from rollout_bridge.job import build_job
-    from rollout_bridge.prior import write_json_atomic
     from rollout_bridge.run_folder import RunPaths, enable_compilation_cache, log
 
     cfg = train.parse_config(rest)
@@ -105,7 +105,9 @@ def main(argv=None) -> dict:
                 "engine": cfg.rollout.engine, "machine": machine, "wall_s": time.time() - start,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     record = ys.yardstick_record(summaries, mix, steps, arms, settings)
-    write_json_atomic(out / "yardstick.json", record)
+    tmp = out / "yardstick.json.tmp"   # one line: the per-task records of every run and step are long
+    tmp.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    os.replace(tmp, out / "yardstick.json")
     table = ys.markdown(record) + f"\n({machine} at the start; {settings['wall_s']:.0f} s)\n"
     (out / "yardstick.md").write_text(table)
     if args.figure:
