@@ -1,0 +1,353 @@
+"""The common yardstick (rollout_bridge/yardstick.py, scripts/common_yardstick.py): every run's
+policy at every checkpoint step played on one task mix with common random numbers; the
+AUC over the evaluated steps and the arms paired by seed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_run import tiny_train_args
+
+from rollout_bridge import yardstick as ys
+from rollout_bridge.run_errors import UserError
+from spopp_jax.evaluation import area_under_curve
+
+ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("common_yardstick", ROOT / "scripts" / "common_yardstick.py")
+common_yardstick = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(common_yardstick)
+
+
+# ------------------------------------------------------------------ scores
+def test_auc_is_the_trapezoid_area_per_step_span():
+    # steps 0, 10, 20, 40: (10 x 0.3 + 10 x 0.5 + 20 x 0.8) / 40 = 24 / 40
+    assert ys.area_under_steps([0, 10, 20, 40], [0.2, 0.4, 0.6, 1.0]) == pytest.approx(0.6)
+    assert ys.area_under_steps([20], [0.7]) == 0.7                       # T = 1: r_1 (SPEC 7)
+    assert ys.area_under_steps([3, 5], [0.0, 1.0]) == pytest.approx(0.5)
+    curve = [0.1, 0.5, 0.2, 0.9, 0.4]
+    # evenly spaced steps: SPEC 7's (1/(T-1)) sum (r_t + r_{t+1})/2, whatever the spacing
+    for steps in ([1, 2, 3, 4, 5], [0, 20, 40, 60, 80]):
+        assert ys.area_under_steps(steps, curve) == pytest.approx(area_under_curve(curve))
+    assert ys.area_under_steps([0, 10, 20], [1.0, 1.0, 1.0]) == pytest.approx(1.0)   # in [0, 1]
+    for steps, rates in (([0, 0], [0.1, 0.2]), ([2, 1], [0.1, 0.2]), ([0, 1], [0.1]), ([], []),
+                         ([0, 1], [0.1, float("nan")])):
+        with pytest.raises(ValueError):
+            ys.area_under_steps(steps, rates)
+
+
+def test_auc_se_is_over_tasks():
+    steps = [0, 10, 30]
+    trials = np.full((3, 3), 4)
+    successes = np.array([[0, 2, 4], [1, 3, 4], [2, 2, 4]])   # [T, G]
+    rates = successes / trials
+    per_task = [ys.area_under_steps(steps, rates[:, g]) for g in range(3)]
+    estimate = ys.auc_estimate(steps, successes, trials)
+    assert estimate["auc"] == pytest.approx(ys.area_under_steps(steps, rates.mean(1)))
+    assert estimate["auc"] == pytest.approx(np.mean(per_task))   # equal episodes per task
+    assert estimate["se"] == pytest.approx(np.std(per_task, ddof=1) / np.sqrt(3))
+    assert estimate["tasks"] == 3
+    trials[1, 0] = 0   # task 0 has no episode at step 10: left out of the SE, not counted a failure
+    assert ys.auc_estimate(steps, successes * (trials > 0), trials)["tasks"] == 2
+
+
+def test_paired_by_seed_uses_the_seeds_both_arms_hold():
+    a = {0: 0.5, 1: 0.6, 2: 0.7}
+    b = {0: 0.4, 1: 0.6, 2: 0.5, 3: 0.9}   # seed 3 has no partner
+    p = ys.paired_by_seed(a, b)
+    assert p["seeds"] == [0, 1, 2] and p["n"] == 3
+    np.testing.assert_allclose(p["differences"], [0.1, 0.0, 0.2], atol=1e-12)
+    assert p["mean"] == pytest.approx(0.1) and p["std"] == pytest.approx(0.1)
+    assert p["se"] == pytest.approx(0.1 / np.sqrt(3))
+    t = 4.302652729911275   # t_{0.975, 2}
+    assert p["ci"] == pytest.approx([0.1 - t * 0.1 / np.sqrt(3), 0.1 + t * 0.1 / np.sqrt(3)])
+    assert (p["improving"], p["worse"], p["equal"]) == (2, 0, 1)
+    single = ys.paired_by_seed({0: 0.5}, {0: 0.25})
+    assert single["mean"] == 0.25 and np.isnan(single["se"]) and np.isnan(single["ci"][0])
+    with pytest.raises(ValueError, match="no seed in common"):
+        ys.paired_by_seed({0: 0.5}, {1: 0.5})
+
+
+def test_training_curve_is_the_mean_training_success_since_the_previous_evaluated_step():
+    rows = [{"step": u, "success_rate": u / 10} for u in range(1, 9)] + [{"step": 9, "loss": 1.0}]
+    assert ys.training_curve(rows, [0, 4, 8]) == pytest.approx([0.25, 0.65])   # updates 1-4, 5-8
+    assert ys.training_curve(rows, [2, 8]) == pytest.approx([0.15, 0.55])      # 1-2, 3-8
+    assert ys.training_curve(rows, [0, 4, 12]) is None                         # update 12 has no row
+    assert ys.training_curve([], [0, 4]) is None
+
+
+def test_arms_are_compared_with_the_reference_arm():
+    arms = ["grpo", "receipt_token", "spo", "spopp", "grpo"]
+    assert ys.arm_order(arms, None) == ["spopp", "spo", "grpo", "receipt_token"]
+    assert ys.arm_order(arms, "grpo") == ["grpo", "spopp", "spo", "receipt_token"]
+    with pytest.raises(UserError, match="--reference rloo"):
+        ys.arm_order(arms, "rloo")
+
+
+# ------------------------------------------------------------------ tiny runs
+ARGS = ["--rollout.max_inflight", "4", "--progress", "false", "--tensorboard", "false"]
+
+
+@dataclasses.dataclass
+class Setup:
+    tmp: Path
+    flags: list
+    cfg: object
+    env: object
+    base: Path       # the start folder every run shares (a random tiny model)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import train
+    from rollout_bridge import components as build
+    from rollout_bridge.envs.kinds import build_env
+
+    tmp = tmp_path_factory.mktemp("yardstick")
+    flags = tiny_train_args(tmp) + ARGS
+    cfg = train.parse_config(flags)
+    env = build_env(cfg, False, lambda _: None)
+    base = build.model_folder(cfg.model, env.corpus, lambda _: None)
+    yield Setup(tmp, flags, cfg, env, base)
+    env.close()
+
+
+def make_run(setup: Setup, name: str, arm: str, seed: int, noise: dict[int, int], trained: float) -> Path:
+    """A train.py-shaped run folder: warmstart_model (the shared start), one checkpoint per
+    step (train_state params = the start's plus noise drawn with seed ``noise[step]``, the
+    run's real checkpoint key as config) and metrics.jsonl (training success ``trained``)."""
+    import jax
+    import train
+
+    from rollout_bridge.run_folder import checkpoint_key
+    from spopp_jax.checkpoint import Checkpointer
+    from spopp_jax.learner import LearnerConfig, init_train_state
+    from spopp_jax.models import from_pretrained
+
+    root = setup.tmp / name
+    shutil.copytree(setup.base, root / "warmstart_model")
+    key = checkpoint_key(train.parse_config(setup.flags + ["--method", arm, "--seed", str(seed)]))
+    model = from_pretrained(str(setup.base))
+    with Checkpointer(root / "checkpoints", max_to_keep=10) as checkpointer:
+        for step, noise_seed in noise.items():
+            _, state = init_train_state(model, LearnerConfig())
+            rng = np.random.default_rng(noise_seed)
+            params = jax.tree.map(lambda x: x + 0.5 * rng.standard_normal(x.shape).astype(x.dtype), state.params)
+            checkpointer.save(step, dataclasses.replace(state, params=params), {}, config=key)
+    rows = [{"step": u, "success_rate": trained} for u in range(1, max(noise) + 1)]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    """spopp and spo of seed 0 with the SAME policies at steps 2 and 4 (but other training
+    success); spopp seed 1 with other policies."""
+    return {"a": make_run(setup, "spopp_0", "spopp", 0, {2: 11, 4: 12}, trained=0.75),
+            "b": make_run(setup, "spo_0", "spo", 0, {2: 11, 4: 12}, trained=0.25),
+            "c": make_run(setup, "spopp_1", "spopp", 1, {2: 21, 4: 22}, trained=0.5)}
+
+
+def _job(setup, out: Path):
+    from rollout_bridge.job import build_job
+    from rollout_bridge.run_folder import RunPaths
+
+    return build_job(setup.cfg, RunPaths(out), setup.env)
+
+
+class RecordingEngine:
+    """The job's engine, recording (prompt, per-turn seed, reply tokens) of every request."""
+
+    def __init__(self, inner, calls: list):
+        self.inner, self.calls = inner, calls
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate(self, prompt_ids, params):
+        result = await self.inner.generate(prompt_ids, params)
+        self.calls.append((params.seed, tuple(prompt_ids), tuple(result.token_ids)))
+        return result
+
+
+def _recorded(job, model, mix, chat) -> tuple[tuple, list]:
+    """(successes, trials), and the requests sorted by seed, of one evaluation of ``model``."""
+    calls: list = []
+    build = job.engine
+    job.engine = lambda model, seed: RecordingEngine(build(model, seed), calls)
+    try:
+        counts = asyncio.run(ys.evaluate_on_mix(job, model, chat, mix))
+    finally:
+        job.engine = build
+    return counts, sorted(calls)
+
+
+def _first_turns(calls, chat) -> list:
+    """(seed, prompt) of each episode's first request (the fewest closed turns)."""
+    closes = [prompt.count(chat.turn_close_ids[0]) for _, prompt, _ in calls]
+    return sorted((seed, prompt) for (seed, prompt, _), n in zip(calls, closes) if n == min(closes))
+
+
+def test_every_policy_plays_the_same_episodes_on_the_real_engine(setup, runs, tmp_path):
+    """Real checkpoints restored into the JAX engine: a policy evaluated twice and the same
+    policy saved by another arm play token for token the same episodes; another policy
+    meets the same per-turn seeds on the same first prompts but replies otherwise."""
+    from rollout_bridge.components import load_chat
+
+    job = _job(setup, tmp_path)
+    mix = ys.TaskMix.build(setup.env, "train", 3, 2, seed=5)
+    assert mix.task_ids == (0, 1, 2) and mix.rollouts == 2
+    a, b, c = (ys.read_run(runs[k]) for k in "abc")
+    chat = load_chat(a.start_folder)
+    first = _recorded(job, ys.load_step_policy(a, 2, setup.cfg.model), mix, chat)
+    again = _recorded(job, ys.load_step_policy(a, 2, setup.cfg.model), mix, chat)
+    other_arm = _recorded(job, ys.load_step_policy(b, 2, setup.cfg.model), mix, chat)
+    other = _recorded(job, ys.load_step_policy(c, 2, setup.cfg.model), mix, chat)
+    assert first == again == other_arm
+    assert sum(first[0][1]) == 6                              # 3 tasks x 2 episodes
+    assert _first_turns(first[1], chat) == _first_turns(other[1], chat)   # the same openings, seeded alike
+    seeds = {seed for seed, _, _ in first[1]}
+    assert len(seeds) >= 6 and None not in seeds             # every turn seeded, per episode
+    assert [reply for *_, reply in first[1]] != [reply for *_, reply in other[1]]
+    # another CRN seed: other episodes
+    moved = dataclasses.replace(mix, crn_seed=mix.crn_seed + 1)
+    assert {s for s, _, _ in _recorded(job, ys.load_step_policy(a, 2, setup.cfg.model), moved, chat)[1]}.isdisjoint(seeds)
+
+
+def test_the_same_episode_seeds_for_every_arm_and_step(setup, runs, tmp_path):
+    """evaluate_run over runs and steps with a scripted engine that wins an episode when its
+    turn seed and a number drawn from the policy's weights agree: identical policies (two
+    arms) give identical curves, another policy another one, and every (run, step) opens
+    the same episodes: the same tasks with the same first-turn seeds."""
+    from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
+
+    train = setup.env.train
+    demos = [[reply for _, reply in train.demonstration(t)] for t in range(train.num_tasks)]
+    firsts = [train.episode(t).reset().split("\n")[0] for t in range(train.num_tasks)]
+    job = _job(setup, tmp_path)
+    seen: list[set] = []   # (task, first-turn seed) of each episode, one set per engine (run and step)
+
+    def scripted(model, seed):
+        import jax
+        from flax import nnx
+
+        leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
+        salt = int(abs(float(np.asarray(leaf).sum())) * 1e4) % 5   # a number per policy
+        seeds: set = set()
+        seen.append(seeds)
+
+        def script(request):
+            text = chat.tokenizer.decode(list(request.prompt_ids))
+            task = next(t for t, first in enumerate(firsts) if first in text)
+            turn = text.count("<|im_start|>assistant") - 1
+            if turn == 0:   # an episode's later turns depend on its replies (a win ends it)
+                seeds.add((task, request.params.seed))
+            good = (request.params.seed + salt) % 5 < 2
+            reply = demos[task][min(turn, len(demos[task]) - 1)] if good else "xyzzy"
+            return ScriptedReply(tuple(chat.encode(reply)) + (chat.turn_close_ids[0],))
+
+        return FakeEngine(script)
+
+    from rollout_bridge.components import load_chat
+
+    chat = load_chat(setup.base)
+    job.engine = scripted
+    mix = ys.TaskMix.build(setup.env, "train", None, 4, seed=0)
+    records = {k: asyncio.run(ys.evaluate_run(job, ys.read_run(runs[k]), [0, 2, 4], mix, tmp_path / "ev"))
+               for k in "abc"}
+    curves = {k: [r["successes"] for r in records[k]] for k in "abc"}
+    assert curves["a"] == curves["b"]                          # the same policies: the same curve
+    assert curves["a"][0] == curves["c"][0]                    # step 0: the shared start
+    assert curves["a"][1:] != curves["c"][1:]                  # other policies, another curve
+    assert 0 < sum(map(sum, curves["a"])) < sum(map(sum, (r["trials"] for r in records["a"])))
+    # 3 runs x 3 steps, each opening the same 16 episodes (4 tasks x 4) with the same seeds
+    assert len(seen) == 9 and len({frozenset(s) for s in seen}) == 1 and len(seen[0]) == 16
+    # written as they finish, reused when asked again with the same settings
+    assert sorted(p.name for p in (tmp_path / "ev" / "spopp_seed0").iterdir()) == \
+        ["step_0.json", "step_2.json", "step_4.json"]
+    again = asyncio.run(ys.evaluate_run(job, ys.read_run(runs["a"]), [0, 2, 4], mix, tmp_path / "ev"))
+    assert again == records["a"] and len(seen) == 9
+
+
+def test_runs_made_on_other_tasks_and_missing_steps_are_refused(setup, runs):
+    import train
+
+    a, b = ys.read_run(runs["a"]), ys.read_run(runs["b"])
+    assert (a.arm, a.seed, a.steps, b.arm) == ("spopp", 0, (2, 4), "spo")
+    assert a.start_folder == runs["a"] / "warmstart_model"
+    ys.check_runs(setup.cfg, [a, b])
+    other = train.parse_config(setup.flags + ["--env.max_turns", "3", "--rollout.temperature", "0.5"])
+    with pytest.raises(UserError, match=r"env.max_turns: saved 2, expected 3.*rollout.temperature"):
+        ys.check_runs(other, [a, b])
+    with pytest.raises(UserError, match="two runs of one arm and seed"):
+        ys.check_runs(setup.cfg, [a, a])
+    assert ys.common_steps([a, b], None, start=True) == [0, 2, 4]
+    assert ys.common_steps([a, b], [4], start=False) == [4]
+    with pytest.raises(UserError, match=r"spopp_seed0.*\[6\]"):
+        ys.common_steps([a, b], [4, 6], start=True)
+    with pytest.raises(UserError, match="no checkpoint step"):
+        ys.read_run(setup.tmp)
+
+
+def test_the_command_writes_curves_auc_and_paired_differences(setup, runs, tmp_path, capsys):
+    """scripts/common_yardstick.py on two arms (identical policies) and a second seed:
+    the record, the tables and the figure; the identical arms differ by exactly 0."""
+    out = tmp_path / "out"
+    record = common_yardstick.main(["--runs", *map(str, runs.values()), "--out", str(out), "--rollouts", "2",
+                                    "--tasks", "2", *setup.flags])
+    assert record["steps"] == [0, 2, 4] and record["arms"] == ["spopp", "spo"]
+    assert record["mix"]["task_ids"] == [0, 1] and record["mix"]["rollouts"] == 2
+    by_label = {r["label"]: r for r in record["runs"]}
+    assert sorted(by_label) == ["spo_seed0", "spopp_seed0", "spopp_seed1"]
+    assert by_label["spopp_seed0"]["curve"] == by_label["spo_seed0"]["curve"]
+    for r in record["runs"]:
+        rates = [p["success_rate"] for p in r["curve"]]
+        assert r["auc"]["auc"] == pytest.approx(ys.area_under_steps([0, 2, 4], rates))
+        assert [p["episodes"] for p in r["curve"]] == [4, 4, 4]
+    (row,) = record["comparisons"]
+    assert (row["a"], row["b"]) == ("spopp", "spo")
+    assert row["auc"]["seeds"] == [0] and row["auc"]["mean"] == 0.0 and row["first"]["mean"] == 0.0
+    # their own training rollouts said otherwise (metrics.jsonl: 0.75 vs 0.25)
+    assert by_label["spopp_seed0"]["training_curve"] == [0.75, 0.75]
+    assert row["training_auc"]["mean"] == pytest.approx(0.5)
+    assert json.loads((out / "yardstick.json").read_text())["steps"] == [0, 2, 4]
+    table = (out / "yardstick.md").read_text()
+    assert "| spopp − spo | AUC | 1 |" in table and "| spopp_seed1 |" in table
+    assert (out / "yardstick.png").stat().st_size > 0
+    assert "Common yardstick" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_command_on_real_train_py_runs(tmp_path):
+    """Two real tiny jobs (`python train.py`, SPO++ and SPO, seed 3, 4 updates, a checkpoint
+    every 2) from one tiny model: the yardstick reads their folders as train.py leaves them;
+    their warm starts are made alike, so step 0 scores the same for both."""
+    import subprocess
+    import sys
+
+    common = tiny_train_args(tmp_path, steps=4) + ["--model.tiny_dir", str(tmp_path / "tiny"), *ARGS,
+                                                   "--keep_checkpoints", "3"]
+    folders = []
+    for arm in ("spopp", "spo"):
+        folder = tmp_path / arm
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *common, "--method", arm,
+                                 "--output_dir", str(folder)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        folders.append(str(folder))
+    out = tmp_path / "yardstick"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "common_yardstick.py"), "--runs", *folders,
+                             "--out", str(out), "--rollouts", "2", *common], cwd=ROOT, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((out / "yardstick.json").read_text())
+    assert record["steps"] == [0, 2, 4] and record["arms"] == ["spopp", "spo"]
+    assert [len(r["training_curve"]) for r in record["runs"]] == [2, 2]
+    (row,) = record["comparisons"]
+    assert row["first"]["mean"] == 0.0          # the same start, the same episodes
+    assert "| spopp − spo | AUC | 1 |" in result.stdout
