@@ -312,7 +312,7 @@ async def evaluate_run(job, run: Run, steps: Sequence[int], mix: TaskMix, record
 # ------------------------------------------------------------------ the record
 def training_curve(rows: Sequence[dict], steps: Sequence[int]) -> list[float] | None:
     """The run's own training-rollout success beside the yardstick (what the learning
-    curves showed until now: each method's own task sampling): at each evaluated step s > 0
+    curves show: each method's own task sampling): at each evaluated step s > 0
     the mean ``success_rate`` of the updates in (previous evaluated step, s] (their rows; a
     torn one is left out); None when update s has no row (no metrics.jsonl, a run not that far)."""
     by_update = {row["step"]: row["success_rate"] for row in rows if "success_rate" in row}
