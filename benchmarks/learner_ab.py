@@ -49,6 +49,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-load-excess", type=float, default=0.5)
     parser.add_argument("--allow-busy", action="store_true")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="wall: seconds per step (timed by the driver); cpu: the worker's CPU seconds per "
+             "step, all its threads (steadier than wall time on an oversubscribed machine)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: worker mode
     args = parser.parse_args(argv)
     resolve_shape(args)
@@ -107,10 +111,11 @@ def worker(args) -> None:
     for line in sys.stdin:
         if line.strip() != "step":
             break
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         state, metrics = step(state, batch)
         jax.block_until_ready((state, metrics))
-        print(REPLY + json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+        print(REPLY + json.dumps({"seconds": time.perf_counter() - start,
+                                  "cpu_seconds": time.process_time() - start_cpu}), flush=True)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -125,7 +130,7 @@ class Worker:
         env["XLA_FLAGS"] = flags.replace(",", " ")
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k not in ("variant", "worker", "allow_busy", "rounds",
-                                  "max_load_excess", "model")]
+                                  "max_load_excess", "model", "clock")]
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", tree, *forwarded],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree)
@@ -136,10 +141,11 @@ class Worker:
                 return json.loads(line[len(REPLY):])
         raise RuntimeError(f"variant {self.name}: worker exited ({self.process.wait()})")
 
-    def step(self) -> float:
+    def step(self, clock: str = "seconds") -> float:
+        """One timed step: its wall ``"seconds"`` or the worker's ``"cpu_seconds"``."""
         self.process.stdin.write("step\n")
         self.process.stdin.flush()
-        return self.read()["seconds"]
+        return self.read()[clock]
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -154,7 +160,7 @@ def main(args) -> None:
 
     variants = [parse_variant(v) for v in args.variant]
     load = os.getloadavg()
-    print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/"
+    print(f"clock: {args.clock}; hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/"
           f"{load[1]:.1f}/{load[2]:.1f} (shared machine); {args.threads} threads; model "
           f"{args.model}: hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, batch "
           f"{args.batch} x {args.seq}, M={args.micro_batches}, K={args.mini_batches}", flush=True)
@@ -171,9 +177,12 @@ def main(args) -> None:
                       f"{first['grad_norm']:.6g}", flush=True)
             for w in workers:  # one warm step each
                 w.step()
-            # The protocol's clock includes the pipe round trip (< 1 ms against seconds).
-            fns = {w.name: w.step for w in workers}
-            timings = _protocol.interleaved_rounds(fns, args.rounds,
+            # The wall clock includes the pipe round trip (< 1 ms against seconds).
+            if args.clock == "cpu":
+                fns = {w.name: (lambda w=w: w.step("cpu_seconds")) for w in workers}
+            else:
+                fns = {w.name: w.step for w in workers}
+            timings = _protocol.interleaved_rounds(fns, args.rounds, self_timed=args.clock == "cpu",
                                                    max_load_excess=args.max_load_excess)
         finally:
             for w in workers:

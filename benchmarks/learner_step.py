@@ -5,6 +5,8 @@ global-norm clipping + AdamW), eager and `torch.compile`, on the same weights an
     python benchmarks/learner_step.py                 # model M: vocab 512, hidden 256, 4 layers
     python benchmarks/learner_step.py --breakdown     # + forward / forward+backward timings
     python benchmarks/learner_step.py --model 10m --batch 4 --seq 1024   # ~10M params, T=1024
+    python benchmarks/learner_step.py --torch-micro-batches 1 16 --no-torch-eager --baseline main
+        # against torch.compile at M = 1 and 16, and our step at git revision main, same rounds
 
 Methods are timed under the benchmark protocol (benchmarks/_protocol.py): interleaved
 rounds (jax, torch eager, torch.compile, jax, ...), the same thread count for all, the load
@@ -14,12 +16,16 @@ FLOP/s / peak, FLOPs per step ~ 6 * matmul params * tokens + 12 * layers * batch
 head_dim * seq^2 (causal attention counted densely, the usual MFU convention; ours computes
 about 60% of those score FLOPs, `causal_block_attention`), and the peak is a measured fp32
 1024^3 matmul (jax) in the same run, so a loaded machine lowers peak and step alike.
+Each step's CPU seconds (its process's, all threads) are printed as well, with their
+same-run ratios: on an oversubscribed machine they vary far less than wall time, though
+threads that spin while waiting count in them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -65,7 +71,13 @@ def parse_args():
         "--allow-busy", action="store_true",
         help="keep busy rounds (the headline then says it is not a headline figure)",
     )
+    parser.add_argument(
+        "--baseline", metavar="REV",
+        help="also time our train step at git revision REV (e.g. main), one worker process "
+             "per micro-batch count (benchmarks/learner_ab.py), in the same rounds",
+    )
     parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--no-torch-eager", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also time forward and fwd+bwd")
     args = parser.parse_args()
@@ -155,7 +167,8 @@ def step_flops(args, matmul_params):
     return 6 * matmul_params * tokens + attention
 
 
-def main(args):
+def main(args, baselines: dict):
+    """``baselines``: `start_baselines`' workers (timed in the same rounds)."""
     import torch
     import transformers
 
@@ -212,9 +225,16 @@ def main(args):
     fns = {}
     for micro_batches, jax_step in jax_steps.items():
         start = time.perf_counter()
-        jax_step()
-        print(f"jax compile + first step (M={micro_batches}): {time.perf_counter() - start:.1f} s")
+        metrics = jax_step()
+        print(f"jax compile + first step (M={micro_batches}): {time.perf_counter() - start:.1f} s, "
+              f"loss {float(metrics['loss']):.6g}, grad_norm {float(metrics['grad_norm']):.6g}")
         fns[f"jax train_step M={micro_batches}"] = jax_step
+    for micro_batches, worker in baselines.items():
+        first = worker.read()
+        print(f"jax@{args.baseline} compile + first step (M={micro_batches}): "
+              f"{first['compile_s']:.1f} s, loss {first['loss']:.6g}, "
+              f"grad_norm {first['grad_norm']:.6g}")
+        fns[f"jax@{args.baseline} M={micro_batches}"] = worker.step
     if args.breakdown:
         config = learner.LearnerConfig(num_micro_batches=args.micro_batches[0])
         forward = jax.jit(lambda p, b: model_def.apply(p, b.input_ids, b.attention_mask))
@@ -228,8 +248,9 @@ def main(args):
         compiled_model = None if args.no_torch_compile else torch.compile(hf_model)
         for micro_batches in args.torch_micro_batches:
             eager_step, eager_fwd, eager_fb = make_step(hf_model, micro_batches)
-            fns[f"torch eager step M={micro_batches}"] = eager_step
-            if args.breakdown and micro_batches == 1:
+            if not args.no_torch_eager:
+                fns[f"torch eager step M={micro_batches}"] = eager_step
+            if args.breakdown and micro_batches == 1 and not args.no_torch_eager:
                 fns["torch eager forward"] = eager_fwd
                 fns["torch eager fwd+bwd M=1"] = eager_fb
             if compiled_model is not None:
@@ -247,25 +268,92 @@ def main(args):
                     fns["torch.compile fwd+bwd M=1"] = compiled_fb
     for fn in fns.values():  # warm-up (compiles the breakdown functions)
         fn()
-    timings = _protocol.interleaved_rounds(fns, args.rounds, max_load_excess=args.max_load_excess)
+    cpu_seconds = {name: [] for name in fns}
+    clocked = {name: with_cpu_seconds(name, fn, cpu_seconds, baselines) for name, fn in fns.items()}
+    try:
+        timings = _protocol.interleaved_rounds(clocked, args.rounds,
+                                               max_load_excess=args.max_load_excess)
+    finally:
+        for worker in baselines.values():
+            worker.close()
     _protocol.report(timings, tokens, "tok", args.allow_busy)
     medians = {name: timings.summary(name, args.allow_busy)[0] for name in fns}
     for name, seconds in medians.items():
         if "step" in name:
             print(f"{name:34s} MFU {flops / seconds / peak * 100:5.1f}%")
     print("headline (same-run ratio of medians, > 1: ours faster):")
-    for ours in (n for n in medians if n.startswith("jax train_step")):
+    for ours in (n for n in medians if n.startswith(("jax train_step", "jax@"))):
         for theirs in (n for n in medians if n.startswith("torch") and "step" in n):
             print("  " + _protocol.headline(timings, ours, theirs, args.allow_busy))
+    for micro_batches in baselines:
+        print("  " + _protocol.headline(timings, f"jax train_step M={micro_batches}",
+                                        f"jax@{args.baseline} M={micro_batches}",
+                                        args.allow_busy))
+    print("CPU seconds per step (all threads of the system's process; every round; steadier "
+          "than wall time on an oversubscribed machine, but spin-waiting threads count):")
+    for name, values in cpu_seconds.items():
+        print(f"  {name:34s} {statistics.median(values) * 1e3:9.1f} ms  "
+              f"[{min(values) * 1e3:.1f}, {max(values) * 1e3:.1f}]")
+    for ours in (n for n in cpu_seconds if n.startswith(("jax train_step", "jax@"))):
+        for theirs in (n for n in cpu_seconds if n.startswith("torch") and "step" in n):
+            ratios = [t / o for o, t in zip(cpu_seconds[ours], cpu_seconds[theirs])]
+            ratio = statistics.median(cpu_seconds[theirs]) / statistics.median(cpu_seconds[ours])
+            print(f"  {ours} vs {theirs}: {ratio:.2f}x CPU time "
+                  f"(per-round ratio median {statistics.median(ratios):.2f}x)")
 
 
 def make_jax_step(train_step, holder, batch):
     def jax_step():
         holder["state"], metrics = train_step(holder["state"], batch)
         jax.block_until_ready((holder["state"], metrics))
+        return metrics
 
     return jax_step
 
 
+def with_cpu_seconds(name, fn, record: dict, baselines: dict):
+    """``fn`` that also appends its CPU seconds to ``record[name]``: this process's
+    (`time.process_time`, all threads) for an in-process step, the worker's own for a
+    baseline worker's step."""
+    if name.startswith("jax@"):
+        worker = baselines[int(name.rsplit("=", 1)[1])]
+
+        def run_worker():
+            record[name].append(worker.step("cpu_seconds"))
+
+        return run_worker
+
+    def run():
+        start = time.process_time()
+        fn()
+        record[name].append(time.process_time() - start)
+
+    return run
+
+
+def start_baselines(args, scratch: str) -> dict:
+    """micro-batch count -> a `learner_ab.Worker` compiling our train step at git revision
+    ``args.baseline`` (exported into ``scratch``) on the same model and batch; {} without
+    ``--baseline``. The workers compile while this process does; their first replies are
+    read later."""
+    if not args.baseline:
+        return {}
+    import argparse as _argparse
+
+    import learner_ab
+    from _model_shapes import SHAPE_FLAGS
+
+    folder = learner_ab.export_tree(args.baseline, os.path.join(scratch, "baseline"))
+    workers = {}
+    for micro_batches in args.micro_batches:
+        options = {flag: getattr(args, flag) for flag in SHAPE_FLAGS}
+        options.update(batch=args.batch, seq=args.seq, micro_batches=micro_batches,
+                       mini_batches=1, threads=args.threads)
+        workers[micro_batches] = learner_ab.Worker(
+            f"jax@{args.baseline} M={micro_batches}", folder, "", _argparse.Namespace(**options))
+    return workers
+
+
 if __name__ == "__main__":
-    main(ARGS)
+    with tempfile.TemporaryDirectory() as _scratch:
+        main(ARGS, start_baselines(ARGS, _scratch))

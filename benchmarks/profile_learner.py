@@ -8,8 +8,9 @@ learner_step.py), traces `--steps` steps with `jax.profiler.trace`, reads the tr
 with `jax.profiler.ProfileData` (part of jaxlib), sums each XLA op's time over the XLA
 worker threads, and looks every op up in the compiled HLO text for its output shape and
 `op_name` (which einsum / jvp / transpose of the Python code it came from). Prints the
-share of dots (`ynn_fusion` / `dot`), copies and transposes, and the rest, then the top
-ops. Shares are meaningful on a busy machine; milliseconds are not (docs/PERFORMANCE.md).
+share of dots (`ynn_fusion` / `dot`, with their fused epilogues), copies and transposes,
+and the rest, the time per source (`op_name`), the top non-dot ops, then the top ops.
+Shares are meaningful on a busy machine; milliseconds are not (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -48,13 +49,26 @@ def parse_args():
 
 
 def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """op name -> (output shape, op_name metadata) of every instruction in the HLO text."""
+    """op name -> (output shape, op_name metadata) of every instruction in the HLO text.
+    A fusion whose computation holds a dot gets op_name ".../dot_general" (a `ynn_fusion`
+    names its root, e.g. the reduce or multiply of a dot's epilogue)."""
+    with_dot, computation = set(), None
+    for line in hlo_text.splitlines():
+        header = re.match(r"%([\w.\-]+) \(", line)
+        if header:
+            computation = header.group(1)
+        elif computation and re.search(r" dot\(", line):
+            with_dot.add(computation)
     ops = {}
     for line in hlo_text.splitlines():
         match = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) ", line)
         if match:
             op_name = re.search(r'op_name="([^"]*)"', line)
-            ops[match.group(1)] = (match.group(2), op_name.group(1) if op_name else "")
+            op_name = op_name.group(1) if op_name else ""
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            if called and called.group(1) in with_dot and "dot_general" not in op_name:
+                op_name += "/dot_general"
+            ops[match.group(1)] = (match.group(2), op_name)
     return ops
 
 
@@ -119,9 +133,29 @@ def main(args):
         kinds[op_kind(name, ops.get(name, ("", ""))[1])] += ns
     for kind, ns in kinds.most_common():
         print(f"  {kind:16s} {100 * ns / total:5.1f}%")
+    print("by source (op_name of the Python code; dots apart):")
+    sources = collections.Counter()
+    for name, ns in totals.items():
+        shape, op_name = ops.get(name, ("?", ""))
+        sources[(op_kind(name, op_name), source_of(op_name))] += ns
+    for (kind, source), ns in sources.most_common(args.top):
+        print(f"{100 * ns / total:5.1f}%  {kind:14s} {source[-90:]}")
+    for want in ("other", "copy/transpose"):
+        print(f"top {want} ops:")
+        picked = [(n, ns) for n, ns in totals.most_common()
+                  if op_kind(n, ops.get(n, ("", ""))[1]) == want][:args.top]
+        for name, ns in picked:
+            shape, op_name = ops.get(name, ("?", "?"))
+            print(f"{100 * ns / total:5.1f}%  {name:30s} {shape:40s} {op_name[-60:]}")
+    print("top ops:")
     for name, ns in totals.most_common(args.top):
         shape, op_name = ops.get(name, ("?", "?"))
         print(f"{100 * ns / total:5.1f}%  {name:30s} {shape:32s} {op_name[-70:]}")
+
+
+def source_of(op_name: str) -> str:
+    """The op_name without the jit(...) prefix: which einsum / jvp / transpose it came from."""
+    return re.sub(r"^jit\([^)]*\)/", "", op_name) or "?"
 
 
 if __name__ == "__main__":
