@@ -29,7 +29,7 @@ from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer, Restored
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
 
 
-class Learner(Protocol):
+class RLLearner(Protocol):
     """What the RL stage drives: the `PolicyLearner` in one process; on process 0 of several
     learner processes the `LeaderLearner` over it, which sends each action to the others
     first (rollout_bridge/distributed_learner.py)."""
@@ -125,7 +125,7 @@ async def run_rl(job, policy: Path, chat, alpha0, beta0):
     checkpointer = Checkpointer(paths.checkpoints, max_to_keep=cfg.keep_checkpoints)
     latest = checkpointer.latest_step()
     refuse_overwrite(cfg.resume, latest, paths)
-    learner: Learner = build_learner(cfg, job.learner, job.orchestrator, policy)
+    learner: RLLearner = build_learner(cfg, job.learner, job.orchestrator, policy)
     several = jax.process_count() > 1
     if several:  # process 0 of several learner processes: each learner action goes to the others first
         learner = LeaderLearner(learner)
@@ -141,7 +141,7 @@ async def run_rl(job, policy: Path, chat, alpha0, beta0):
     return successes, trials, extra
 
 
-async def train_and_evaluate(job, policy: Path, chat, alpha0, beta0, learner: Learner, checkpointer, latest):
+async def train_and_evaluate(job, policy: Path, chat, alpha0, beta0, learner: RLLearner, checkpointer, latest):
     """The RL loop on a fresh engine (resumed from ``latest`` with ``--resume``), the exports,
     then the evaluation of the final policy on that engine."""
     cfg, paths = job.cfg, job.paths
