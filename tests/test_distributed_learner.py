@@ -310,6 +310,30 @@ def test_one_process_drives_its_policy_learner_with_no_leader_in_between(tmp_pat
         LeaderLearner(built)
 
 
+def test_policy_learner_restores_the_checkpoint_it_saved(tmp_path):
+    """One process: ``PolicyLearner.save`` writes the train state with the orchestrator's
+    policy event; ``restore`` on a learner holding other parameters (zeros) brings back the
+    saved ones and the extras."""
+    import dataclasses
+
+    from rollout_bridge.policy_learner import PolicyLearner
+    from spopp_jax.checkpoint import Checkpointer
+    from test_sharding import build_case
+
+    model_def, state, _, config = build_case()
+    saved = PolicyLearner(model_def, state, config, pad_to_multiple=20)
+    expected = {f"params/{k}": np.array(v) for k, v in flat_weights(saved.weights()).items()}
+    zeros = dataclasses.replace(state, params=jax.tree.map(np.zeros_like, state.params))
+    other = PolicyLearner(model_def, zeros, config, pad_to_multiple=20)
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        saved.save(checkpointer, 1, EXTRAS, CHECKPOINT_CONFIG)
+        checkpointer.wait_until_finished()
+        restored = other.restore(checkpointer, 1, CHECKPOINT_CONFIG)
+    assert int(restored.train_state.policy_event) == NUM_UPDATES  # EXTRAS' policy event
+    assert int(restored.extras["orchestrator"]["counters"]["policy_event"]) == NUM_UPDATES
+    assert_same_params({f"params/{k}": v for k, v in flat_weights(other.weights()).items()}, expected)
+
+
 def test_settings_from_env_name_the_variable():
     from rollout_bridge.distributed_learner import settings_from_env
 
