@@ -177,14 +177,17 @@ def release_followers() -> None:
 
 # ------------------------------------------------------------------ both sides
 class LeaderLearner:
-    """Process 0's learner: every collective action is broadcast first, then run on
-    ``learner`` (a `PolicyLearner`). With one process it is the learner itself."""
+    """Process 0's learner when there are several learner processes: each action is sent
+    to the others first, then run on ``learner`` (a `PolicyLearner`); the followers run it
+    on theirs (`follow`). One process drives its `PolicyLearner` directly."""
 
     def __init__(self, learner: Any):
         import jax
 
+        if jax.process_count() == 1:
+            raise ValueError("LeaderLearner is for several learner processes; one process drives its learner "
+                             "directly")
         self.learner = learner
-        self.distributed = jax.process_count() > 1
         self.stopped = False
 
     def __getattr__(self, name: str):  # model_def, config, ... of the wrapped learner
@@ -199,8 +202,6 @@ class LeaderLearner:
         self.learner.state = value
 
     def _send(self, command: int, payload: Any = None) -> None:
-        if not self.distributed:
-            return
         if self.stopped:
             raise RuntimeError(f"the learner processes were stopped: no {COMMAND_NAMES[command]} after stop()")
         send(command, payload)
@@ -216,43 +217,25 @@ class LeaderLearner:
     def save(self, checkpointer, step: int, extras: dict, config: Any) -> None:
         """A checkpoint of the learner's state (every process writes its shards)."""
         self._send(SAVE, (step, extras, config))
-        checkpointer.save(step, saved_state(self.learner.state, extras), extras, config=config)
+        self.learner.save(checkpointer, step, extras, config)
 
     def restore(self, checkpointer, step: int, config: Any):
         """Every process restores checkpoint ``step`` onto its shards; returns process 0's
         ``RestoredCheckpoint`` (extras included). A config mismatch raises
         ``CheckpointMismatchError`` on every process alike (the same files are read)."""
         self._send(RESTORE, (step, config))
-        return restore_learner(self.learner, checkpointer, step, config)
+        return self.learner.restore(checkpointer, step, config)
 
     def stop(self) -> None:
         """Followers return from `follow` (idempotent)."""
-        if self.distributed and not self.stopped:
+        if not self.stopped:
             send(STOP)
         self.stopped = True
 
 
-def saved_state(state, extras: dict):
-    """The TrainState as checkpointed: its policy event = the orchestrator's (numpy: the
-    same value on every process)."""
-    import jax
-    import jax.numpy as jnp
-
-    event = int(extras["orchestrator"]["counters"]["policy_event"])
-    as_array = jnp.asarray if jax.process_count() == 1 else np.asarray
-    return dataclasses.replace(state, policy_event=as_array(event, np.int32))
-
-
-def restore_learner(learner: Any, checkpointer: Any, step: int, config: Any):
-    """``learner.state`` = checkpoint ``step``'s train state (placed like the current one)."""
-    restored = checkpointer.restore(learner.state, expected_config=config, step=step)
-    learner.state = restored.train_state
-    return restored
-
-
 def follow(learner: Any, checkpointer: Any = None) -> int:
-    """A follower process's loop: run process 0's learner commands on ``learner`` until
-    STOP; returns the number of learner calls."""
+    """A follower process's loop: run process 0's learner commands on ``learner`` (a
+    `PolicyLearner`) until STOP; returns the number of learner calls."""
     calls = 0
     while True:
         command, payload = receive()
@@ -267,11 +250,9 @@ def follow(learner: Any, checkpointer: Any = None) -> int:
             raise RuntimeError(f"learner follower: process 0 sent {COMMAND_NAMES[command]}, this process has no "
                                "checkpointer")
         elif command == SAVE:
-            step, extras, config = payload
-            checkpointer.save(step, saved_state(learner.state, extras), extras, config=config)
+            learner.save(checkpointer, *payload)  # (step, extras, config)
         elif command == RESTORE:
-            step, config = payload
-            restore_learner(learner, checkpointer, step, config)
+            learner.restore(checkpointer, *payload)  # (step, config)
         else:
             raise RuntimeError(f"learner follower: unexpected {COMMAND_NAMES[command]} command")
 

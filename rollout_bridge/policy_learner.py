@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rollout_bridge import baselines
@@ -149,6 +150,19 @@ class PolicyLearner:
         metrics["publish_snapshot_mib"] = full_bytes / MIB if copied else 0.0
         return weights
 
+    def save(self, checkpointer, step: int, extras: dict, config: Any) -> None:
+        """Checkpoint ``step``: the TrainState (`saved_state`), ``extras`` and the run's
+        ``config`` key. A collective with several learner processes (each writes its shards)."""
+        checkpointer.save(step, saved_state(self.state, extras), extras, config=config)
+
+    def restore(self, checkpointer, step: int, config: Any):
+        """``.state`` = checkpoint ``step``'s train state, placed like the current one (each
+        learner process reads its shards); the ``RestoredCheckpoint``, extras included. A
+        config other than the saved one raises ``CheckpointMismatchError``."""
+        restored = checkpointer.restore(self.state, expected_config=config, step=step)
+        self.state = restored.train_state
+        return restored
+
     def previous_divergences(self, previous, logp_batch: np.ndarray) -> list[float | None]:
         """D_i of each y′ under the current (updated) parameters; None on a first visit."""
         arrays, rows = baselines.pack_previous_responses(previous, logp_batch, self.pad_to_multiple,
@@ -160,3 +174,11 @@ class PolicyLearner:
                             advantages=np.zeros_like(arrays["logp_then"]))
         logp_now = np.asarray(to_host(self.compute_logprobs(self.state.params, self._place(scored))))
         return baselines.divergences_from_logprobs(rows, arrays, logp_now)
+
+
+def saved_state(state, extras: dict):
+    """The TrainState as checkpointed: its policy event = the orchestrator's (numpy: the
+    same value on every process)."""
+    event = int(extras["orchestrator"]["counters"]["policy_event"])
+    as_array = jnp.asarray if jax.process_count() == 1 else np.asarray
+    return dataclasses.replace(state, policy_event=as_array(event, np.int32))

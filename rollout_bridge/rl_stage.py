@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
+import jax
 import numpy as np
 
 from rollout_bridge import components as build
@@ -17,14 +18,26 @@ from rollout_bridge.distributed_learner import LeaderLearner
 from rollout_bridge.evaluation import evaluate_after_rl
 from rollout_bridge.learner_processes import build_learner
 from rollout_bridge.learning_curve import TRAILING_WINDOW
+from rollout_bridge.methods import LearnerInput, LearnerOutput
 from rollout_bridge.metrics import MetricsWriter
 from rollout_bridge.orchestrator import Orchestrator
 from rollout_bridge.progress_lines import show_bar
 from rollout_bridge.run_errors import UserError
 from rollout_bridge.run_folder import checkpoint_key, log, refuse_overwrite, state_digest
-from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer
+from spopp_jax.checkpoint import CheckpointMismatchError, Checkpointer, RestoredCheckpoint
 
 ENGINE_SEED_STRIDE = 7919  # RL engine seed = job seed x this + resumed step (a fresh stream per resume)
+
+
+class RLLearner(Protocol):
+    """What the RL stage drives: the `PolicyLearner` in one process; on process 0 of several
+    learner processes the `LeaderLearner` over it, which sends each action to the others
+    first (rollout_bridge/distributed_learner.py)."""
+
+    def __call__(self, learner_input: LearnerInput) -> LearnerOutput: ...
+    def weights(self) -> Any: ...
+    def save(self, checkpointer: Checkpointer, step: int, extras: dict, config: Any) -> None: ...
+    def restore(self, checkpointer: Checkpointer, step: int, config: Any) -> RestoredCheckpoint: ...
 
 
 class UpdateLogger:
@@ -103,8 +116,8 @@ class UpdateLogger:
 
 async def run_rl(job, policy: Path, chat, alpha0, beta0):
     """(successes, trials, extra evaluations) of the final policy after RL from ``policy``
-    (an HF folder) with the prior ``alpha0`` / ``beta0`` (SPEC 2); refuses to overwrite a
-    run's checkpoints without ``--resume``."""
+    (an HF folder) with the prior ``alpha0`` / ``beta0`` (SPEC 2), then the end-of-run hooks;
+    refuses to overwrite a run's checkpoints without ``--resume``."""
     cfg, paths = job.cfg, job.paths
     # several learner processes: the others start following; then, in the same order on
     # every process, the checkpointer (orbax syncs the processes) and the learner
@@ -112,17 +125,25 @@ async def run_rl(job, policy: Path, chat, alpha0, beta0):
     checkpointer = Checkpointer(paths.checkpoints, max_to_keep=cfg.keep_checkpoints)
     latest = checkpointer.latest_step()
     refuse_overwrite(cfg.resume, latest, paths)
-    learner = LeaderLearner(build_learner(cfg, job.learner, job.orchestrator, policy))
+    learner: RLLearner = build_learner(cfg, job.learner, job.orchestrator, policy)
+    several = jax.process_count() > 1
+    if several:  # process 0 of several learner processes: each learner action goes to the others first
+        learner = LeaderLearner(learner)
     try:
-        return await train_and_evaluate(job, policy, chat, alpha0, beta0, learner, checkpointer, latest)
+        successes, trials, extra = await train_and_evaluate(job, policy, chat, alpha0, beta0, learner, checkpointer,
+                                                            latest)
     finally:
-        learner.stop()
+        if several:
+            learner.stop()  # the followers return from `follow`
         checkpointer.close()
+    for hook in build.END_OF_RUN_HOOKS:
+        hook(cfg, paths.root, learner)
+    return successes, trials, extra
 
 
-async def train_and_evaluate(job, policy: Path, chat, alpha0, beta0, learner: LeaderLearner, checkpointer, latest):
+async def train_and_evaluate(job, policy: Path, chat, alpha0, beta0, learner: RLLearner, checkpointer, latest):
     """The RL loop on a fresh engine (resumed from ``latest`` with ``--resume``), the exports,
-    the evaluation of the final policy on that engine, then the end-of-run hooks."""
+    then the evaluation of the final policy on that engine."""
     cfg, paths = job.cfg, job.paths
     engine = job.engine(learner.weights(), seed=cfg.seed * ENGINE_SEED_STRIDE + (latest or 0))
     orchestrator = Orchestrator(engine, job.env.env_factory, chat, learner, job.env.num_tasks, job.orchestrator,
@@ -160,7 +181,4 @@ async def train_and_evaluate(job, policy: Path, chat, alpha0, beta0, learner: Le
         successes, trials, extra = await evaluate_after_rl(job, engine, chat)
     finally:
         await engine.close()
-    learner.stop()
-    for hook in build.END_OF_RUN_HOOKS:
-        hook(cfg, paths.root, learner)
     return successes, trials, extra

@@ -31,7 +31,7 @@ STEP = 2
 def checkpoints(tmp_path_factory):
     import train
     from rollout_bridge import components
-    from rollout_bridge.distributed_learner import saved_state
+    from rollout_bridge.policy_learner import saved_state
     from rollout_bridge.run_folder import checkpoint_key
     from rollout_bridge.orchestrator import Orchestrator
     from spopp_jax.checkpoint import Checkpointer
@@ -47,7 +47,7 @@ def checkpoints(tmp_path_factory):
     _, state = init_train_state(init_model(tiny_config("qwen3", num_hidden_layers=1), seed=0), LearnerConfig())
     folder = tmp_path_factory.mktemp("run") / "checkpoints"
     extras = {"orchestrator": orchestrator.state_dict()}
-    with Checkpointer(folder) as checkpointer:  # as rl_stage -> LeaderLearner.save
+    with Checkpointer(folder) as checkpointer:  # as rl_stage -> PolicyLearner.save
         checkpointer.save(STEP, saved_state(state, extras), extras, config=checkpoint_key(cfg))
     return folder
 

@@ -1,7 +1,7 @@
 """``train.py --distributed``'s learner data path (rollout_bridge/distributed_learner.py):
 2 processes x 2 virtual CPU devices (gloo collectives). Only process 0 holds the batches
 (the orchestrator's role) and drives a `LeaderLearner`; process 1 runs `follow` with no
-data of its own. Checked against one process on one device (this pytest process) running
+data of its own. One process drives its `PolicyLearner` with no LeaderLearner in between. Checked against one process on one device (this pytest process) running
 the same `PolicyLearner` calls:
 
   * process 1 followed every call (3 CALLs, then STOP) and got process 0's shared value;
@@ -279,6 +279,59 @@ def test_spo_previous_responses_under_two_processes_match_one_device(tmp_path):
         np.testing.assert_allclose(leader[f"trained_logp{call}"], reference[f"trained_logp{call}"], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(leader[f"loss{call}"], reference[f"loss{call}"], rtol=1e-5)
     assert_same_params(leader, reference)
+
+
+def test_one_process_drives_its_policy_learner_with_no_leader_in_between(tmp_path, monkeypatch):
+    """One learner process: the RL stage (updates, checkpoints, exports) and the end-of-run
+    hooks get the learner `build_learner` built, not a `LeaderLearner` over it; a
+    LeaderLearner refuses to stand in for one process."""
+    import asyncio
+    import types
+
+    from rollout_bridge import components, rl_stage
+    from rollout_bridge.distributed_learner import LeaderLearner
+    from rollout_bridge.run_folder import RunPaths
+
+    built, seen = object(), {}
+
+    async def train_and_evaluate(job, policy, chat, alpha0, beta0, learner, checkpointer, latest):
+        seen["trained"] = learner
+        return 3, 4, {}
+
+    monkeypatch.setattr(rl_stage, "build_learner", lambda *args: built)
+    monkeypatch.setattr(rl_stage, "train_and_evaluate", train_and_evaluate)
+    monkeypatch.setattr(components, "END_OF_RUN_HOOKS", [lambda cfg, root, learner: seen.update(hook=learner)])
+    job = types.SimpleNamespace(cfg=types.SimpleNamespace(keep_checkpoints=1, resume=False), paths=RunPaths(tmp_path),
+                                learner=None, orchestrator=None)
+    assert jax.process_count() == 1
+    assert asyncio.run(rl_stage.run_rl(job, tmp_path / "policy", None, 1.0, 1.0)) == (3, 4, {})
+    assert seen == {"trained": built, "hook": built}
+    with pytest.raises(ValueError, match="several learner processes"):
+        LeaderLearner(built)
+
+
+def test_policy_learner_restores_the_checkpoint_it_saved(tmp_path):
+    """One process: ``PolicyLearner.save`` writes the train state with the orchestrator's
+    policy event; ``restore`` on a learner holding other parameters (zeros) brings back the
+    saved ones and the extras."""
+    import dataclasses
+
+    from rollout_bridge.policy_learner import PolicyLearner
+    from spopp_jax.checkpoint import Checkpointer
+    from test_sharding import build_case
+
+    model_def, state, _, config = build_case()
+    saved = PolicyLearner(model_def, state, config, pad_to_multiple=20)
+    expected = {f"params/{k}": np.array(v) for k, v in flat_weights(saved.weights()).items()}
+    zeros = dataclasses.replace(state, params=jax.tree.map(np.zeros_like, state.params))
+    other = PolicyLearner(model_def, zeros, config, pad_to_multiple=20)
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        saved.save(checkpointer, 1, EXTRAS, CHECKPOINT_CONFIG)
+        checkpointer.wait_until_finished()
+        restored = other.restore(checkpointer, 1, CHECKPOINT_CONFIG)
+    assert int(restored.train_state.policy_event) == NUM_UPDATES  # EXTRAS' policy event
+    assert int(restored.extras["orchestrator"]["counters"]["policy_event"]) == NUM_UPDATES
+    assert_same_params({f"params/{k}": v for k, v in flat_weights(other.weights()).items()}, expected)
 
 
 def test_settings_from_env_name_the_variable():
