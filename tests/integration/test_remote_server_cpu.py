@@ -36,8 +36,9 @@ import pytest
 
 from vllm_venv import REPO, REQUIRES_VLLM_VENV, VLLM_PYTHON, VLLM_VENV
 
-STEPS = 4
-KILL_AFTER_UPDATES = 2  # update 1's in-flight publish has reached the server by then
+STEPS = 6
+KILL_AFTER_UPDATES = 2  # and an in-flight publish has reached the server (IN_FLIGHT_PUBLISH in its log)
+IN_FLIGHT_PUBLISH = 'POST /pause?mode=keep HTTP/1.1" 200'
 NUM_GAMES = 4
 SERVER_START_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 1500.0
@@ -180,7 +181,10 @@ def test_train_py_publishes_over_http_to_a_sandboxed_server_that_is_killed_and_r
             process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *train_args(tmp_path, url)],
                                        cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        while len(read_rows(run / "metrics.jsonl")) < KILL_AFTER_UPDATES:
+        # a busy machine can deliver updates 1 and 2 together, before any publish is in flight:
+        # the kill waits for one, so that the run's in-flight publishing is tested on both sides
+        while (len(read_rows(run / "metrics.jsonl")) < KILL_AFTER_UPDATES
+               or IN_FLIGHT_PUBLISH not in server_log.read_text(errors="replace")):
             assert process.poll() is None, f"train.py exited early ({process.returncode}):\n{tail(log)}"
             assert time.monotonic() - start < RUN_TIMEOUT_S, f"no update in time:\n{tail(log)}"
             time.sleep(0.1)
@@ -219,7 +223,7 @@ def test_train_py_publishes_over_http_to_a_sandboxed_server_that_is_killed_and_r
     # the restarted server's own access log: policies uploaded and installed in flight
     after_restart = server_log.read_text(errors="replace").rsplit("policy uploads go to", 1)[1]
     assert "PUT /spopp/policy/" in after_restart and "/commit HTTP/1.1\" 200" in after_restart
-    assert "POST /pause?mode=keep HTTP/1.1\" 200" in after_restart, "no in-flight publish after the restart"
+    assert IN_FLIGHT_PUBLISH in after_restart, "no in-flight publish after the restart"
     evaluation = json.loads((run / "eval_after.json").read_text())
     assert sum(evaluation["trials"]) == NUM_GAMES
     received = sorted(p.name for p in (server_dir / "inbox").iterdir() if p.name.startswith("policy-"))
