@@ -42,16 +42,16 @@ METHOD_RECIPE = "the method section's recipe (MethodConfig.orchestrator_fields /
 LEARNER_DERIVED = {"dual_clip": METHOD_RECIPE}
 
 ORCHESTRATOR_KNOBS = {
-    "whiten_eps": "advantage.eps",
+    "whiten_eps": "advantage.whiten_eps",
     "batch_size": "rollout.batch_size", "publish_every": "rollout.publish_every", "drain": "rollout.drain",
     "max_policy_lag": "rollout.max_policy_lag", "result_delay_s": "rollout.result_delay_s",
-    "max_in_flight": "rollout.max_inflight", "max_in_flight_per_task": "rollout.max_in_flight_per_task",
+    "max_in_flight": "rollout.max_in_flight", "max_in_flight_per_task": "rollout.max_in_flight_per_task",
     "sibling_rule": "rollout.sibling_rule", "max_buffered_batches": "rollout.max_buffered_batches",
     "train_on_failed": "rollout.train_on_failed",
     "max_consecutive_failures": "rollout.max_consecutive_failures",
     "rho": "tracker.rho", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
     "task_sampler": "sampler.impl",
-    "pad_to_multiple": "rollout.pad_to_multiple",  # null: agent.max_total_tokens, every batch [B, max_seq_len]
+    "pad_to_multiple": "rollout.pad_to_multiple",  # null: agent.max_total_tokens, every batch [B, max_total_tokens]
     "pack_rows": "rollout.pack_rows",
 }
 ORCHESTRATOR_DERIVED = {
@@ -69,7 +69,7 @@ SAMPLING_KNOBS = {"temperature": "rollout.temperature", "top_p": "rollout.top_p"
 SAMPLING_DERIVED = {"stop_token_ids": "set per request by the agent from the chat format",
                     "seed": "evaluations only: set per turn by the agent from the episode seed (common random numbers)"}
 
-AGENT_KNOBS = {"max_total_tokens": "rollout.max_seq_len", "env_timeout_s": "rollout.env_timeout_s"}
+AGENT_KNOBS = {"max_total_tokens": "rollout.max_total_tokens", "env_timeout_s": "rollout.env_timeout_s"}
 AGENT_DERIVED = {"max_turns": "the env kind's bundle (env.max_turns)", "sampling": "SAMPLING_KNOBS"}
 
 ENGINE_KNOBS = {"steps_per_call": "rollout.engine_steps_per_call",

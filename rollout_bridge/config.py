@@ -59,7 +59,7 @@ def _check_literals(section: str, obj) -> None:
 
 
 _NUMBERS = (int, float)
-MAX_WHITEN_EPS = 1e-2   # advantage.eps: below 2% of the largest std of 0/1 rewards (0.5)
+MAX_WHITEN_EPS = 1e-2   # advantage.whiten_eps: below 2% of the largest std of 0/1 rewards (0.5)
 
 
 def _refuse_booleans(number_type: type) -> None:
@@ -348,14 +348,15 @@ class SamplerSection:
 
 @dataclass
 class AdvantageSection:
-    """SPEC 4: Ã = (A - mean) / (std + eps) under the method's measure (`method.measure`).
-    `eps` only guards a zero std: the std of 0/1 rewards is at most 0.5, so a large eps would
+    """SPEC 4: Ã = (A - mean) / (std + whiten_eps) under the method's measure (`method.measure`).
+    `whiten_eps` only guards a zero std: the std of 0/1 rewards is at most 0.5, so a large eps would
     shrink every advantage toward 0 and learning with it, silently (at most MAX_WHITEN_EPS)."""
 
-    eps: float = 1e-8
+    whiten_eps: float = 1e-8
 
     def __post_init__(self):
-        _check(0.0 < self.eps <= MAX_WHITEN_EPS, "advantage.eps", f"in (0, {MAX_WHITEN_EPS}]", self.eps)
+        _check(0.0 < self.whiten_eps <= MAX_WHITEN_EPS, "advantage.whiten_eps", f"in (0, {MAX_WHITEN_EPS}]",
+               self.whiten_eps)
 
 
 @dataclass
@@ -516,7 +517,7 @@ class ServersSection:
 @dataclass
 class RolloutSection:
     """Rollout engine, scheduling and decoding. `batch_size` trajectories per update
-    (SPEC 3), `publish_every` updates per policy event, `max_inflight` concurrent episodes,
+    (SPEC 3), `publish_every` updates per policy event, `max_in_flight` concurrent episodes,
     `max_in_flight_per_task` m (SPEC 2: 1; m > 1 places siblings by `sibling_rule`, see
     rollout_bridge/orchestrator.py), `max_buffered_batches`: dispatch only while
     finished-but-unconsumed plus in-flight trajectories < this x batch_size (bounds policy
@@ -532,11 +533,11 @@ class RolloutSection:
     previous turn left even when an in-flight publish came in between (those rows were
     written by older weights, as the kept cache of a request decoding through the publish
     is, SPEC 3); false: every publish forgets the rows and the next turn prefills the whole
-    conversation again. `pad_to_multiple` (a divisor of max_seq_len): learner batches are
-    [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len
+    conversation again. `pad_to_multiple` (a divisor of max_total_tokens): learner batches are
+    [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_total_tokens
     always, one compile; a smaller multiple trains short batches faster at the cost of one
     compile per width). `pack_rows`: several trajectories share a learner row (rows at most
-    max_seq_len wide, each trajectory attending only to itself): the [R, W] of least padded
+    max_total_tokens wide, each trajectory attending only to itself): the [R, W] of least padded
     area, R a multiple of optim mini- x micro-batches, so fewer padding tokens are trained
     (same loss and gradient; a few more shapes to compile; docs/PERFORMANCE.md).
     `result_delay_s` (an experiment knob; 0 = off): each finished episode is held a seeded
@@ -549,7 +550,7 @@ class RolloutSection:
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
     batch_size: int = 16
     publish_every: int = 1
-    max_inflight: int = 16
+    max_in_flight: int = 16
     max_in_flight_per_task: int = 1
     sibling_rule: Literal["balanced", "proportional"] = "balanced"
     max_buffered_batches: int = 2
@@ -562,7 +563,7 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 24
-    max_seq_len: int = 2048
+    max_total_tokens: int = 2048
     engine_steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
     pad_to_multiple: Optional[int] = 256
@@ -573,14 +574,14 @@ class RolloutSection:
 
     def __post_init__(self):
         _check_literals("rollout", self)
-        _positive("rollout", self, "batch_size", "publish_every", "max_inflight",
+        _positive("rollout", self, "batch_size", "publish_every", "max_in_flight",
                   "max_in_flight_per_task", "max_buffered_batches", "max_consecutive_failures",
-                  "temperature", "max_new_tokens", "max_seq_len", "engine_steps_per_call")
+                  "temperature", "max_new_tokens", "max_total_tokens", "engine_steps_per_call")
         if self.env_timeout_s is not None:
             _positive("rollout", self, "env_timeout_s")
         if self.pad_to_multiple is not None:
-            _check(self.pad_to_multiple > 0 and self.max_seq_len % self.pad_to_multiple == 0,
-                   "rollout.pad_to_multiple", f"null or a divisor of rollout.max_seq_len={self.max_seq_len}",
+            _check(self.pad_to_multiple > 0 and self.max_total_tokens % self.pad_to_multiple == 0,
+                   "rollout.pad_to_multiple", f"null or a divisor of rollout.max_total_tokens={self.max_total_tokens}",
                    self.pad_to_multiple)
         _check(self.max_policy_lag >= 0, "rollout.max_policy_lag", ">= 0", self.max_policy_lag)
         _check(math.isfinite(self.result_delay_s) and self.result_delay_s >= 0, "rollout.result_delay_s",
@@ -597,8 +598,8 @@ class RolloutSection:
                    self.servers.launch.count)
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "-1 or > 0", self.top_k)
-        _check(self.max_new_tokens < self.max_seq_len, "rollout.max_new_tokens",
-               f"< rollout.max_seq_len={self.max_seq_len}", self.max_new_tokens)
+        _check(self.max_new_tokens < self.max_total_tokens, "rollout.max_new_tokens",
+               f"< rollout.max_total_tokens={self.max_total_tokens}", self.max_new_tokens)
 
 
 @dataclass

@@ -128,6 +128,9 @@ RENAMED = {
     "tracker.spo_rho_min": "method.rho_min (with --method spo)",
     "tracker.spo_rho_max": "method.rho_max (with --method spo)",
     "rollout.group_size": "method.group_size (with --method grpo or rloo)",
+    "rollout.max_inflight": "rollout.max_in_flight",
+    "rollout.max_seq_len": "rollout.max_total_tokens",
+    "advantage.eps": "advantage.whiten_eps",
 }
 
 

@@ -64,9 +64,9 @@ def test_paper_recipes_load_with_spec_hyperparameters(name):
 
 def test_cli_overrides_beat_yaml(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("steps: 7\nrollout:\n  batch_size: 4\n  max_inflight: 4\n"
+    path.write_text("steps: 7\nrollout:\n  batch_size: 4\n  max_in_flight: 4\n"
                     "tracker:\n  rho: 0.9\n")
-    cfg = load_config(["--rollout.batch_size", "8", "--rollout.max_inflight", "8",
+    cfg = load_config(["--rollout.batch_size", "8", "--rollout.max_in_flight", "8",
                        "--method.measure", "trajectory", "--resume"], config_path=path)
     assert cfg.steps == 7 and cfg.tracker.rho == 0.9           # from the file
     assert cfg.rollout.batch_size == 8                          # CLI wins
@@ -100,11 +100,11 @@ def test_resume_flag_forms():
     (["--method", "spo", "--method.rho_min", "0.99"], "method.rho_min"),
     (["--method", "rloo", "--method.group_size", "1"], "method.group_size"),
     (["--rollout.top_p", "0"], "rollout.top_p"),
-    (["--rollout.max_new_tokens", "600", "--rollout.max_seq_len", "512"],
+    (["--rollout.max_new_tokens", "600", "--rollout.max_total_tokens", "512"],
      "rollout.max_new_tokens"),
-    (["--rollout.max_inflight", "64", "--env.num_games", "16"], "rollout.max_inflight"),
+    (["--rollout.max_in_flight", "64", "--env.num_games", "16"], "rollout.max_in_flight"),
     (["--rollout.pad_to_multiple", "0"], "rollout.pad_to_multiple"),
-    (["--rollout.pad_to_multiple", "100", "--rollout.max_seq_len", "320"], "rollout.pad_to_multiple"),
+    (["--rollout.pad_to_multiple", "100", "--rollout.max_total_tokens", "320"], "rollout.pad_to_multiple"),
     (["--env.max_turns", "0"], "env.max_turns"),
     (["--env.warmstart_rename", "1.5"], "env.warmstart_rename"),
     (["--env.warmstart_rename=-0.1"], "env.warmstart_rename"),
@@ -119,16 +119,16 @@ def test_resume_flag_forms():
     (["--optim.learning_rate", "inf"], "optim.learning_rate"),
     (["--warmstart.learning_rate", "inf"], "warmstart.learning_rate"),
     (["--rollout.temperature", "inf"], "rollout.temperature"),
-    (["--advantage.eps", "inf"], "advantage.eps"),
-    (["--advantage.eps", "nan"], "advantage.eps"),
-    (["--advantage.eps", "0.5"], "advantage.eps"),     # every advantage shrunk toward 0
+    (["--advantage.whiten_eps", "inf"], "advantage.whiten_eps"),
+    (["--advantage.whiten_eps", "nan"], "advantage.whiten_eps"),
+    (["--advantage.whiten_eps", "0.5"], "advantage.whiten_eps"),     # every advantage shrunk toward 0
     (["--math_tir.sandbox.wall_s", "inf"], "math_tir.sandbox.wall_s"),
     (["--method", "spo", "--method.d_half", "inf"], "method.d_half"),
     (["--optim.num_micro_batches", "3"], "optim.num_mini_batches x optim.num_micro_batches"),
     (["--checkpoint_every", "3", "--rollout.publish_every", "2"], "checkpoint_every"),
     (["--method", "grpo", "--rollout.batch_size", "12", "--method.group_size", "8"],
      "rollout.batch_size"),
-    (["--method", "grpo", "--rollout.max_inflight", "4"], "rollout.max_inflight"),
+    (["--method", "grpo", "--rollout.max_in_flight", "4"], "rollout.max_in_flight"),
 ])
 def test_bad_values_name_the_field(args, field):
     message = _error(args)
@@ -291,8 +291,8 @@ def test_library_knobs_are_reachable_from_the_command_line():
 
     cfg = load_config(["--loss.old_logp_source", "rollout", "--rollout.train_on_failed", "true",
                        "--rollout.max_in_flight_per_task", "2", "--rollout.sibling_rule", "proportional",
-                       "--rollout.env_timeout_s", "5", "--rollout.max_inflight", "32",
-                       "--advantage.eps", "1e-6", "--method", "spo"])
+                       "--rollout.env_timeout_s", "5", "--rollout.max_in_flight", "32",
+                       "--advantage.whiten_eps", "1e-6", "--method", "spo"])
     assert c.build_learner_config(cfg).old_logp_source == "rollout"
     agent = c.build_agent_config(cfg, max_turns=3)
     assert agent.env_timeout_s == 5.0 and agent.max_turns == 3

@@ -127,6 +127,9 @@ def test_config_from_another_version_names_file_fields_and_closest(tmp_path):
     ("advantage:\n  measure: trajectory\n", "advantage.measure", "method.measure"),
     ("loss:\n  dual_clip: 10.0\n", "loss.dual_clip", "method.dual_clip"),
     ("tracker:\n  spo_rho_min: 0.9\n", "tracker.spo_rho_min", "method.rho_min"),
+    ("rollout:\n  max_inflight: 8\n", "rollout.max_inflight", "rollout.max_in_flight"),
+    ("rollout:\n  max_seq_len: 512\n", "rollout.max_seq_len", "rollout.max_total_tokens"),
+    ("advantage:\n  eps: 1.0e-6\n", "advantage.eps", "advantage.whiten_eps"),
 ])
 def test_a_renamed_setting_names_its_new_name(tmp_path, yaml_text, old, new):
     """A config written before a rename is told the new name, not the closest spelling
