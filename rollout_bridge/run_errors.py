@@ -134,6 +134,16 @@ RENAMED = {
 }
 
 
+def check_renamed_flags(argv: Sequence[str]) -> None:
+    """UserError naming the new name of a renamed setting given on the command line
+    (``--rollout.max_inflight 8``), instead of argparse's bare "unrecognized arguments"."""
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0]
+            if name in RENAMED:
+                raise UserError(f"--{name} was renamed to --{RENAMED[name]}", "config error")
+
+
 def _valid_names(config_class: type, section: str | None) -> list[str]:
     """Field names of `config_class` (a dataclass with defaults) or of its `section`."""
     import dataclasses

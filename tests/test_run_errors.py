@@ -138,6 +138,16 @@ def test_a_renamed_setting_names_its_new_name(tmp_path, yaml_text, old, new):
     assert f"{old} was renamed to {new}" in line, line
 
 
+@pytest.mark.parametrize("flag, new", [("--rollout.max_inflight", "--rollout.max_in_flight"),
+                                       ("--rollout.max_seq_len=512", "--rollout.max_total_tokens"),
+                                       ("--advantage.eps", "--advantage.whiten_eps")])
+def test_a_renamed_flag_names_its_new_name(flag, new):
+    import train
+
+    with pytest.raises(UserError, match=f"was renamed to {new}"):
+        train.parse_config([flag, "8"] if "=" not in flag else [flag])
+
+
 def test_quiet_drops_only_the_torch_notice():
     quiet.install()
     quiet.install()                                          # idempotent
