@@ -73,8 +73,8 @@ from rollout_bridge.job_report import write_summary
 from rollout_bridge.learner_processes import DISTRIBUTED_FLAG, follow_process_0, start_distributed
 from rollout_bridge.prior_stage import run_prior
 from rollout_bridge.rl_stage import run_rl
-from rollout_bridge.run_errors import (UserError, check_config_path, check_output_dir, config_path_argument,
-                                       unknown_fields_line)
+from rollout_bridge.run_errors import (UserError, check_config_path, check_output_dir, check_renamed_flags,
+                                       config_path_argument, unknown_fields_line)
 from rollout_bridge.run_guard import prepare_run, run_guarded
 from rollout_bridge.run_folder import RunPaths, enable_compilation_cache, latest_checkpoint_step, log, refuse_overwrite
 from rollout_bridge.warmstart_stage import run_warmstart
@@ -87,6 +87,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     from draccus.utils import ParsingError
 
     check_config_path(argv)
+    check_renamed_flags(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
     except ConfigFileError as error:
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         start_servers(job, policy, at_exit)
 
         alpha0, beta0, prior = run_prior(cfg, paths, policy, chat, env, job.agent, job.engine,  # 3. prior
-                                         job.orchestrator.rho, job.orchestrator.max_in_flight)
+                                         job.orchestrator.tracker.rho, job.orchestrator.max_in_flight)
         if cfg.stage == "prior":
             return {"prior": prior}
 

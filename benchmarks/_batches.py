@@ -60,7 +60,8 @@ def jitted_train_step(args):
         model = from_pretrained(folder, dtype="float32")
     batch_np = learner_batch(args.batch, args.seq, args.vocab, np.random.default_rng(0))
     batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
-    config = learner.LearnerConfig(num_micro_batches=args.micro_batches,
+    config = learner.LearnerConfig(learning_rate=1e-6, action_logits_fraction=None,
+                                   num_micro_batches=args.micro_batches,
                                    num_mini_batches=getattr(args, "mini_batches", 1))
     model_def, state = learner.init_train_state(model, config)
     return learner.make_train_step(model_def, config), state, batch

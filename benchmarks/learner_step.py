@@ -185,7 +185,8 @@ def main(args, baselines: dict):
     batch = learner.TrainBatch(*(jnp.asarray(x) for x in batch_np))
     holders, jax_steps = {}, {}
     for micro_batches in args.micro_batches:
-        config = learner.LearnerConfig(num_micro_batches=micro_batches)
+        config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
+                                       num_micro_batches=micro_batches)
         model_def, state = learner.init_train_state(model, config)
         # Own copies: each step donates its state, and the states would share the arrays.
         holders[micro_batches] = {"state": jax.tree.map(jnp.copy, state)}
@@ -236,7 +237,8 @@ def main(args, baselines: dict):
               f"grad_norm {first['grad_norm']:.6g}")
         fns[f"jax@{args.baseline} M={micro_batches}"] = worker.step
     if args.breakdown:
-        config = learner.LearnerConfig(num_micro_batches=args.micro_batches[0])
+        config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
+                                       num_micro_batches=args.micro_batches[0])
         forward = jax.jit(lambda p, b: model_def.apply(p, b.input_ids, b.attention_mask))
         grad = learner.make_loss_and_grad(model_def, config)
         fns["jax forward"] = lambda: forward(holder["state"].params, batch).block_until_ready()

@@ -185,11 +185,11 @@ def make_orchestrator(module, chat, slots: int, tasks: int, batch: int, keep_his
     success = rng.random(tasks)
     engine = InstantEngine(chat.stop_token_ids[0])
     kwargs = dict(method="spopp", batch_size=batch, max_in_flight=slots, max_buffered_batches=max(2, -(-slots // batch) + 1),
-                  pad_to_multiple=16, seed=seed)
+                  pad_to_multiple=16, seed=seed, drain=drain)
     if module is not None and hasattr(module.OrchestratorConfig, "keep_history"):
         kwargs["keep_history"] = keep_history
     if drain != "finish":
-        kwargs.update(drain=drain, max_policy_lag=NO_LAG_LIMIT)
+        kwargs.update(max_policy_lag=NO_LAG_LIMIT)
     config = module.OrchestratorConfig(**kwargs)
     agent = AgentConfig(max_turns=1, max_total_tokens=64, sampling=SamplingParams(max_new_tokens=REPLY_TOKENS),
                         env_timeout_s=None)

@@ -134,9 +134,11 @@ def ours_methods(args, folder: str):
     batch = learner.TrainBatch(**{k: jnp.asarray(v) for k, v in load_batch(folder).items()})
     methods, first = {}, {}
     for m in args.micro_batches:
-        model_def, state = learner.init_train_state(model, learner.LearnerConfig(num_micro_batches=m))
+        config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
+                                       num_micro_batches=m)
+        model_def, state = learner.init_train_state(model, config)
         holder = {"state": state}
-        step = learner.make_train_step(model_def, learner.LearnerConfig(num_micro_batches=m))
+        step = learner.make_train_step(model_def, config)
 
         def run(holder=holder, step=step):
             holder["state"], metrics = step(holder["state"], batch)

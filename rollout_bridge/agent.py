@@ -124,21 +124,33 @@ class ChatFormat:
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentConfig:
-    """Episode limits. ``max_total_tokens`` bounds prompt + all turns; the per-turn
-    ``sampling.max_new_tokens`` is lowered to fit. ``env_timeout_s`` bounds each env call
-    (None: no limit)."""
+class EpisodeLimits:
+    """The episode limits of the run config's ``rollout`` section
+    (`rollout_bridge.config.RolloutSection` extends this class). ``max_total_tokens`` bounds
+    prompt + all turns (the per-turn ``max_new_tokens`` is lowered to fit); ``env_timeout_s``
+    bounds each env call (None: no limit)."""
 
-    max_turns: int = 8
     max_total_tokens: int = 2048
-    sampling: SamplingParams = SamplingParams()
     env_timeout_s: float | None = 60.0
 
     def __post_init__(self):
-        if self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig(EpisodeLimits):
+    """How one episode is run: the `EpisodeLimits`, the env kind's ``max_turns`` and the
+    decoding of every turn (``sampling``: the run config's rollout decoding fields)."""
+
+    max_turns: int = dataclasses.field(default=8, metadata={"from": "the env kind's bundle (env.max_turns)"})
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams,
+                                                 metadata={"from": "rollout (its Decoding fields)"})
+
+    def __post_init__(self):
+        EpisodeLimits.__post_init__(self)
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
 
 
 class _History:

@@ -1,9 +1,12 @@
-"""The components of a training job, each built from its own config section.
+"""The components of a training job, each built from its own config sections.
 
-``train.py`` only composes. Every knob of a component's config is either read from one
-``TrainConfig`` path (the ``*_KNOBS`` maps: component field -> config path) or derived
-from an already built component (the ``*_DERIVED`` maps say from what); every TrainConfig
-field is read by exactly one component (``tests/test_config.py`` checks both ways).
+``train.py`` only composes. A component's config fields are declared once: in the
+component's own config classes, which the run config's sections are or extend
+(``optim``/``loss`` = the learner's `OptimConfig`/`LossConfig`; ``tracker``, ``sampler``,
+``advantage`` = the orchestrator's; ``rollout`` extends the orchestrator's
+`RolloutSchedule`, the agent's `EpisodeLimits` and the engine's `Decoding`). A field the
+build sets from elsewhere says from what in its ``metadata["from"]``
+(``tests/test_config_layer.py`` checks both).
 
 Extension points (lists a later module appends to):
   * ``ARGV_PREPROCESSORS``: ``argv -> argv`` before parsing (e.g. verl-style aliases);
@@ -19,115 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-from rollout_bridge.agent import AgentConfig
-from rollout_bridge.engine.base import SamplingParams
-from rollout_bridge.orchestrator import OrchestratorConfig
+from rollout_bridge.agent import AgentConfig, EpisodeLimits
+from rollout_bridge.engine.base import Decoding, SamplingParams
+from rollout_bridge.orchestrator import OrchestratorConfig, RolloutSchedule
 from spopp_jax.learner import LearnerConfig
 from rollout_bridge.run_errors import UserError
 
-# ------------------------------------------------------------------ knob maps
-LEARNER_KNOBS = {
-    "learning_rate": "optim.learning_rate", "weight_decay": "optim.weight_decay",
-    "adam_b1": "optim.adam_b1", "adam_b2": "optim.adam_b2", "adam_eps": "optim.adam_eps",
-    "max_grad_norm": "optim.max_grad_norm", "num_micro_batches": "optim.num_micro_batches",
-    "num_mini_batches": "optim.num_mini_batches", "logprob_chunk_size": "optim.logprob_chunk_size",
-    "action_logits_fraction": "optim.action_logits_fraction",
-    "clip_low": "loss.clip_low", "clip_high": "loss.clip_high",
-    "is_cap": "loss.is_cap", "old_logp_source": "loss.old_logp_source",
-    "max_consecutive_skips": "optim.max_consecutive_skips",
-}
-METHOD_RECIPE = "the method section's recipe (MethodConfig.orchestrator_fields / learner_fields)"
-LEARNER_DERIVED = {"dual_clip": METHOD_RECIPE}
-
-ORCHESTRATOR_KNOBS = {
-    "whiten_eps": "advantage.eps",
-    "batch_size": "rollout.batch_size", "publish_every": "rollout.publish_every", "drain": "rollout.drain",
-    "max_policy_lag": "rollout.max_policy_lag", "result_delay_s": "rollout.result_delay_s",
-    "max_in_flight": "rollout.max_inflight", "max_in_flight_per_task": "rollout.max_in_flight_per_task",
-    "sibling_rule": "rollout.sibling_rule", "max_buffered_batches": "rollout.max_buffered_batches",
-    "train_on_failed": "rollout.train_on_failed",
-    "max_consecutive_failures": "rollout.max_consecutive_failures",
-    "rho": "tracker.rho", "sampler_form": "sampler.form", "sampler_floor": "sampler.floor",
-    "task_sampler": "sampler.impl",
-    "pad_to_multiple": "rollout.pad_to_multiple",  # null: agent.max_total_tokens, every batch [B, max_seq_len]
-    "pack_rows": "rollout.pack_rows",
-}
-ORCHESTRATOR_DERIVED = {
-    **{name: METHOD_RECIPE for name in ("method", "measure", "group_size", "spo_d_half", "spo_rho_min",
-                                        "spo_rho_max")},
-    "pack_row_multiple": "rollout.pack_rows: components.pack_row_multiple (optim mini x micro-batches)",
-    "z0": "0: the prior's coordinate (SPEC 2)",
-    "keep_history": "False: bounded memory, records stream to the metric sinks",
-    "tune_gc": "True (the default): train.py is the whole process, so the process-wide collector tuning is its to make",
-    "seed": "the job seed",
-}
-
-SAMPLING_KNOBS = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k",
-                  "max_new_tokens": "rollout.max_new_tokens"}
-SAMPLING_DERIVED = {"stop_token_ids": "set per request by the agent from the chat format",
-                    "seed": "evaluations only: set per turn by the agent from the episode seed (common random numbers)"}
-
-AGENT_KNOBS = {"max_total_tokens": "rollout.max_seq_len", "env_timeout_s": "rollout.env_timeout_s"}
-AGENT_DERIVED = {"max_turns": "the env kind's bundle (env.max_turns)", "sampling": "SAMPLING_KNOBS"}
-
-ENGINE_KNOBS = {"steps_per_call": "rollout.engine_steps_per_call",
-                "prefix_reuse_across_publish": "rollout.prefix_reuse_across_publish"}
-ENGINE_DERIVED = {
-    "num_slots": "orchestrator.max_in_flight", "max_len": "agent.max_total_tokens",
-    "policy_event": "the orchestrator's policy event", "seed": "the job seed",
-    "max_stop_tokens": "JaxEngine default", "min_prefill_len": "JaxEngine default",
-    "cache_dtype": "JaxEngine default",
-    "prefix_reuse": "JaxEngine default (on: a turn prefills only its new tokens; attention-only caches)",
-}
-ENGINE_SELECT = ("rollout.engine", "rollout.server_urls")  # which engine; the servers' URLs
-
-# rollout.engine=vllm_server: the job's servers (rollout_bridge.engine.vllm_servers)
-SERVERS_KNOBS = {"capacity": "rollout.servers.capacity", "health_interval_s": "rollout.servers.health_interval_s",
-                 "outage_wait_s": "rollout.servers.outage_wait_s", "weights_transport": "rollout.servers.weights_transport"}
-SERVERS_DERIVED = {"run_dir": "the run folder (output_dir)", "urls": "rollout.server_urls (ENGINE_SELECT)",
-                   "launch": "SERVER_LAUNCH_KNOBS (None unless rollout.servers.launch.count >= 1)"}
-SERVER_LAUNCH_KNOBS = {
-    "count": "rollout.servers.launch.count", "gpus_per_server": "rollout.servers.launch.gpus_per_server",
-    "first_gpu": "rollout.servers.launch.first_gpu", "extra_args": "rollout.servers.launch.extra_args",
-    "max_restarts": "rollout.servers.launch.max_restarts", "ready_timeout_s": "rollout.servers.launch.ready_timeout_s",
-    "max_num_seqs": "rollout.servers.launch.max_num_seqs", "cpu_threads": "rollout.servers.launch.cpu_threads",
-    "kv_cache_gib": "rollout.servers.launch.kv_cache_gib", "python": "rollout.servers.python",
-    "gpus": "rollout.servers.launch.gpus",
-}
-SERVER_LAUNCH_DERIVED = {
-    "host": "127.0.0.1: the servers are local", "capacity": "rollout.servers.capacity (SERVERS_KNOBS)",
-    "max_model_len": "agent.max_total_tokens", "stop_grace_s": "ServerLaunchConfig default",
-}
-# rollout.engine=vllm: vLLM's AsyncLLM in this process (VllmInProcessConfig)
-INPROCESS_DERIVED = {
-    "model": "a policy folder written from the stage's model", "weights_root": "<run>/rollout_vllm/engine-<n>",
-    "tokenizer_dir": "the job's policy folder", "initial_policy_event": "the orchestrator's policy event",
-    "max_model_len": "agent.max_total_tokens", "max_num_seqs": "orchestrator.max_in_flight",
-    "drain": "rollout.drain (ORCHESTRATOR_KNOBS; none -> finish for the drained fallback)",
-    "dtype": "VllmInProcessConfig default", "gpu_memory_utilization": "VllmInProcessConfig default",
-    "logprobs_mode": "VllmInProcessConfig default (raw_logprobs)", "keep_policies": "VllmInProcessConfig default",
-    "direct_transfer": "None: the filesystem publish", "engine_kwargs": "VllmInProcessConfig default",
-}
 VLLM_TEMPERATURE = 1.0  # the vLLM engines report raw log-probs: exact sampling log-probs only at T = 1
 
-# sections read whole by one component (the owner named for the config test)
-SECTION_OWNERS = {
-    "method": "rollout_bridge.methods: the method's recipe (MethodConfig.orchestrator_fields / learner_fields)",
-    "model": "rollout_bridge.components.model_folder / load_policy (model.*)",
-    "mesh": "rollout_bridge.components.build_mesh (mesh.*)",
-    "node": "rollout_bridge.node_layout.apply_before_jax (node.*: train.py's first statement, before JAX loads)",
-    "env": "rollout_bridge.envs.kinds (env.*)",
-    "math_tir": "rollout_bridge.envs.math_tir.build_math_tir (math_tir.*, env.kind=math_tir)",
-    "warmstart": "rollout_bridge.warmstart_stage.run_warmstart (warmstart.*)",
-    "prior": "rollout_bridge.prior_stage.run_prior (prior.*)",
-    "evaluation": "rollout_bridge.evaluation (evaluate_after_rl, evaluate_policy) through EvaluationSection.rollouts (evaluation.*)",
-}
-JOB_FIELDS = ("stage", "seed", "steps", "output_dir", "resume", "resume_step", "checkpoint_every",
-              "keep_checkpoints", "progress", "tensorboard", "export_every",
-              "compilation_cache_dir")  # read by train.py's composition (resume_step: run_guard.prepare_run)
-WANDB_FIELDS = ("wandb", "wandb_mode", "wandb_project")  # read by wandb_sinks
 
 # ------------------------------------------------------------------ extension points
 def _verl_aliases(argv: list[str]) -> list[str]:
@@ -146,34 +50,35 @@ METRIC_SINK_FACTORIES: list[Callable[[Any, Path], Callable]] = []
 END_OF_RUN_HOOKS: list[Callable[[Any, Path, Any], None]] = []
 
 
-def config_value(cfg: Any, path: str) -> Any:
-    """``cfg`` attribute at dotted ``path`` ("rollout.batch_size")."""
-    value = cfg
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
-
-
-def knobs(cfg: Any, knob_map: Mapping[str, str]) -> dict[str, Any]:
-    return {field: config_value(cfg, path) for field, path in knob_map.items()}
+def fields_of(section: Any, config_class: type) -> dict[str, Any]:
+    """The values of ``config_class``'s fields in ``section`` (a section that extends it)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(config_class)}
 
 
 # ------------------------------------------------------------------ builders
 def build_learner_config(cfg) -> LearnerConfig:
-    return LearnerConfig(**knobs(cfg, LEARNER_KNOBS), **cfg.method.learner_fields())
+    """The learner's config: the ``optim`` and ``loss`` sections (whose fields ARE the
+    learner's) and the method's recipe (its dual clip)."""
+    return LearnerConfig.from_sections(cfg.optim, cfg.loss, **cfg.method.learner_fields())
 
 
 def build_agent_config(cfg, max_turns: int) -> AgentConfig:
-    return AgentConfig(max_turns=max_turns, sampling=SamplingParams(**knobs(cfg, SAMPLING_KNOBS)),
-                       **knobs(cfg, AGENT_KNOBS))
+    """The agent's config: the rollout section's episode limits and decoding, and the env
+    kind's ``max_turns``."""
+    return AgentConfig(max_turns=max_turns, sampling=SamplingParams(**fields_of(cfg.rollout, Decoding)),
+                       **fields_of(cfg.rollout, EpisodeLimits))
 
 
 def build_orchestrator_config(cfg, agent: AgentConfig, seed: int) -> OrchestratorConfig:
-    values = {**knobs(cfg, ORCHESTRATOR_KNOBS), **cfg.method.orchestrator_fields()}
+    """The orchestrator's config: the rollout section's schedule, the tracker, sampler and
+    advantage sections, the method's recipe, and what the job sets (``metadata["from"]`` of
+    the `OrchestratorConfig` fields)."""
+    values = fields_of(cfg.rollout, RolloutSchedule)
     values["pad_to_multiple"] = values["pad_to_multiple"] or agent.max_total_tokens  # null: one width, one compile
     if values["pack_rows"]:
         values["pack_row_multiple"] = pack_row_multiple(cfg)
-    return OrchestratorConfig(z0=0.0, keep_history=False, seed=seed, **values)
+    return OrchestratorConfig(tracker=cfg.tracker, sampler=cfg.sampler, advantage=cfg.advantage,
+                              keep_history=False, seed=seed, **values, **cfg.method.orchestrator_fields())
 
 
 def pack_row_multiple(cfg) -> int:
@@ -273,14 +178,19 @@ def build_rollout_servers(cfg, run_dir: Path, agent: AgentConfig, launcher_facto
 
     if cfg.rollout.engine != "vllm_server":
         return None
-    servers = knobs(cfg, SERVERS_KNOBS)
+    s = cfg.rollout.servers
+    servers = dict(capacity=s.capacity, health_interval_s=s.health_interval_s, outage_wait_s=s.outage_wait_s,
+                   weights_transport=s.weights_transport)
     urls = () if cfg.rollout.server_urls is None else parse_server_urls(cfg.rollout.server_urls)
     launch = None
     if not urls:
-        launch_knobs = knobs(cfg, SERVER_LAUNCH_KNOBS)
-        launch_knobs["extra_args"] = tuple(shlex.split(launch_knobs["extra_args"]))
-        launch = ServerLaunchConfig(host="127.0.0.1", capacity=servers["capacity"],
-                                    max_model_len=agent.max_total_tokens, **launch_knobs)
+        n = s.launch
+        launch = ServerLaunchConfig(host="127.0.0.1", capacity=s.capacity, max_model_len=agent.max_total_tokens,
+                                    count=n.count, gpus_per_server=n.gpus_per_server, first_gpu=n.first_gpu,
+                                    extra_args=tuple(shlex.split(n.extra_args)), max_restarts=n.max_restarts,
+                                    ready_timeout_s=n.ready_timeout_s, max_num_seqs=n.max_num_seqs,
+                                    cpu_threads=n.cpu_threads, kv_cache_gib=n.kv_cache_gib, python=s.python,
+                                    gpus=n.gpus)
     return RolloutServers(RolloutServersConfig(run_dir=str(run_dir), urls=urls, launch=launch, **servers),
                           launcher_factory=launcher_factory)
 
@@ -301,11 +211,10 @@ def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfi
         return _inprocess_engine(model, agent, orchestrator, policy_event, policy_folder, run_dir)
     from rollout_bridge.engine.jax_engine import JaxEngine
 
-    engine_knobs = knobs(cfg, ENGINE_KNOBS)
-    steps = min(engine_knobs["steps_per_call"], agent.sampling.max_new_tokens)
+    steps = min(cfg.rollout.engine_steps_per_call, agent.sampling.max_new_tokens)
     return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
                      steps_per_call=steps, policy_event=policy_event, seed=seed,
-                     prefix_reuse_across_publish=engine_knobs["prefix_reuse_across_publish"])
+                     prefix_reuse_across_publish=cfg.rollout.prefix_reuse_across_publish)
 
 
 def _inprocess_engine(model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int,
@@ -415,18 +324,3 @@ def preprocess_argv(argv: list[str]) -> list[str]:
     for preprocess in ARGV_PREPROCESSORS:
         argv = preprocess(list(argv))
     return argv
-
-
-def leaf_paths(config_class) -> list[str]:
-    """Dotted paths of every leaf field of a config dataclass (sections expanded)."""
-    import typing
-
-    out = []
-    hints = typing.get_type_hints(config_class)
-    for f in dataclasses.fields(config_class):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            out += [f"{f.name}.{leaf}" for leaf in leaf_paths(hint)]
-        else:
-            out.append(f.name)
-    return out

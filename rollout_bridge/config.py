@@ -24,13 +24,16 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
+from rollout_bridge.agent import EpisodeLimits
+from rollout_bridge.engine.base import Decoding
 from rollout_bridge.envs.math_tir.sections import MathTIRSection
 from rollout_bridge.methods.base import MethodConfig, recipe
+from rollout_bridge.orchestrator import AdvantageConfig, RolloutSchedule, SamplerConfig, TrackerConfig
+from spopp_jax.learner import LossConfig, OptimConfig
 
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
-    "TrackerSection",
-    "SamplerSection", "AdvantageSection", "LossSection", "OptimSection", "RolloutSection",
+    "LossSection", "OptimSection", "RolloutSection",
     "ServersSection", "ServersLaunchSection", "NodeSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
 ]
@@ -59,7 +62,6 @@ def _check_literals(section: str, obj) -> None:
 
 
 _NUMBERS = (int, float)
-MAX_WHITEN_EPS = 1e-2   # advantage.eps: below 2% of the largest std of 0/1 rewards (0.5)
 
 
 def _refuse_booleans(number_type: type) -> None:
@@ -318,58 +320,10 @@ class EvaluationSection:
         return prior.rollouts_per_task if value is None else value
 
 
-@dataclass
-class TrackerSection:
-    """SPEC 2. `rho`: the event-time retention per policy event: the coordinate z of every
-    result, the SPO++ tracker's decay and the prior's mass 1/(1-rho). The receipt-order SPO
-    tracker's own retention is its method's (`method.rho_min` / `method.rho_max`)."""
-
-    rho: float = 0.875
-
-    def __post_init__(self):
-        _check(0.0 < self.rho < 1.0, "tracker.rho", "in (0, 1)", self.rho)
-
-
-@dataclass
-class SamplerSection:
-    """SPEC 3: weight sqrt(v(1-v) + floor) (form=inside_sqrt, SPO++) or sqrt(v(1-v)) + floor
-    (form=outside_sqrt, the SPO authors' code). `impl`: sum_tree = incremental host
-    bookkeeping, O(log tasks) per draw; dense = Gumbel top-k over all tasks per dispatch
-    round (the reference; same law)."""
-
-    form: Literal["inside_sqrt", "outside_sqrt"] = "inside_sqrt"
-    floor: float = 0.05
-    impl: Literal["sum_tree", "dense"] = "sum_tree"
-
-    def __post_init__(self):
-        _check_literals("sampler", self)
-        _check(self.floor >= 0, "sampler.floor", ">= 0", self.floor)
-
-
-@dataclass
-class AdvantageSection:
-    """SPEC 4: Ã = (A - mean) / (std + eps) under the method's measure (`method.measure`).
-    `eps` only guards a zero std: the std of 0/1 rewards is at most 0.5, so a large eps would
-    shrink every advantage toward 0 and learning with it, silently (at most MAX_WHITEN_EPS)."""
-
-    eps: float = 1e-8
-
-    def __post_init__(self):
-        _check(0.0 < self.eps <= MAX_WHITEN_EPS, "advantage.eps", f"in (0, {MAX_WHITEN_EPS}]", self.eps)
-
-
-@dataclass
-class LossSection:
-    """SPEC 5: asymmetric PPO clip [1-clip_low, 1+clip_high] and the rollout
-    importance-weight cap (the dual clip c is the method's: `method.dual_clip`).
-    `old_logp_source`: the PPO ratio's pi_old when the batch carries none: current = the
-    learner's log-probs at the step's start, rollout = the engine's log-probs
-    (spopp_jax.learner.LearnerConfig)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    is_cap: float = 2.0
-    old_logp_source: Literal["current", "rollout"] = "current"
+@dataclass(frozen=True)
+class LossSection(LossConfig):
+    """SPEC 5: the learner's loss fields (`spopp_jax.learner.LossConfig`, declared and
+    defaulted there), checked here by their config names."""
 
     def __post_init__(self):
         _check_literals("loss", self)
@@ -377,32 +331,11 @@ class LossSection:
         _positive("loss", self, "clip_high", "is_cap")
 
 
-@dataclass
-class OptimSection:
-    """AdamW (SPEC 5). The paper's lr 1e-6 is for 0.8B-2B models; the tiny CPU model of the
-    CPU jobs need much larger ones (configs/default.yaml, configs/smoke.yaml)."""
-
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.1
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: Optional[float] = 1.0
-    num_micro_batches: int = 1
-    # PPO mini-batches: each update's batch is split into this many mini-batches, one AdamW
-    # step each, all against the policy of the update's start (verl's ppo_mini_batch_size =
-    # batch_size / this); > 1 makes the clip and dual clip act. 1 = one step per update.
-    num_mini_batches: int = 4
-    # Log-probs in chunks of this many positions from the final hidden states, so no
-    # [B, T, V] logits are ever held (needed for ~150k vocabularies); null = one piece.
-    logprob_chunk_size: Optional[int] = None
-    # The LM head only at the action tokens, gathered into this fraction of each row's
-    # positions (a batch with a row of more action tokens runs it everywhere): the same
-    # log-probs, without most of the [B, T, V] logits of observation tokens; null = everywhere.
-    action_logits_fraction: Optional[float] = 0.25
-    # A step with a non-finite loss or gradient is skipped (parameters and optimizer state
-    # unchanged); this many skipped steps in a row stop the run with a message.
-    max_consecutive_skips: int = 5
+@dataclass(frozen=True)
+class OptimSection(OptimConfig):
+    """AdamW and the update's mini- / micro-batches: the learner's optimizer fields
+    (`spopp_jax.learner.OptimConfig`, declared and defaulted there; `build()` is the optax
+    transform), checked here by their config names."""
 
     def __post_init__(self):
         _positive("optim", self, "learning_rate", "num_micro_batches", "num_mini_batches", "adam_eps",
@@ -513,10 +446,12 @@ class ServersSection:
                "finite and >= 0", self.outage_wait_s)
 
 
-@dataclass
-class RolloutSection:
-    """Rollout engine, scheduling and decoding. `batch_size` trajectories per update
-    (SPEC 3), `publish_every` updates per policy event, `max_inflight` concurrent episodes,
+@dataclass(frozen=True)
+class RolloutSection(RolloutSchedule, EpisodeLimits, Decoding):
+    """Rollout engine, scheduling and decoding: the orchestrator's `RolloutSchedule`, the
+    agent's `EpisodeLimits` and the engine's `Decoding` (each field declared and defaulted
+    there) and the engine's own fields below. `batch_size` trajectories per update
+    (SPEC 3), `publish_every` updates per policy event, `max_in_flight` concurrent episodes,
     `max_in_flight_per_task` m (SPEC 2: 1; m > 1 places siblings by `sibling_rule`, see
     rollout_bridge/orchestrator.py), `max_buffered_batches`: dispatch only while
     finished-but-unconsumed plus in-flight trajectories < this x batch_size (bounds policy
@@ -532,11 +467,11 @@ class RolloutSection:
     previous turn left even when an in-flight publish came in between (those rows were
     written by older weights, as the kept cache of a request decoding through the publish
     is, SPEC 3); false: every publish forgets the rows and the next turn prefills the whole
-    conversation again. `pad_to_multiple` (a divisor of max_seq_len): learner batches are
-    [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_seq_len
+    conversation again. `pad_to_multiple` (a divisor of max_total_tokens): learner batches are
+    [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_total_tokens
     always, one compile; a smaller multiple trains short batches faster at the cost of one
     compile per width). `pack_rows`: several trajectories share a learner row (rows at most
-    max_seq_len wide, each trajectory attending only to itself): the [R, W] of least padded
+    max_total_tokens wide, each trajectory attending only to itself): the [R, W] of least padded
     area, R a multiple of optim mini- x micro-batches, so fewer padding tokens are trained
     (same loss and gradient; a few more shapes to compile; docs/PERFORMANCE.md).
     `result_delay_s` (an experiment knob; 0 = off): each finished episode is held a seeded
@@ -547,40 +482,21 @@ class RolloutSection:
     `servers.launch.count` local ones, never both)."""
 
     engine: Literal["jax", "vllm", "vllm_server"] = "jax"
-    batch_size: int = 16
-    publish_every: int = 1
-    max_inflight: int = 16
-    max_in_flight_per_task: int = 1
-    sibling_rule: Literal["balanced", "proportional"] = "balanced"
-    max_buffered_batches: int = 2
-    drain: Literal["finish", "abort", "none"] = "none"
-    max_policy_lag: int = 8
-    train_on_failed: bool = False
-    env_timeout_s: Optional[float] = 60.0
-    max_consecutive_failures: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 24
-    max_seq_len: int = 2048
     engine_steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
-    pad_to_multiple: Optional[int] = 256
-    pack_rows: bool = False
-    result_delay_s: float = 0.0
     server_urls: Optional[str] = None
     servers: ServersSection = field(default_factory=ServersSection)
 
     def __post_init__(self):
         _check_literals("rollout", self)
-        _positive("rollout", self, "batch_size", "publish_every", "max_inflight",
+        _positive("rollout", self, "batch_size", "publish_every", "max_in_flight",
                   "max_in_flight_per_task", "max_buffered_batches", "max_consecutive_failures",
-                  "temperature", "max_new_tokens", "max_seq_len", "engine_steps_per_call")
+                  "temperature", "max_new_tokens", "max_total_tokens", "engine_steps_per_call")
         if self.env_timeout_s is not None:
             _positive("rollout", self, "env_timeout_s")
         if self.pad_to_multiple is not None:
-            _check(self.pad_to_multiple > 0 and self.max_seq_len % self.pad_to_multiple == 0,
-                   "rollout.pad_to_multiple", f"null or a divisor of rollout.max_seq_len={self.max_seq_len}",
+            _check(self.pad_to_multiple > 0 and self.max_total_tokens % self.pad_to_multiple == 0,
+                   "rollout.pad_to_multiple", f"null or a divisor of rollout.max_total_tokens={self.max_total_tokens}",
                    self.pad_to_multiple)
         _check(self.max_policy_lag >= 0, "rollout.max_policy_lag", ">= 0", self.max_policy_lag)
         _check(math.isfinite(self.result_delay_s) and self.result_delay_s >= 0, "rollout.result_delay_s",
@@ -597,8 +513,8 @@ class RolloutSection:
                    self.servers.launch.count)
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "-1 or > 0", self.top_k)
-        _check(self.max_new_tokens < self.max_seq_len, "rollout.max_new_tokens",
-               f"< rollout.max_seq_len={self.max_seq_len}", self.max_new_tokens)
+        _check(self.max_new_tokens < self.max_total_tokens, "rollout.max_new_tokens",
+               f"< rollout.max_total_tokens={self.max_total_tokens}", self.max_new_tokens)
 
 
 @dataclass
@@ -661,9 +577,9 @@ class TrainConfig:
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
     prior: PriorSection = field(default_factory=PriorSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
-    tracker: TrackerSection = field(default_factory=TrackerSection)
-    sampler: SamplerSection = field(default_factory=SamplerSection)
-    advantage: AdvantageSection = field(default_factory=AdvantageSection)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossSection = field(default_factory=LossSection)
     optim: OptimSection = field(default_factory=OptimSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)

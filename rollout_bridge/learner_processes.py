@@ -55,13 +55,13 @@ def build_sft_learner(cfg: TrainConfig, base: Path, sft_cfg):
 
 def learner_memory(cfg: TrainConfig, model_config, mesh):
     """`estimate_learner_memory` of this job's RL micro-batches: batch_size / (mini-batches x
-    micro-batches) rows of ``rollout.max_seq_len`` tokens (the widest a batch can be)."""
+    micro-batches) rows of ``rollout.max_total_tokens`` tokens (the widest a batch can be)."""
     from spopp_jax.models.memory import estimate_learner_memory
 
     o = cfg.optim
     rows = max(1, cfg.rollout.batch_size // (o.num_mini_batches * o.num_micro_batches))
     return estimate_learner_memory(
-        model_config, rows=rows, time=cfg.rollout.max_seq_len, param_dtype=cfg.model.param_dtype,
+        model_config, rows=rows, time=cfg.rollout.max_total_tokens, param_dtype=cfg.model.param_dtype,
         compute_dtype=cfg.model.compute_dtype, remat=cfg.model.remat, num_micro_batches=o.num_micro_batches,
         logprob_chunk_size=o.logprob_chunk_size, **{axis: mesh.shape[axis] for axis in ("data", "fsdp", "tensor")})
 

@@ -118,7 +118,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import inspect
-from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
+from typing import Any, Awaitable, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -133,8 +133,9 @@ from rollout_bridge.methods.single_stream import (SIBLING_RULES, TASK_SAMPLERS, 
                                                   sample_dispatch_tasks)
 from rollout_bridge.trajectory import DispatchStamp, Trajectory, pack_train_batch
 from spopp_jax import tracker
+from spopp_jax.sampling import FORMS as SAMPLER_FORMS
 
-__all__ = ["OrchestratorConfig", "Orchestrator", "UpdateRecord", "LearnerInput", "LearnerOutput", "DroppedGroup",
+__all__ = ["OrchestratorConfig", "RolloutSchedule", "TrackerConfig", "SamplerConfig", "AdvantageConfig", "Orchestrator", "UpdateRecord", "LearnerInput", "LearnerOutput", "DroppedGroup",
            "free_slot_mask", "sample_dispatch_tasks", "METHODS", "DRAINS", "MEASURES", "SIBLING_RULES"]
 
 METHODS = methods.names()
@@ -145,46 +146,115 @@ _COUNTERS = ("policy_event", "updates", "dispatched", "consumed", "failed", "abo
              "out_of_event_order", "newest_received_event")
 
 
-@dataclasses.dataclass(frozen=True)
-class OrchestratorConfig:
-    """Orchestration knobs (SPEC 2-4, 6 defaults). Every constant is configurable."""
+def _from(source: str, default: Any) -> Any:
+    """A field the build sets from ``source`` (not a run-config field of its own)."""
+    return dataclasses.field(default=default, metadata={"from": source})
 
-    method: str = "spopp"  # a registered method (rollout_bridge.methods.names())
-    measure: str = "token"  # whitening measure, SPEC 4
-    whiten_eps: float = 1e-8  # Ã = (A − μ)/(σ + eps), SPEC 4
-    batch_size: int = 128  # N trajectories per update
-    publish_every: int = 1  # K: publish after every K updates
-    drain: str = "finish"  # "finish" | "abort" | "none" (in-flight publish, SPEC 3)
-    max_policy_lag: int = 8  # abort requests in flight whose lag exceeds this (module docstring)
-    max_in_flight: int = 128  # concurrent trajectories
-    max_in_flight_per_task: int = 1  # m; SPEC 2 experiments: 1 (see the module docstring)
-    sibling_rule: str = "balanced"  # m > 1: "balanced" | "proportional" (module docstring)
-    max_buffered_batches: int = 2  # dispatch only while ready + in-flight < this x batch_size
-    group_size: int = 8  # GRPO / RLOO G
+
+METHOD_RECIPE = "method (the method section's recipe: MethodConfig.orchestrator_fields)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackerConfig:
+    """SPEC 2 (the run config's ``tracker`` section). ``rho``: the event-time retention per
+    policy event: the coordinate z of every result, the SPO++ tracker's decay and the
+    prior's mass 1/(1-rho). The receipt-order SPO tracker's own retention is its method's
+    (``method.rho_min`` / ``method.rho_max``)."""
+
     rho: float = 0.875
-    z0: float = 0.0
-    sampler_form: str = "inside_sqrt"  # SPO++ sqrt(v(1-v)+floor); "outside_sqrt": SPO's sqrt(v(1-v))+floor
-    sampler_floor: float = 0.05
-    task_sampler: str = "sum_tree"  # "sum_tree" (O(log n) per draw) | "dense" (Gumbel top-k over all tasks)
-    spo_d_half: float = 0.06
-    spo_rho_min: float = 0.875
-    spo_rho_max: float = 0.96
+
+    def __post_init__(self):
+        if not 0.0 < self.rho < 1.0:
+            raise ValueError(f"tracker.rho must be in (0, 1), got {self.rho!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """SPEC 3 (the run config's ``sampler`` section): weight sqrt(v(1-v) + floor)
+    (form=inside_sqrt, SPO++) or sqrt(v(1-v)) + floor (form=outside_sqrt, the SPO authors'
+    code). ``impl``: sum_tree = incremental host bookkeeping, O(log tasks) per draw; dense =
+    Gumbel top-k over all tasks per dispatch round (the reference; same law)."""
+
+    form: Literal["inside_sqrt", "outside_sqrt"] = "inside_sqrt"
+    floor: float = 0.05
+    impl: Literal["sum_tree", "dense"] = "sum_tree"
+
+    def __post_init__(self):
+        for name, allowed in (("form", SAMPLER_FORMS), ("impl", TASK_SAMPLERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"sampler.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if not self.floor >= 0:
+            raise ValueError(f"sampler.floor must be >= 0, got {self.floor!r}")
+
+
+MAX_WHITEN_EPS = 1e-2   # below 2% of the largest std of 0/1 rewards (0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """SPEC 4 (the run config's ``advantage`` section): Ã = (A - mean) / (std + whiten_eps)
+    under the method's measure (``method.measure``). ``whiten_eps`` only guards a zero std:
+    the std of 0/1 rewards is at most 0.5, so a large eps would shrink every advantage toward
+    0 and learning with it, silently (at most MAX_WHITEN_EPS)."""
+
+    whiten_eps: float = 1e-8
+
+    def __post_init__(self):
+        if not 0.0 < self.whiten_eps <= MAX_WHITEN_EPS:
+            raise ValueError(f"advantage.whiten_eps must be in (0, {MAX_WHITEN_EPS}], got {self.whiten_eps!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSchedule:
+    """How rollouts are scheduled and batched (SPEC 2-3): the orchestrator's fields of the
+    run config's ``rollout`` section (`rollout_bridge.config.RolloutSection` extends this
+    class; its docstring explains each field). Defaults are the main job's."""
+
+    batch_size: int = 16  # N trajectories per update
+    publish_every: int = 1  # K: publish after every K updates
+    drain: Literal["finish", "abort", "none"] = "none"  # "none": in-flight publish (SPEC 3)
+    max_policy_lag: int = 8  # abort requests in flight whose lag exceeds this (module docstring)
+    max_in_flight: int = 16  # concurrent trajectories
+    max_in_flight_per_task: int = 1  # m; SPEC 2 experiments: 1 (see the module docstring)
+    sibling_rule: Literal["balanced", "proportional"] = "balanced"  # m > 1 (module docstring)
+    max_buffered_batches: int = 2  # dispatch only while ready + in-flight < this x batch_size
     train_on_failed: bool = False
     max_consecutive_failures: int = 256  # a broken engine/env stops the run instead of spinning
-    pad_to_multiple: int = 64
+    # learner batches [B, T], T a multiple of this; None (run config only): the agent's
+    # max_total_tokens, set by the build (every batch the widest: one compile)
+    pad_to_multiple: Optional[int] = 256
     pack_rows: bool = False  # several trajectories per learner row, rows <= agent max_total_tokens wide
-    pack_row_multiple: int = 1  # packed rows: a multiple of this (the learner's mini- x micro-batches)
-    keep_history: bool = True  # keep every event / record in memory (tests, analysis); False for long runs
-    tune_gc: bool = True  # process-wide gc.freeze + young threshold at the first run (docstring, "Host cost")
     result_delay_s: float = 0.0  # hold each finished result U(0, this) seconds before receipt (docstring); 0: off
-    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OrchestratorConfig(RolloutSchedule):
+    """Orchestration knobs (SPEC 2-4, 6): the rollout schedule, the tracker, sampler and
+    advantage sections, the method's fields and what the build sets (``metadata["from"]``)."""
+
+    tracker: TrackerConfig = dataclasses.field(default_factory=TrackerConfig)
+    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    method: str = _from(METHOD_RECIPE, "spopp")  # a registered method (rollout_bridge.methods.names())
+    measure: str = _from(METHOD_RECIPE, "token")  # whitening measure, SPEC 4
+    group_size: int = _from(METHOD_RECIPE, 8)  # GRPO / RLOO G
+    spo_d_half: float = _from(METHOD_RECIPE, 0.06)
+    spo_rho_min: float = _from(METHOD_RECIPE, 0.875)
+    spo_rho_max: float = _from(METHOD_RECIPE, 0.96)
+    z0: float = _from("0: the prior's coordinate (SPEC 2)", 0.0)
+    # packed rows: a multiple of this (the learner's mini- x micro-batches)
+    pack_row_multiple: int = _from("optim: components.pack_row_multiple (mini- x micro-batches)", 1)
+    # keep every event / record in memory (tests, analysis); train.py: False, records stream to the sinks
+    keep_history: bool = _from("False in train.py: bounded memory, records stream to the metric sinks", True)
+    # process-wide gc.freeze + young threshold at the first run (docstring, "Host cost")
+    tune_gc: bool = _from("True in train.py: the whole process is its to tune", True)
+    seed: int = _from("seed", 0)  # the job seed
 
     def __post_init__(self):
         for name, value, allowed in (
             ("drain", self.drain, DRAINS),
             ("measure", self.measure, MEASURES),
             ("sibling_rule", self.sibling_rule, SIBLING_RULES),
-            ("task_sampler", self.task_sampler, TASK_SAMPLERS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -194,6 +264,9 @@ class OrchestratorConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
+        if self.pad_to_multiple is None or self.pad_to_multiple < 1:
+            raise ValueError(f"pad_to_multiple must be >= 1, got {self.pad_to_multiple} (the run config's null "
+                             "is resolved to the agent's max_total_tokens by its build)")
         if self.pack_row_multiple < 1:
             raise ValueError(f"pack_row_multiple must be >= 1, got {self.pack_row_multiple}")
         if not (self.result_delay_s >= 0.0 and np.isfinite(self.result_delay_s)):
@@ -421,7 +494,7 @@ class Orchestrator:
         float32 operations on the host (bit-identical, no JAX dispatch per publish)."""
         if policy_event not in self._z_cache:
             if self._z_step is None:
-                self._z_step = np.float32(tracker.policy_coordinate(1, self.config.rho, 0.0))
+                self._z_step = np.float32(tracker.policy_coordinate(1, self.config.tracker.rho, 0.0))
             z = np.float32(self.config.z0) + np.float32(policy_event) * self._z_step
             self._z_cache[policy_event] = float(z)
         return self._z_cache[policy_event]
@@ -537,7 +610,7 @@ class Orchestrator:
         del self._ready[:n]
         lengths = baselines.action_lengths(trajectories)
         raw = self.method.advantages(trajectories)
-        whitened = baselines.whiten(raw, lengths, self.config.measure, self.config.whiten_eps)
+        whitened = baselines.whiten(raw, lengths, self.config.measure, self.config.advantage.whiten_eps)
         batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple,
                                  pack_width=self._pack_width, row_multiple=self.config.pack_row_multiple)
         learner_input = LearnerInput(batch, trajectories, self.method.learner_extras(trajectories))

@@ -65,7 +65,7 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
     successes, trials = asyncio.run(rollouts())
     if not np.asarray(trials).sum():  # a prior of no evidence would be saved as success NaN and reused
         raise UserError(f"prior: none of the {n * env.num_tasks} episodes finished, so no prior was written "
-                        f"(a prompt longer than rollout.max_seq_len={cfg.rollout.max_seq_len}, or an env that fails "
+                        f"(a prompt longer than rollout.max_total_tokens={cfg.rollout.max_total_tokens}, or an env that fails "
                         "every episode?)", "config error")
     mass = cfg.prior.mass if cfg.prior.mass is not None else 1.0 / (1.0 - rho)
     record = prior_record(successes, trials, mass)

@@ -128,7 +128,20 @@ RENAMED = {
     "tracker.spo_rho_min": "method.rho_min (with --method spo)",
     "tracker.spo_rho_max": "method.rho_max (with --method spo)",
     "rollout.group_size": "method.group_size (with --method grpo or rloo)",
+    "rollout.max_inflight": "rollout.max_in_flight",
+    "rollout.max_seq_len": "rollout.max_total_tokens",
+    "advantage.eps": "advantage.whiten_eps",
 }
+
+
+def check_renamed_flags(argv: Sequence[str]) -> None:
+    """UserError naming the new name of a renamed setting given on the command line
+    (``--rollout.max_inflight 8``), instead of argparse's bare "unrecognized arguments"."""
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0]
+            if name in RENAMED:
+                raise UserError(f"--{name} was renamed to --{RENAMED[name]}", "config error")
 
 
 def _valid_names(config_class: type, section: str | None) -> list[str]:

@@ -68,6 +68,10 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 # resumed run may change it), and env.blind_control, a finished run read for the report only.
 UNKEYED_FIELDS = {"rollout": ("servers", "prefix_reuse_across_publish", "pack_rows"), "prior": ("cache_dir",),
                   "env": ("blind_control",), "model": ("remat",)}
+# Fields renamed after keys were first written are keyed under their first names, so the
+# records (priors, evaluation caches, checkpoints) written before the rename stay valid.
+KEYED_AS = {"rollout": {"max_in_flight": "max_inflight", "max_total_tokens": "max_seq_len"},
+            "advantage": {"whiten_eps": "eps"}}
 
 
 def stage_key(cfg, *sections: str) -> dict:
@@ -86,6 +90,10 @@ def stage_key(cfg, *sections: str) -> dict:
     for name, fields in UNKEYED_FIELDS.items():
         for field in fields:
             key.get(name, {}).pop(field, None)
+    for name, renamed in KEYED_AS.items():
+        for field, first_name in renamed.items():
+            if field in key.get(name, {}):
+                key[name][first_name] = key[name].pop(field)
     if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
         key["warmstart"].pop("group_by_length", None)
     if "env" in key and not cfg.env.rename_episodes:

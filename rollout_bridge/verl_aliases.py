@@ -106,9 +106,9 @@ ALIASES: tuple[Alias, ...] = (
     Alias("data.max_response_length",
           differs="verl bounds the whole response; we bound each turn "
                   "(--rollout.max_new_tokens) and the whole trajectory, prompt and every "
-                  "turn included (--rollout.max_seq_len)"),
+                  "turn included (--rollout.max_total_tokens)"),
     Alias("data.max_prompt_length",
-          differs="we have no separate prompt bound: --rollout.max_seq_len bounds prompt "
+          differs="we have no separate prompt bound: --rollout.max_total_tokens bounds prompt "
                   "plus all turns"),
     Alias("actor_rollout_ref.actor.optim.lr", ("optim.learning_rate",)),
     Alias("actor_rollout_ref.actor.optim.weight_decay", ("optim.weight_decay",)),

@@ -45,8 +45,8 @@ SMOKE_FLAGS = [
     "--env.max_feedback_chars", "40", "--model.tiny_vocab_size", "400", "--model.tiny_hidden_size", "32",
     "--model.tiny_intermediate_size", "64", "--model.tiny_num_layers", "1", "--model.tiny_num_heads", "2",
     "--model.tiny_num_kv_heads", "1", "--warmstart.epochs", "1", "--warmstart.batch_size", "4",
-    "--prior.rollouts_per_task", "1", "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
-    "--rollout.max_new_tokens", "4", "--rollout.max_seq_len", "384", "--progress", "false",
+    "--prior.rollouts_per_task", "1", "--rollout.batch_size", "4", "--rollout.max_in_flight", "4",
+    "--rollout.max_new_tokens", "4", "--rollout.max_total_tokens", "384", "--progress", "false",
     "--tensorboard", "false",
 ]
 

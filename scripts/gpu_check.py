@@ -150,7 +150,7 @@ class TimedLearner:
 
         from spopp_jax import learner as learner_lib
 
-        config = learner_lib.LearnerConfig(learning_rate=lr)
+        config = learner_lib.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=lr)
         self.model_def, self.state = learner_lib.init_train_state(model, config)
         self.train_step = learner_lib.make_train_step(self.model_def, config)
         self.jax = jax
@@ -277,7 +277,8 @@ async def run(args) -> dict:
     orchestrator = Orchestrator(
         engine, lambda: SyntheticEnv(num_tasks=args.num_tasks, max_turns=2, max_filler=6), chat, learner,
         args.num_tasks,
-        OrchestratorConfig(batch_size=args.batch, max_in_flight=args.slots, pad_to_multiple=64, seed=args.seed),
+        OrchestratorConfig(batch_size=args.batch, max_in_flight=args.slots, pad_to_multiple=64, seed=args.seed,
+                           drain="finish"),
         AgentConfig(max_turns=2, max_total_tokens=args.max_len,
                     sampling=SamplingParams(max_new_tokens=args.max_new_tokens)),
         # Offline prior with varied success counts: baselines, hence advantages and the

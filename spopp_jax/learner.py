@@ -41,6 +41,8 @@ from spopp_jax.losses import combine_loss_metrics, loss_metric_means, policy_los
 from spopp_jax.pytree_paths import path_parts
 
 __all__ = [
+    "OptimConfig",
+    "LossConfig",
     "LearnerConfig",
     "TrainBatch",
     "TrainState",
@@ -70,13 +72,11 @@ Params = Any  # nested dict of arrays (nnx.to_pure_dict of the model's nnx.Param
 
 
 @dataclasses.dataclass(frozen=True)
-class LearnerConfig:
-    """Hyper-parameters of the learner step (SPEC 5 / 6 defaults).
+class OptimConfig:
+    """AdamW and how one update's batch is stepped (SPEC 5): the run config's ``optim``
+    section. The paper's lr 1e-6 is for 0.8B-2B models; the default is the main job's
+    (a tiny model on CPU, configs/default.yaml).
 
-    ``old_logp_source`` says what the PPO ratio is taken against when the batch carries no
-    ``old_logp``: ``"current"`` = the learner's own log-probs at the step's starting params,
-    without gradient (identical to a recomputed old policy for 1 epoch; no extra forward),
-    ``"rollout"`` = the engine's ``rollout_logp`` (then the IS weight is 1).
     ``num_micro_batches``: gradient accumulation; micro-batch m holds rows m, m+M, m+2M, ...
     (strided, so a batch sharded by rows stays local).
     ``num_mini_batches`` = K: PPO mini-batches (verl's ``ppo_mini_batch_size`` = B/K). The
@@ -85,10 +85,10 @@ class LearnerConfig:
     leaves 1 from mini-batch 2 on and the clip / dual clip act). Mini-batch k holds rows
     k, k+K, k+2K, ...; its micro-batch m holds its rows m, m+M, ..., i.e. batch rows
     k + K·m + K·M·i (see `split_mini_batches`). B must be divisible by K·M. K = 1 is the
-    single-step learner, unchanged. ``max_grad_norm=None`` disables
-    clipping. ``logprob_chunk_size``: None = log-probs from the full [B, T, V] logits;
-    an int C = the LM head and logsumexp run over C positions at a time (rematerialised in
-    the backward pass), so at most [B, C, V] logits are live (`chunked_token_logprobs`).
+    single-step learner. ``max_grad_norm=None`` disables clipping.
+    ``logprob_chunk_size``: None = log-probs from the full [B, T, V] logits; an int C = the
+    LM head and logsumexp run over C positions at a time (rematerialised in the backward
+    pass), so at most [B, C, V] logits are live (`chunked_token_logprobs`).
     ``action_logits_fraction``: None = the LM head runs at every position; f = only at the
     action tokens, gathered into ceil(f·T) positions per row (`action_token_logprobs`: the
     loss reads no other log-prob; a batch with a row of more action tokens than that runs
@@ -99,21 +99,16 @@ class LearnerConfig:
     that many train steps in a row skipped for a non-finite loss, gradient or updated parameters.
     """
 
-    learning_rate: float = 1e-6
+    learning_rate: float = 1e-4
     weight_decay: float = 0.1
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
     num_micro_batches: int = 1
-    num_mini_batches: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 2.0
-    is_cap: float = 2.0
-    old_logp_source: Literal["current", "rollout"] = "current"
+    num_mini_batches: int = 4
     logprob_chunk_size: int | None = None
-    action_logits_fraction: float | None = None
+    action_logits_fraction: float | None = 0.25
     max_consecutive_skips: int = 5
 
     def __post_init__(self):
@@ -135,16 +130,68 @@ class LearnerConfig:
             )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        if self.old_logp_source not in ("current", "rollout"):
-            raise ValueError(
-                f"old_logp_source must be 'current' or 'rollout', got {self.old_logp_source!r}"
-            )
         if not (isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1):
             raise ValueError(
                 f"max_consecutive_skips must be an int >= 1, got {self.max_consecutive_skips!r}"
             )
         if not self.learning_rate >= 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+
+    def build(self) -> optax.GradientTransformation:
+        """Global-norm clipping (optional) then AdamW."""
+        adamw = optax.adamw(
+            self.learning_rate,
+            b1=self.adam_b1,
+            b2=self.adam_b2,
+            eps=self.adam_eps,
+            weight_decay=self.weight_decay,
+        )
+        if self.max_grad_norm is None:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """SPEC 5's clipped policy loss: the asymmetric PPO clip [1-clip_low, 1+clip_high] and
+    the rollout importance-weight cap (the run config's ``loss`` section; the dual clip c is
+    the method's recipe). ``old_logp_source`` says what the PPO ratio is taken against when
+    the batch carries no ``old_logp``: ``"current"`` = the learner's own log-probs at the
+    step's starting params, without gradient (identical to a recomputed old policy for 1
+    epoch; no extra forward), ``"rollout"`` = the engine's ``rollout_logp`` (then the IS
+    weight is 1)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_cap: float = 2.0
+    old_logp_source: Literal["current", "rollout"] = "current"
+
+    def __post_init__(self):
+        if self.old_logp_source not in ("current", "rollout"):
+            raise ValueError(
+                f"old_logp_source must be 'current' or 'rollout', got {self.old_logp_source!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig(LossConfig, OptimConfig):
+    """Hyper-parameters of the learner step: the optimizer's (`OptimConfig`) and the loss's
+    (`LossConfig`) fields, each declared once there, plus the method's dual clip c (SPEC 5;
+    None = off). `from_sections` builds it from the two run-config sections."""
+
+    dual_clip: float | None = dataclasses.field(default=2.0, metadata={"from": "method.dual_clip"})
+
+    def __post_init__(self):
+        OptimConfig.__post_init__(self)
+        LossConfig.__post_init__(self)
+
+    @classmethod
+    def from_sections(cls, optim: OptimConfig, loss: LossConfig, **method_fields) -> "LearnerConfig":
+        """The learner config of an ``optim`` and a ``loss`` section (either may be a
+        subclass that only adds checks) and the method's fields (``dual_clip``)."""
+        values = {f.name: getattr(optim, f.name) for f in dataclasses.fields(OptimConfig)}
+        values.update({f.name: getattr(loss, f.name) for f in dataclasses.fields(LossConfig)})
+        return cls(**values, **method_fields)
 
 
 @flax.struct.dataclass
@@ -290,18 +337,9 @@ def frozen_weight_fraction(params: Params, learning_rate: float) -> float:
 # ----------------------------------------------------------------------------- optimizer/state
 
 
-def make_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping (optional) then AdamW (SPEC 5: lr 1e-6, weight decay 0.1)."""
-    adamw = optax.adamw(
-        config.learning_rate,
-        b1=config.adam_b1,
-        b2=config.adam_b2,
-        eps=config.adam_eps,
-        weight_decay=config.weight_decay,
-    )
-    if config.max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+    """The optimizer of ``config`` (`OptimConfig.build`: clipping, then AdamW)."""
+    return config.build()
 
 
 def init_train_state(

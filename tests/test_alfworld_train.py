@@ -29,8 +29,8 @@ def test_alfworld_job_runs_end_to_end(tmp_path):
         "--model.tiny_dir", str(tmp_path / "tiny"), "--model.tiny_vocab_size", "400",
         "--warmstart.epochs", "1", "--warmstart.batch_size", "4",
         "--prior.rollouts_per_task", "1",
-        "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
-        "--rollout.max_seq_len", "1024",
+        "--rollout.batch_size", "4", "--rollout.max_in_flight", "4",
+        "--rollout.max_total_tokens", "1024",
     ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -64,7 +64,7 @@ def test_a_blind_job_cannot_take_a_blind_control(tmp_path):
 
 
 def _tiny_textworld(tmp_path, *args):
-    return load_config(["--env.data_dir", str(games_dir(tmp_path)), "--env.num_games", "2", "--rollout.max_inflight", "2",
+    return load_config(["--env.data_dir", str(games_dir(tmp_path)), "--env.num_games", "2", "--rollout.max_in_flight", "2",
                         "--env.warmstart_games", "0", "--env.heldout_games", "0", *args],
                        config_path=SMOKE_CONFIG)
 

@@ -22,7 +22,8 @@ from spopp_jax.models import init_model
 from spopp_jax.models.testing import tiny_config
 
 MODEL_CONFIG = tiny_config("qwen3", vocab_size=128, num_hidden_layers=1)
-LEARNER_CONFIG = learner.LearnerConfig(learning_rate=1e-3, num_micro_batches=2)
+LEARNER_CONFIG = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                       learning_rate=1e-3, num_micro_batches=2)
 B, T = 4, 16
 
 

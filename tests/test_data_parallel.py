@@ -92,7 +92,7 @@ def worker(out_dir: str) -> None:
     single_params = jax.device_get(state.params)
 
     # the warm start on the same mesh: its state and batches split as the RL learner's
-    sft_cfg = learner.LearnerConfig(learning_rate=1e-3)
+    sft_cfg = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=1e-3)
     _, sft_state, sft_mesh = build_sft_learner(cfg, folder, sft_cfg)
     checks["sft_mesh"] = dict(sft_mesh.shape)
     checks["sft_embedding_shard"] = list(

@@ -196,7 +196,7 @@ def test_drain_none_needs_an_inflight_engine(chat):
     world.engine.supports_inflight_publish = False
     with pytest.raises(ValueError, match="rollout.drain"):
         Orchestrator(world.engine, world.env, world.chat, FakeLearner(), 4,
-                     OrchestratorConfig(batch_size=3, max_in_flight=4, drain="none"))
+                     OrchestratorConfig(batch_size=3, max_in_flight=4, drain="none", pad_to_multiple=64))
     assert RolloutSection(drain="none").drain == "none"
     with pytest.raises(ValueError, match="rollout.max_policy_lag"):
         RolloutSection(max_policy_lag=-1)

@@ -65,7 +65,8 @@ def test_updates_end_to_end_with_jax_engine(tokenizer, method, drain, pack):
     config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     model = init_model(config, seed=0)
-    learner = JaxLearner(model, learner_lib.LearnerConfig(learning_rate=1e-3, weight_decay=0.0),
+    learner = JaxLearner(model, learner_lib.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                                          learning_rate=1e-3, weight_decay=0.0),
                          snapshot_weights=drain == "none")
     # One prefill length bucket (min_prefill_len = max_len) keeps compiles few on CPU.
     engine = jax_engine.JaxEngine(model, num_slots=8, max_len=MAX_LEN, steps_per_call=4, seed=0,

@@ -53,7 +53,7 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
 
     flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(games_dir(tmp_path)),
              "--env.num_games", "2", "--env.heldout_games", "2", "--env.warmstart_games", "0",
-             "--rollout.max_inflight", "2", "--model.tiny_dir", str(tmp_path / "tiny"),
+             "--rollout.max_in_flight", "2", "--model.tiny_dir", str(tmp_path / "tiny"),
              "--output_dir", str(tmp_path / "run"), "--progress", "false", "--prior.cache_dir", str(tmp_path / "cache")]
     cfg = load_config(flags)
     env = build_env(cfg, False, log=lambda _: None)
@@ -88,7 +88,7 @@ def test_a_job_without_held_out_games_is_refused(tmp_path):
     policy = _policy_folder(tmp_path, "a")
     flags = ["--config_path", str(ROOT / "configs" / "smoke.yaml"), "--env.data_dir", str(games_dir(tmp_path)),
              "--env.num_games", "2", "--env.heldout_games", "0", "--env.warmstart_games", "0",
-             "--rollout.max_inflight", "2",
+             "--rollout.max_in_flight", "2",
              "--output_dir", str(tmp_path / "run"), "--progress", "false"]
     with pytest.raises(SystemExit, match="has no held-out games"):
         heldout_eval.main(["--policy", policy, "--policy", policy, *flags])

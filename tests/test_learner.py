@@ -89,7 +89,8 @@ _LOSS_AND_GRAD_CACHE = {}
 def _cached_loss_and_grad(model_def, num_micro_batches, objective="policy"):
     key = (id(model_def), num_micro_batches, objective)
     if key not in _LOSS_AND_GRAD_CACHE:
-        config = learner.LearnerConfig(num_micro_batches=num_micro_batches)
+        config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
+                                       num_micro_batches=num_micro_batches)
         _LOSS_AND_GRAD_CACHE[key] = learner.make_loss_and_grad(model_def, config, objective)
     return _LOSS_AND_GRAD_CACHE[key]
 
@@ -284,7 +285,7 @@ def test_clip_and_dual_clip_config_reach_the_loss(tiny, source):
     else:
         batch = dataclasses.replace(batch, rollout_logp=jnp.asarray(old, jnp.float32))
         rollout = old
-    config = learner.LearnerConfig(
+    config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
         num_micro_batches=4,
         clip_low=0.1,
         clip_high=0.15,
@@ -313,7 +314,7 @@ def test_clip_and_dual_clip_config_reach_the_loss(tiny, source):
 def test_train_step_is_clipped_adamw_of_the_gradient(tiny):
     """One step: p' = p − lr·(m̂/(√v̂+ε) + wd·p) with g scaled by min(1, c/‖g‖) (hand-derived)."""
     model_def, params, batch, _ = tiny
-    config = learner.LearnerConfig(
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
         learning_rate=1e-2, weight_decay=0.1, max_grad_norm=1e-3, num_micro_batches=2
     )
     _, grads, _ = learner.make_loss_and_grad(model_def, config)(params, batch)
@@ -342,7 +343,7 @@ def test_train_step_is_clipped_adamw_of_the_gradient(tiny):
 
 def test_train_step_donates_state_and_keeps_training(tiny):
     model_def, _, batch, _ = tiny
-    config = learner.LearnerConfig(learning_rate=1e-3)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=1e-3)
     _, state = learner.init_train_state(init_model(tiny_config("qwen3", **TINY)), config)
     step = learner.make_train_step(model_def, config)
     first_leaf = jax.tree.leaves(state.params)[0]
@@ -362,7 +363,8 @@ def test_sft_step_is_token_mean_cross_entropy_over_action_tokens(tiny):
     model_def, params, batch, logp = tiny
     mask = np.asarray(batch.action_mask)
     expected = -logp[mask].sum() / mask.sum()
-    config = learner.LearnerConfig(learning_rate=1e-3, num_micro_batches=4)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                   learning_rate=1e-3, num_micro_batches=4)
     loss4, _, metrics = _cached_loss_and_grad(model_def, 4, "sft")(params, batch)
     np.testing.assert_allclose(float(loss4), expected, rtol=1e-5)
     assert int(metrics["tokens"]) == mask.sum()
@@ -396,7 +398,8 @@ def test_policy_and_sft_gradients_match_transformers_torch(tmp_path):
     old = np.where(mask_np, logp0 + shift, 0.0).astype(np.float32)
     rollout = np.where(mask_np, old + noise, 0.0).astype(np.float32)
     batch = dataclasses.replace(batch, old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout))
-    config = learner.LearnerConfig(num_micro_batches=2)
+    config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
+                                   num_micro_batches=2)
     loss, grads, _ = learner.make_loss_and_grad(model_def, config)(params, batch)
     sft_loss, sft_grads, _ = learner.make_loss_and_grad(model_def, config, "sft")(params, batch)
 
@@ -448,7 +451,7 @@ def test_config_and_batch_validation(tiny):
     with pytest.raises(ValueError, match="old_logp_source"):
         learner.LearnerConfig(old_logp_source="engine")
     with pytest.raises(ValueError, match="num_micro_batches=3"):
-        learner.make_loss_and_grad(model_def, learner.LearnerConfig(num_micro_batches=3))(
+        learner.make_loss_and_grad(model_def, learner.LearnerConfig(num_mini_batches=1, num_micro_batches=3))(
             params, batch
         )
     bad = dataclasses.replace(batch, advantages=batch.advantages[:, :-1])
@@ -552,7 +555,7 @@ def test_chunked_loss_and_grads_equal_full_logits(tiny, objective, num_micro_bat
     """Chunked (and chunked x micro-batched) == the unchunked single micro-batch."""
     model_def, params, batch, _ = tiny
     loss, grads, metrics = _cached_loss_and_grad(model_def, 1, objective)(params, batch)
-    config = learner.LearnerConfig(
+    config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
         num_micro_batches=num_micro_batches, logprob_chunk_size=CHUNK
     )
     c_loss, c_grads, c_metrics = learner.make_loss_and_grad(model_def, config, objective)(
@@ -570,7 +573,8 @@ def test_chunked_train_step_equals_full_logits_step(tiny, objective):
     make = learner.make_train_step if objective == "policy" else learner.make_sft_step
     results = []
     for chunk in (None, CHUNK):
-        config = learner.LearnerConfig(learning_rate=1e-3, logprob_chunk_size=chunk)
+        config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                       learning_rate=1e-3, logprob_chunk_size=chunk)
         state = learner.TrainState(
             params=copy_tree(params),
             opt_state=learner.make_optimizer(config).init(params),
@@ -694,7 +698,8 @@ def test_chunked_gradient_never_builds_full_logits():
     batch, _ = make_batch(vocab=vocab)
 
     def shapes(chunk):
-        config = learner.LearnerConfig(logprob_chunk_size=chunk)
+        config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
+                                       logprob_chunk_size=chunk)
         fn = lambda p, b: learner.loss_and_grads(model_def, p, b, config, "policy")
         found = _array_shapes(jax.make_jaxpr(fn)(params, batch).jaxpr)
         return {s for s in found if len(s) == 3 and s[-1] == vocab}

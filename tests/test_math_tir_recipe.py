@@ -50,7 +50,7 @@ def test_qwen_recipe_stops_at_the_missing_inputs(tmp_path):
 def test_tiny_job_runs_end_to_end(tmp_path):
     args = ["--config_path", str(CONFIGS / "math_tir_tiny.yaml"), "--output_dir", str(tmp_path / "run"),
             "--env.data_dir", str(tmp_path / "data"), "--model.tiny_dir", str(tmp_path / "tiny"),
-            "--steps", "2", "--checkpoint_every", "2", "--env.num_games", "16", "--rollout.max_inflight", "16",
+            "--steps", "2", "--checkpoint_every", "2", "--env.num_games", "16", "--rollout.max_in_flight", "16",
             "--env.warmstart_games", "64", "--env.heldout_games", "4", "--warmstart.epochs", "1",
             "--prior.rollouts_per_task", "1",
             "--progress", "false", "--tensorboard", "false"]

@@ -19,7 +19,7 @@ from rollout_bridge.engine.fake import run_virtual
 from rollout_bridge.methods.rloo import leave_one_out_advantages
 from rollout_bridge.methods.single_stream import SingleStreamMethod
 from rollout_bridge.methods.spopp import SpoPlusPlus
-from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig
+from rollout_bridge.orchestrator import Orchestrator, OrchestratorConfig, SamplerConfig
 from rollout_bridge.trajectory import DispatchStamp, Trajectory
 from spopp_jax import sampling, tracker
 from test_orchestrator import FakeLearner, World, chat, jeffreys, reward_table, run_orchestrator, uneven_latency  # noqa: F401
@@ -159,12 +159,14 @@ def test_rloo_advantages_hand_numbers():
     # group 5: 1 − mean(0, 0) = 1, 0 − mean(1, 0) = −0.5 (x2); group 7: 1 − 0.5 (x2), 0 − 1
     np.testing.assert_allclose(leave_one_out_advantages(trajs, 3), [1, -0.5, -0.5, 0.5, 0.5, -1], atol=1e-7)
     with pytest.raises(ValueError, match="group_size must be >= 2"):
-        OrchestratorConfig(method="rloo", group_size=1, batch_size=4, max_in_flight=4)
+        OrchestratorConfig(method="rloo", group_size=1, batch_size=4, max_in_flight=4, drain="finish",
+                           pad_to_multiple=64)
 
 
 def test_rloo_runs_in_the_orchestrator_with_grpo_groups(chat):
     world = World(chat, 6, reward_table(20), uneven_latency(20))
-    config = OrchestratorConfig(method="rloo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8)
+    config = OrchestratorConfig(method="rloo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8,
+                                drain="finish")
     orch = run_orchestrator(world, config, 3)
     for record in orch.records:
         np.testing.assert_allclose(record.raw_advantages, leave_one_out_advantages(record.trajectories, 3),
@@ -208,7 +210,7 @@ def test_a_method_added_in_one_file_is_selectable_from_the_command_line(chat, mo
     monkeypatch.setattr(MethodConfig, "_choice_registry", dict(MethodConfig._choice_registry))
     monkeypatch.setattr(MethodConfig, "_did_discover_packages", False)
     try:
-        cfg = load_config(["--method", "constant", "--rollout.batch_size", "3", "--rollout.max_inflight", "4",
+        cfg = load_config(["--method", "constant", "--rollout.batch_size", "3", "--rollout.max_in_flight", "4",
                            "--optim.num_mini_batches", "1"])
     finally:
         sys.modules.pop("rollout_bridge.methods.constant_baseline", None)
@@ -235,7 +237,7 @@ def test_resume_restores_buffered_trajectories_spo_state_and_counters(chat, tmp_
 
     # two batches may be outstanding: when run() returns, finished work waits in the buffer
     config = OrchestratorConfig(method="spo", batch_size=3, max_in_flight=5, max_buffered_batches=3,
-                                pad_to_multiple=8)
+                                pad_to_multiple=8, drain="finish")
     world = World(chat, 6, reward_table(22), uneven_latency(22))
     orch = run_orchestrator(world, config, 3, learner=FakeLearner(divergence=divergence), prior=jeffreys(6))
     assert orch.ready, "the scenario must leave finished, untrained trajectories behind"
@@ -291,9 +293,10 @@ def test_spo_divergence_ignores_the_engine_vs_learner_mismatch():
 
     model = init_model(ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8), seed=0)
-    learner_cfg = LearnerConfig(learning_rate=1e-9, weight_decay=0.0)
+    learner_cfg = LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                learning_rate=1e-9, weight_decay=0.0)
     learner = PolicyLearner(*init_train_state(model, learner_cfg), learner_cfg, pad_to_multiple=16)
-    config = OrchestratorConfig(method="spo", batch_size=4, max_in_flight=4)
+    config = OrchestratorConfig(method="spo", batch_size=4, max_in_flight=4, drain="finish", pad_to_multiple=64)
     method = Spo(config, 3, np.full(3, 0.5, np.float32), np.full(3, 0.5, np.float32))
     rng = np.random.default_rng(0)
 
@@ -330,7 +333,8 @@ def test_spo_with_a_fixed_retention_asks_the_learner_for_nothing_extra():
     from rollout_bridge.methods.base import LearnerOutput
     from rollout_bridge.methods.spo import Spo
 
-    config = OrchestratorConfig(method="spo", batch_size=3, max_in_flight=3, spo_rho_min=0.875, spo_rho_max=0.875)
+    config = OrchestratorConfig(method="spo", batch_size=3, max_in_flight=3, spo_rho_min=0.875, spo_rho_max=0.875,
+                                drain="finish", pad_to_multiple=64)
     method = Spo(config, 3, np.full(3, 0.5, np.float32), np.full(3, 0.5, np.float32))
     trajs = tuple(Trajectory(DispatchStamp(i, task, 0, 0.0, 0.5, 0.0), (1, 2, 3), (False, True, True), (0.0,) * 3, 1,
                              reward, 0.0) for i, (task, reward) in enumerate([(0, 1.0), (1, 0.0), (0, 1.0)]))
@@ -377,8 +381,8 @@ class HostEqualsJax(SpoPlusPlus):
         tasks = np.arange(self.num_tasks)
         free = self.per_task_limit - self.in_flight
         v_hat = tracker.baseline(self.shadow, tasks)
-        expected = np.asarray(sampling.uncertainty_weights(v_hat, self.config.sampler_floor,
-                                                           self.config.sampler_form)) * free
+        expected = np.asarray(sampling.uncertainty_weights(v_hat, self.config.sampler.floor,
+                                                           self.config.sampler.form)) * free
         np.testing.assert_allclose(self._weights(tasks), expected, rtol=2e-6)
         np.testing.assert_allclose([self._weight_of(int(x)) for x in tasks], expected, rtol=2e-6)
         if self.tree is not None:
@@ -396,6 +400,6 @@ def test_host_tracker_and_sampler_equal_jax_on_every_receipt_and_dispatch(chat, 
     HostEqualsJax.receipts = HostEqualsJax.dispatches = 0
     world = World(chat, 8, reward_table(5), uneven_latency(5))
     config = OrchestratorConfig(method="spopp", batch_size=4, max_in_flight=6, max_in_flight_per_task=per_task,
-                                sibling_rule=rule, task_sampler=sampler, drain="none", pad_to_multiple=8)
+                                sibling_rule=rule, sampler=SamplerConfig(impl=sampler), drain="none", pad_to_multiple=8)
     run_orchestrator(world, config, 6, prior=jeffreys(8))
     assert HostEqualsJax.receipts >= 24 and HostEqualsJax.dispatches >= 6

@@ -61,7 +61,8 @@ def fresh_state(params, config):
 # One jitted step per (config, objective), shared by the tests (compiling dominates).
 _STEPS = {}
 # The K = 2 config that several tests share.
-CONFIG = learner.LearnerConfig(learning_rate=1e-2, num_mini_batches=2, max_grad_norm=0.5)
+CONFIG = learner.LearnerConfig(action_logits_fraction=None,
+                               learning_rate=1e-2, num_mini_batches=2, max_grad_norm=0.5)
 
 
 def train_step(model_def, config, objective="policy"):
@@ -97,7 +98,7 @@ def test_one_mini_batch_is_the_plain_step_with_one_forward(tiny, monkeypatch):
     """K = 1 == loss_and_grads + clipped AdamW composed here, same metric keys, and the
     traced step runs the model exactly once (no extra old-policy forward)."""
     model_def, params, batch = tiny
-    config = learner.LearnerConfig(learning_rate=1e-2, num_mini_batches=1)
+    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-2, num_mini_batches=1)
     optimizer = learner.make_optimizer(config)
 
     @jax.jit
@@ -279,7 +280,7 @@ def twin_rows(tiny):
     )
     logp0 = compute_logprobs(model_def)(params, batch)
     batch = dataclasses.replace(batch, rollout_logp=logp0)
-    config = learner.LearnerConfig(
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
         learning_rate=0.03, weight_decay=0.0, max_grad_norm=None, old_logp_source="rollout"
     )
     state, _ = train_step(model_def, config)(fresh_state(params, config), rows(batch, slice(0, 1)))
@@ -320,10 +321,11 @@ def test_bad_mini_batch_counts_raise_clearly(tiny):
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="num_mini_batches must be an int >= 1"):
             learner.LearnerConfig(num_mini_batches=bad)
-    config = learner.LearnerConfig(num_mini_batches=3)
+    config = learner.LearnerConfig(learning_rate=1e-6, action_logits_fraction=None, num_mini_batches=3)
     with pytest.raises(ValueError, match=r"batch size 8 .*num_mini_batches=3 x num_micro"):
         learner.make_train_step(model_def, config)(fresh_state(params, config), batch)
-    config = learner.LearnerConfig(num_mini_batches=2, num_micro_batches=3)
+    config = learner.LearnerConfig(learning_rate=1e-6, action_logits_fraction=None,
+                                   num_mini_batches=2, num_micro_batches=3)
     with pytest.raises(ValueError, match="num_mini_batches=2 x num_micro_batches=3 = 6"):
         learner.make_train_step(model_def, config)(fresh_state(params, config), batch)
 

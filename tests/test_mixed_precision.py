@@ -61,7 +61,7 @@ def one_step(kind: str, precision: str):
     """(params before, params after, metrics) of one train step at lr 1e-6 with the
     rollout log-probs equal to the model's own (IS weight 1)."""
     compute, stored = PRECISIONS[precision]
-    config = learner.LearnerConfig(learning_rate=LR)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=LR)
     model = init_model(model_config(kind), seed=0, dtype=compute, param_dtype=stored)
     model_def, state = learner.init_train_state(model, config)
     batch = make_batch()

@@ -169,7 +169,7 @@ def test_m_is_reached_and_proportional_stacks_siblings_while_tasks_idle(chat):
     for rule in ("balanced", "proportional"):
         world = World(chat, 6, reward_table(21), uneven_latency(21))
         config = OrchestratorConfig(batch_size=6, max_in_flight=9, max_in_flight_per_task=3, sibling_rule=rule,
-                                    pad_to_multiple=8)
+                                    pad_to_multiple=8, drain="finish")
         orch = run_orchestrator(world, config, 6, prior=jeffreys(6))
         stats[rule] = replay(orch, *jeffreys(6), per_task=3)
         assert engine_overlap(world, chat) == stats[rule]["max_in_flight"]
@@ -196,7 +196,7 @@ def test_receipt_order_invariance_per_request_with_siblings(chat, data):
     items = num_tasks * per_task
     perms = [[tuple(data.draw(st.permutations(range(items)))) for _ in range(waves + 1)] for _ in range(2)]
     config = OrchestratorConfig(batch_size=items, max_in_flight=items, max_buffered_batches=1,
-                                max_in_flight_per_task=per_task, pad_to_multiple=8)
+                                max_in_flight_per_task=per_task, pad_to_multiple=8, drain="finish")
     prior = jeffreys(num_tasks)
     keyed = []
     for run_perms in perms:

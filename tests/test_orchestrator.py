@@ -176,7 +176,8 @@ def test_frozen_baseline_equals_visible_history_formula(chat, drain):
 
 def test_advantages_are_reward_minus_frozen_baseline_then_token_whitened(chat):
     world = World(chat, 6, reward_table(1), uneven_latency(1))
-    orch = run_orchestrator(world, OrchestratorConfig(batch_size=5, max_in_flight=6, pad_to_multiple=8), 3,
+    orch = run_orchestrator(world, OrchestratorConfig(batch_size=5, max_in_flight=6, pad_to_multiple=8,
+                                                      drain="finish"), 3,
                             prior=jeffreys(6))
     for record in orch.records:
         rewards = np.array([t.reward for t in record.trajectories])
@@ -195,7 +196,8 @@ def test_advantages_are_reward_minus_frozen_baseline_then_token_whitened(chat):
 def test_batch_reaches_learner_packed_with_whitened_advantages(chat):
     learner = FakeLearner()
     world = World(chat, 5, reward_table(2), uneven_latency(2))
-    orch = run_orchestrator(world, OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=16), 2,
+    orch = run_orchestrator(world, OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=16,
+                                                      drain="finish"), 2,
                             learner=learner)
     for learner_input, record in zip(learner.inputs, orch.records):
         batch = learner_input.batch
@@ -228,7 +230,8 @@ def test_receipt_order_invariance_end_to_end(chat, data):
     num_tasks, waves = 4, 3
     perms_a = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves + 1)]
     perms_b = [tuple(data.draw(st.permutations(range(num_tasks)))) for _ in range(waves + 1)]
-    config = OrchestratorConfig(batch_size=4, max_in_flight=4, max_buffered_batches=1, pad_to_multiple=8)
+    config = OrchestratorConfig(batch_size=4, max_in_flight=4, max_buffered_batches=1, pad_to_multiple=8,
+                                drain="finish")
     prior = jeffreys(num_tasks)
     runs = [run_orchestrator(wave_world(chat, p), config, waves, prior=prior) for p in (perms_a, perms_b)]
     baselines = []
@@ -293,7 +296,7 @@ def test_abort_drain_drops_in_flight_work_and_frees_tasks(chat):
 
 def test_policy_lag_is_event_at_consumption_minus_generating_event(chat):
     world = World(chat, 6, reward_table(5), uneven_latency(5))
-    config = OrchestratorConfig(batch_size=3, max_in_flight=6, pad_to_multiple=8)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=6, pad_to_multiple=8, drain="finish")
     orch = run_orchestrator(world, config, 5, learner=FakeLearner(latency=2.0))
     for record in orch.records:
         expected = [record.policy_event - t.policy_event for t in record.trajectories]
@@ -314,7 +317,7 @@ def test_env_fault_and_timeout_are_recorded_failures_and_run_continues(chat):
     fault = lambda task, visit: (task, visit) == (2, 0)
     env_latency = lambda task, visit: 500.0 if (task, visit) == (3, 1) else 0.0
     world = World(chat, 5, reward_table(6), uneven_latency(6), env_latency=env_latency, fault=fault)
-    config = OrchestratorConfig(batch_size=3, max_in_flight=5, pad_to_multiple=8)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=5, pad_to_multiple=8, drain="finish")
     orch = run_orchestrator(world, config, 5, agent_config=AgentConfig(env_timeout_s=10.0))
     failures = [t for k, t in orch.events if k == "receive" and t.failed]
     assert {(t.task_id, "fault" in t.error, "timed out" in t.error) for t in failures} == {
@@ -334,7 +337,8 @@ def test_grpo_group_barrier_and_group_relative_advantages(chat):
         return 40.0 if (task, visit) == (0, 1) else 1.0 + (task + visit) % 3
 
     world = World(chat, 5, lambda task, visit: (task + visit) % 2, latency)
-    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8)
+    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8,
+                                drain="finish")
     orch = run_orchestrator(world, config, 4)
     receive_index = {id(t): i for i, (k, t) in enumerate(orch.events) if k == "receive"}
     consume_index = {r.update: i for i, (k, r) in enumerate(orch.events) if k == "consume"}
@@ -415,7 +419,8 @@ def test_grpo_abort_drain_trains_whole_groups_only(chat, seed):
 
 def test_grpo_finish_drain_drops_nothing(chat):
     world = World(chat, 6, reward_table(16), uneven_latency(16))
-    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8)
+    config = OrchestratorConfig(method="grpo", group_size=3, batch_size=6, max_in_flight=9, pad_to_multiple=8,
+                                drain="finish")
     orch = run_orchestrator(world, config, 4, learner=FakeLearner(latency=2.0))
     consumed_in, dropped = replay_check_whole_groups(orch, 3)
     assert len(consumed_in) == 8 and not dropped and orch.aborted == 0
@@ -428,7 +433,7 @@ def test_grpo_failed_member_follows_train_on_failed(chat, train_on_failed):
     world = World(chat, 4, lambda task, visit: (task * 7 + visit) % 3 == 0, lambda task, visit: 1.0 + visit % 2,
                   fault=fault)
     config = OrchestratorConfig(method="grpo", group_size=3, batch_size=3, max_in_flight=6, pad_to_multiple=8,
-                                train_on_failed=train_on_failed)
+                                train_on_failed=train_on_failed, drain="finish")
     orch = run_orchestrator(world, config, 4)
     consumed_in, dropped = replay_check_whole_groups(orch, 3)
     failed_groups = {t.stamp.group_id for k, t in orch.events if k == "receive" and t.failed}
@@ -463,7 +468,7 @@ def test_spo_tracker_updates_in_arrival_order_after_the_actor_update(chat):
     learner = FakeLearner(divergence=divergence)
     world = World(chat, 5, reward_table(7), uneven_latency(7))
     prior = jeffreys(5)
-    config = OrchestratorConfig(method="spo", batch_size=3, max_in_flight=4, pad_to_multiple=8)
+    config = OrchestratorConfig(method="spo", batch_size=3, max_in_flight=4, pad_to_multiple=8, drain="finish")
     orch = run_orchestrator(world, config, 5, learner=learner, prior=prior)
     alpha, beta = [float(a) for a in prior[0]], [float(b) for b in prior[1]]
     last_seen = {}
@@ -493,7 +498,7 @@ def test_spo_tracker_updates_in_arrival_order_after_the_actor_update(chat):
 
 def test_learning_overlaps_rollouts(chat):
     world = World(chat, 6, reward_table(8), lambda task, visit: 1.0 + task % 3)
-    config = OrchestratorConfig(batch_size=3, max_in_flight=6, pad_to_multiple=8)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=6, pad_to_multiple=8, drain="finish")
     orch = run_orchestrator(world, config, 3, learner=FakeLearner(latency=5.0))
     record = orch.records[0]
     during = [t for k, t in orch.events if k == "receive" and record.start_time < t.finish_time < record.end_time]
@@ -510,7 +515,7 @@ def test_sync_learner_runs_in_a_thread_on_a_real_loop(chat):
         return LearnerOutput(weights="w", metrics={})
 
     world = World(chat, 4, reward_table(9), lambda task, visit: 0.001 * (1 + task))
-    config = OrchestratorConfig(batch_size=2, max_in_flight=3, pad_to_multiple=8)
+    config = OrchestratorConfig(batch_size=2, max_in_flight=3, pad_to_multiple=8, drain="finish")
 
     async def main():
         orch = Orchestrator(world.engine, world.env, chat, learner, 4, config)
@@ -526,11 +531,13 @@ def test_sync_learner_runs_in_a_thread_on_a_real_loop(chat):
 
 def test_state_dict_round_trip_restores_tracker_key_and_counters(chat):
     world = World(chat, 5, reward_table(10), uneven_latency(10))
-    orch = run_orchestrator(world, OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=8), 2)
+    orch = run_orchestrator(world, OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=8,
+                                                      drain="finish"), 2)
     state = orch.state_dict()
     fresh_world = World(chat, 5, reward_table(10), uneven_latency(10))
     fresh = Orchestrator(fresh_world.engine, fresh_world.env, chat, FakeLearner(), 5,
-                         OrchestratorConfig(batch_size=3, seed=99))
+                         OrchestratorConfig(batch_size=3, seed=99, max_in_flight=128, drain="finish",
+                                            pad_to_multiple=64))
     fresh.load_state_dict(state)
     for name in ("policy_event", "updates", "dispatched", "consumed", "failed", "aborted"):
         assert getattr(fresh, name) == getattr(orch, name)
@@ -553,7 +560,8 @@ def test_packed_rows_need_a_row_width_in_steps_of_pad_to_multiple(chat):
     world = World(chat, 4, reward_table(4), lambda task, visit: 0.0)
     with pytest.raises(ValueError, match="pack_rows: rows of max_total_tokens=40"):
         Orchestrator(world.engine, world.env, world.chat, FakeLearner(), 4,
-                     OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=16, pack_rows=True),
+                     OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=16, pack_rows=True,
+                                        drain="finish"),
                      AgentConfig(max_total_tokens=40))
     with pytest.raises(ValueError, match="pack_row_multiple"):
         OrchestratorConfig(pack_rows=True, pack_row_multiple=0)
@@ -561,7 +569,8 @@ def test_packed_rows_need_a_row_width_in_steps_of_pad_to_multiple(chat):
 
 def test_a_broken_environment_stops_the_run_instead_of_spinning(chat):
     world = World(chat, 4, reward_table(11), uneven_latency(11), fault=lambda task, visit: True)
-    config = OrchestratorConfig(batch_size=2, max_in_flight=3, max_consecutive_failures=12, pad_to_multiple=8)
+    config = OrchestratorConfig(batch_size=2, max_in_flight=3, max_consecutive_failures=12, pad_to_multiple=8,
+                                drain="finish")
     with pytest.raises(RuntimeError, match="12 consecutive failed trajectories; last error: RuntimeError: scripted"):
         run_orchestrator(world, config, 1)
 
@@ -644,7 +653,7 @@ def test_state_survives_an_orbax_checkpoint_and_the_run_resumes(chat, tmp_path):
     from spopp_jax.checkpoint import Checkpointer
 
     world = World(chat, 5, reward_table(12), uneven_latency(12))
-    config = OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=8)
+    config = OrchestratorConfig(batch_size=3, max_in_flight=4, pad_to_multiple=8, drain="finish")
     orch = run_orchestrator(world, config, 2, prior=jeffreys(5))
     with Checkpointer(tmp_path / "ckpt") as checkpointer:
         checkpointer.save(2, {"dummy": np.zeros(2, np.float32)}, extras={"orchestrator": orch.state_dict()})

@@ -28,7 +28,7 @@ def test_a_long_run_keeps_a_bounded_number_of_trajectories(chat):
                   lambda task, visit: 1.0 + (task * 7 + visit) % 5)
     world.engine = FakeEngine(world.script, keep_records=False)
     config = OrchestratorConfig(method="spo", batch_size=BATCH, max_in_flight=SLOTS, max_buffered_batches=2,
-                                pad_to_multiple=8, keep_history=False)
+                                pad_to_multiple=8, keep_history=False, drain="finish")
     learner = _ForgetfulLearner()
     orch = Orchestrator(world.engine, world.env, chat, learner, TASKS, config)
     counts = []
@@ -72,7 +72,7 @@ def test_garbage_collector_tuning_follows_tune_gc(chat, monkeypatch):
         monkeypatch.setattr(orchestrator_module, "_tune_garbage_collector", lambda: calls.append(1))
         world = World(chat, TASKS, lambda task, visit: task % 2, lambda task, visit: 1.0)
         config = OrchestratorConfig(method="spopp", batch_size=BATCH, max_in_flight=SLOTS,
-                                    pad_to_multiple=8, tune_gc=tune_gc)
+                                    pad_to_multiple=8, tune_gc=tune_gc, drain="finish")
         orch = Orchestrator(world.engine, world.env, chat, FakeLearner(), TASKS, config)
 
         async def main():

@@ -97,7 +97,8 @@ def test_packed_arrays_hold_each_trajectory_contiguously_with_its_id():
 @pytest.fixture(scope="module")
 def tiny_learner():
     model = init_model(tiny_config(vocab_size=64), seed=3)
-    config = learner.LearnerConfig(learning_rate=1e-3, weight_decay=0.0)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                   learning_rate=1e-3, weight_decay=0.0)
     model_def, state = learner.init_train_state(model, config)
     rng = np.random.default_rng(5)
     trajs = [_trajectory(rng, int(p), int(r), i) for i, (p, r) in
@@ -112,7 +113,7 @@ def test_packed_batch_gives_the_same_logprobs_loss_and_gradient(tiny_learner, ji
     plain = pack_train_batch(trajs, advantages, pad_to_multiple=8)
     packed = pack_train_batch(trajs, advantages, pad_to_multiple=8, pack_width=32, row_multiple=2)
     assert packed.input_ids.shape[0] < plain.input_ids.shape[0]
-    config = learner.LearnerConfig()
+    config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None)
     maybe_jit = jax.jit if jit else (lambda f: f)
 
     def logprobs(batch):
@@ -146,7 +147,7 @@ def test_packed_batch_trains_with_ppo_mini_batches(tiny_learner):
     """K = 2 mini-batches of packed rows: every action token is trained exactly once
     (the token count equals the unpacked batch's) and the step is finite."""
     model_def, state, trajs, advantages = tiny_learner
-    config = learner.LearnerConfig(learning_rate=1e-3, num_mini_batches=2)
+    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-3, num_mini_batches=2)
     _, fresh = learner.init_train_state(model_def.merge(state.params), config)
     packed = pack_train_batch(trajs, advantages, pad_to_multiple=8, pack_width=32, row_multiple=2)
     step = learner.make_train_step(model_def, config)

@@ -397,7 +397,8 @@ def test_learner_chunked_logprobs_and_remat_work_with_the_hybrid(checkpoints):
     results = []
     for remat, chunk in ((False, None), (True, 8)):
         model_def, params = learner.split_model(load_ours(folder, remat=remat))
-        config = learner.LearnerConfig(num_micro_batches=2, logprob_chunk_size=chunk)
+        config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
+                                       num_micro_batches=2, logprob_chunk_size=chunk)
         results.append(learner.make_loss_and_grad(model_def, config)(params, batch))
     (loss, grads, _), (c_loss, c_grads, _) = results
     np.testing.assert_allclose(float(c_loss), float(loss), rtol=1e-5)

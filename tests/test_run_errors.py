@@ -127,12 +127,25 @@ def test_config_from_another_version_names_file_fields_and_closest(tmp_path):
     ("advantage:\n  measure: trajectory\n", "advantage.measure", "method.measure"),
     ("loss:\n  dual_clip: 10.0\n", "loss.dual_clip", "method.dual_clip"),
     ("tracker:\n  spo_rho_min: 0.9\n", "tracker.spo_rho_min", "method.rho_min"),
+    ("rollout:\n  max_inflight: 8\n", "rollout.max_inflight", "rollout.max_in_flight"),
+    ("rollout:\n  max_seq_len: 512\n", "rollout.max_seq_len", "rollout.max_total_tokens"),
+    ("advantage:\n  eps: 1.0e-6\n", "advantage.eps", "advantage.whiten_eps"),
 ])
 def test_a_renamed_setting_names_its_new_name(tmp_path, yaml_text, old, new):
     """A config written before a rename is told the new name, not the closest spelling
     (difflib pointed model.dtype at model.param_dtype, the master weights' dtype)."""
     line = unknown_fields_line(_draccus_message(tmp_path, yaml_text), "old.yaml", TrainConfig)
     assert f"{old} was renamed to {new}" in line, line
+
+
+@pytest.mark.parametrize("flag, new", [("--rollout.max_inflight", "--rollout.max_in_flight"),
+                                       ("--rollout.max_seq_len=512", "--rollout.max_total_tokens"),
+                                       ("--advantage.eps", "--advantage.whiten_eps")])
+def test_a_renamed_flag_names_its_new_name(flag, new):
+    import train
+
+    with pytest.raises(UserError, match=f"was renamed to {new}"):
+        train.parse_config([flag, "8"] if "=" not in flag else [flag])
 
 
 def test_quiet_drops_only_the_torch_notice():

@@ -26,7 +26,8 @@ NUM_STEPS = 2
 
 def build_case():
     """A tiny model, its TrainState and a fixed batch of 8 rows with unequal action counts."""
-    config = learner.LearnerConfig(learning_rate=1e-3, num_micro_batches=2)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                   learning_rate=1e-3, num_micro_batches=2)
     model = init_model(tiny_config("qwen3", vocab_size=128, num_hidden_layers=1), seed=0)
     model_def, state = learner.init_train_state(model, config)
     rng = np.random.default_rng(0)

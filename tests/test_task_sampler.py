@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 
 from rollout_bridge.methods.single_stream import SingleStreamMethod, sample_dispatch_tasks, uncertainty_weight
-from rollout_bridge.orchestrator import OrchestratorConfig
+from rollout_bridge.orchestrator import OrchestratorConfig, SamplerConfig
 from rollout_bridge.sum_tree import SumTree
 from rollout_bridge.trajectory import DispatchStamp
 from spopp_jax import sampling
@@ -66,7 +66,7 @@ def _chi_square_p(counts, probabilities):
 
 def _tree_method(seed, rule="balanced", m=1):
     config = OrchestratorConfig(batch_size=2, max_in_flight=6, max_in_flight_per_task=m, sibling_rule=rule,
-                                seed=seed)
+                                seed=seed, drain="finish", pad_to_multiple=64)
     alpha = V_HAT * 8
     method = SingleStreamMethod(config, V_HAT.size, alpha, 8 - alpha)
     for x in np.flatnonzero(BUSY):
@@ -119,7 +119,8 @@ def test_proportional_siblings_law_with_two_slots_per_task():
 
 
 def test_zero_weight_tasks_come_after_positive_ones():
-    config = OrchestratorConfig(batch_size=2, max_in_flight=3, sampler_floor=0.0, seed=0)
+    config = OrchestratorConfig(batch_size=2, max_in_flight=3, sampler=SamplerConfig(floor=0.0), seed=0,
+                                drain="finish", pad_to_multiple=64)
     method = SingleStreamMethod(config, 3, np.array([1e-30, 4.0, 1e30], np.float32), np.array([4.0, 4.0, 1e-30],
                                                                                               np.float32))
     # v̂ ≈ (0, 0.5, 1): only task 1 has weight; it must come first every time

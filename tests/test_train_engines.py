@@ -98,7 +98,7 @@ def test_server_settings_reach_the_launcher():
     launch = servers.config.launch
     assert (launch.count, launch.gpus_per_server, launch.first_gpu, launch.capacity) == (3, 2, 1, 5)
     assert launch.extra_args == ("--dtype", "float32", "--enforce-eager") and launch.python == sys.executable
-    assert launch.max_model_len == cfg.rollout.max_seq_len and launch.kv_cache_gib == 3
+    assert launch.max_model_len == cfg.rollout.max_total_tokens and launch.kv_cache_gib == 3
     assert servers.config.health_interval_s == 2.0 and servers.config.urls == ()
     urls = c.build_rollout_servers(load_config(VLLM_SERVER + ["--rollout.server_urls", "http://a:1,http://b:2/"]),
                                    Path("/tmp/run"), agent)
@@ -116,7 +116,7 @@ def test_other_servers_keep_the_checkpoint_and_prior_reusable():
     assert stage_key(launched, "rollout") == stage_key(more, "rollout")
     assert "servers" not in checkpoint_key(launched)["rollout"]  # as in checkpoints from before the section
     other_batch = load_config(VLLM_SERVER + ["--rollout.servers.launch.count", "2", "--rollout.batch_size", "8",
-                                             "--rollout.max_inflight", "8"])
+                                             "--rollout.max_in_flight", "8"])
     assert checkpoint_key(other_batch) != checkpoint_key(launched)  # what the rollouts are still counts
 
 
@@ -214,7 +214,7 @@ def test_vllm_engine_is_created_in_its_loop_on_first_use(tmp_path, tiny_policy):
     assert isinstance(engine, DeferredInProcessEngine) and engine.policy_event == 4
     config = engine.config
     assert (config.initial_policy_event, config.drain, config.max_model_len, config.max_num_seqs) == (
-        4, "abort", cfg.rollout.max_seq_len, cfg.rollout.max_inflight)
+        4, "abort", cfg.rollout.max_total_tokens, cfg.rollout.max_in_flight)
     assert Path(config.model).name == "policy-00000004" and (Path(config.model) / "tokenizer.json").exists()
 
     created = []

@@ -75,7 +75,7 @@ def test_prompt_counted_batch_sizes():
     (["--actor.ppo_epochs", "2"], "one pass"),
     (["--actor.ppo_micro_batch_size_per_gpu", "4"], "--optim.num_micro_batches"),
     (["data.max_response_length=512"], "--rollout.max_new_tokens"),
-    (["data.max_prompt_length=512"], "--rollout.max_seq_len"),
+    (["data.max_prompt_length=512"], "--rollout.max_total_tokens"),
     (["algorithm.rollout_correction.rollout_is=sequence"], "per token"),
     (["algorithm.rollout_correction.rollout_is_threshold=-1"], "always truncated"),
     (["--actor.clip_ratio_c", "-3"], "> 0"),

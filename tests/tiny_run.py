@@ -125,8 +125,8 @@ def tiny_train_args(tmp: Path, steps: int = 2) -> list[str]:
         "--model.tiny_num_layers", "1", "--model.tiny_num_heads", "2",
         "--model.tiny_num_kv_heads", "1", "--warmstart.epochs", "1",
         "--warmstart.batch_size", "4", "--prior.rollouts_per_task", "1",
-        "--rollout.batch_size", "4", "--rollout.max_inflight", "4",
-        "--rollout.max_new_tokens", "4", "--rollout.max_seq_len", "384",
+        "--rollout.batch_size", "4", "--rollout.max_in_flight", "4",
+        "--rollout.max_new_tokens", "4", "--rollout.max_total_tokens", "384",
     ]
 
 

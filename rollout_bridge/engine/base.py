@@ -8,29 +8,23 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Decoding parameters of one request (SPEC 6: temperature 1, top-p 1, top-k -1).
-
-    ``top_k = -1`` disables top-k. ``stop_token_ids``: generation ends right after one
-    of these is sampled (the stop token is part of the output). ``seed``: fixes this
-    request's random numbers (an int in [0, 2**63)); None lets the engine draw them.
-    Evaluations seed every turn so that two policies see the same random numbers
-    (common random numbers: their paired difference has less sampling noise).
-    """
+class Decoding:
+    """How replies are sampled (SPEC 6: temperature 1, top-p 1, top-k -1): the decoding
+    fields of the run config's ``rollout`` section (`rollout_bridge.config.RolloutSection`
+    extends this class). ``top_k = -1`` disables top-k. ``max_new_tokens``: most tokens of
+    one reply (the agent lowers it to fit its ``max_total_tokens``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
+    max_new_tokens: int = 24
 
     def __post_init__(self):
         if not (self.temperature > 0.0 and math.isfinite(self.temperature)):
@@ -41,6 +35,26 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class SamplingParams(Decoding):
+    """Decoding parameters of one request: the `Decoding` fields and what each request sets.
+
+    ``stop_token_ids``: generation ends right after one of these is sampled (the stop token
+    is part of the output). ``seed``: fixes this request's random numbers (an int in
+    [0, 2**63)); None lets the engine draw them. Evaluations seed every turn so that two
+    policies see the same random numbers (common random numbers: their paired difference
+    has less sampling noise).
+    """
+
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata={
+        "from": "the agent, per request: the chat format's stop tokens"})
+    seed: int | None = field(default=None, metadata={
+        "from": "the agent, per turn of an evaluation: the episode seed (common random numbers)"})
+
+    def __post_init__(self):
+        Decoding.__post_init__(self)
         if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed
                                       or not 0 <= int(self.seed) < 1 << 63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")

@@ -135,9 +135,9 @@ class GrpoConfig(MethodConfig):
         if r.batch_size % g:
             raise ValueError(f"rollout.batch_size must be a multiple of method.group_size={g} for {self.name}, "
                              f"got {r.batch_size}")
-        if r.max_inflight < g:
-            raise ValueError(f"rollout.max_inflight must be >= method.group_size={g} for {self.name} (a group "
-                             f"is dispatched whole), got {r.max_inflight}")
+        if r.max_in_flight < g:
+            raise ValueError(f"rollout.max_in_flight must be >= method.group_size={g} for {self.name} (a group "
+                             f"is dispatched whole), got {r.max_in_flight}")
         if r.max_in_flight_per_task != 1:
             raise ValueError(f"rollout.max_in_flight_per_task must be 1 for {self.name} (a group is its "
                              f"multi-request unit), got {r.max_in_flight_per_task}")

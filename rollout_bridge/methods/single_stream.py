@@ -126,13 +126,13 @@ class SingleStreamConfig(MethodConfig):
 
     def check(self, cfg) -> None:
         """m in-flight requests per task (SPEC 2: m = 1) need enough distinct tasks: on a
-        generated task set, ``rollout.max_inflight`` <= m x ``env.num_games``."""
+        generated task set, ``rollout.max_in_flight`` <= m x ``env.num_games``."""
         if cfg.env.game_dir is None and cfg.env.kind in ("textworld", "math_tir"):
             slots = cfg.rollout.max_in_flight_per_task * cfg.env.num_games
-            if cfg.rollout.max_inflight > slots:
-                raise ValueError(f"rollout.max_inflight must be <= rollout.max_in_flight_per_task x "
+            if cfg.rollout.max_in_flight > slots:
+                raise ValueError(f"rollout.max_in_flight must be <= rollout.max_in_flight_per_task x "
                                  f"env.num_games={slots} (in-flight requests per task are bounded), "
-                                 f"got {cfg.rollout.max_inflight}")
+                                 f"got {cfg.rollout.max_in_flight}")
 
 
 class SingleStreamMethod:
@@ -140,12 +140,12 @@ class SingleStreamMethod:
 
     Host bookkeeping in NumPy, incremental: the tracker arrays (``alpha``, ``beta``,
     ``z_ref``: ``spopp_jax.tracker``'s re-referenced form), the cached v̂ of every task and,
-    for ``task_sampler="sum_tree"``, a :class:`~rollout_bridge.sum_tree.SumTree` of dispatch
+    for ``sampler.impl="sum_tree"``, a :class:`~rollout_bridge.sum_tree.SumTree` of dispatch
     weights w_x = u(v̂_x)·(m − in_flight_x); only tasks whose evidence or in-flight count
     changed are recomputed, and a draw costs O(log #tasks). Successive draws, each ∝ w with
     the drawn task's w lowered, have exactly the law of SPEC 3's sampler
     (``sample_dispatch_tasks``'s Gumbel top-k; rule "proportional" for m > 1). The balanced
-    sibling rule with m > 1 (tiers) and ``task_sampler="dense"`` use
+    sibling rule with m > 1 (tiers) and ``sampler.impl="dense"`` use
     :func:`sample_dispatch_tasks` over all tasks (O(#tasks) per dispatch round).
 
     Subclasses decide what a receipt adds to the tracker (:meth:`observe_receipt`) and
@@ -158,7 +158,7 @@ class SingleStreamMethod:
         self._set_tracker(tracker_arrays(tracker.init(prior_alpha, prior_beta, z0=config.z0)))
         self.in_flight = np.zeros(num_tasks, np.int64)
         self.free_slots = self.per_task_limit * num_tasks
-        self.use_tree = config.task_sampler == "sum_tree" and (
+        self.use_tree = config.sampler.impl == "sum_tree" and (
             self.per_task_limit == 1 or config.sibling_rule == "proportional")
         self.rng = np.random.Generator(np.random.PCG64(config.seed))
         self._rebuild()
@@ -177,15 +177,15 @@ class SingleStreamMethod:
         self.v_hat = self.alpha / (self.alpha + self.beta)
 
     def _weights(self, tasks) -> np.ndarray:
-        u = uncertainty_weight(self.v_hat[tasks], self.config.sampler_floor, self.config.sampler_form)
+        u = uncertainty_weight(self.v_hat[tasks], self.config.sampler.floor, self.config.sampler.form)
         return u.astype(np.float64) * (self.per_task_limit - self.in_flight[tasks])
 
     def _weight_of(self, task_id: int) -> float:
         """w_x of one task with Python floats (the per-request path: no array overhead)."""
         v = float(self.v_hat[task_id])
         spread = min(max(v * (1.0 - v), 0.0), 0.25)
-        floor = self.config.sampler_floor
-        u = math.sqrt(spread + floor) if self.config.sampler_form == "inside_sqrt" else math.sqrt(spread) + floor
+        floor = self.config.sampler.floor
+        u = math.sqrt(spread + floor) if self.config.sampler.form == "inside_sqrt" else math.sqrt(spread) + floor
         return u * (self.per_task_limit - int(self.in_flight[task_id]))
 
     def _rebuild(self) -> None:
@@ -218,8 +218,8 @@ class SingleStreamMethod:
             return []
         if self.tree is None:
             chosen = sample_dispatch_tasks(next_key(), self.v_hat.copy(), self.in_flight, self.per_task_limit, count,
-                                           rule=self.config.sibling_rule, floor=self.config.sampler_floor,
-                                           form=self.config.sampler_form).tolist()
+                                           rule=self.config.sibling_rule, floor=self.config.sampler.floor,
+                                           form=self.config.sampler.form).tolist()
             for x in chosen:
                 self._count(int(x), +1)
         else:

@@ -320,7 +320,8 @@ def test_killed_server_does_not_stall_orchestrator(world):
         orchestrator = Orchestrator(
             engine, lambda: AsyncSyntheticEnv(num_tasks=8, seed=0), chat, lambda _: LearnerOutput(weights=None),
             num_tasks=8,
-            config=OrchestratorConfig(batch_size=4, max_in_flight=8, max_buffered_batches=2),
+            config=OrchestratorConfig(batch_size=4, max_in_flight=8, max_buffered_batches=2, drain="finish",
+                                      pad_to_multiple=64),
             agent_config=AgentConfig(max_turns=2, max_total_tokens=400, sampling=SamplingParams(max_new_tokens=64)),
         )
 

@@ -136,12 +136,12 @@ CONFIG_CASES = [
          cli("--warmstart.learning_rate", "inf"), SystemExit, "2", "warmstart.learning_rate must be finite"),
     Case(_row("`--rollout.temperature inf`", "exit 2: 'rollout.temperature must be finite' (before: a late failure)"),
          cli("--rollout.temperature", "inf"), SystemExit, "2", "rollout.temperature must be finite"),
-    Case(_row("`--advantage.eps inf` (every advantage 0: no learning)",
-              "exit 2: 'advantage.eps must be in (0, 0.01], got inf'"),
-         cli("--advantage.eps", "inf"), SystemExit, "2", "advantage.eps must be in (0, 0.01], got inf"),
-    Case(_row("`--advantage.eps 0.5` (every advantage shrunk toward 0)",
-              "exit 2: 'advantage.eps must be in (0, 0.01], got 0.5'"),
-         cli("--advantage.eps", "0.5"), SystemExit, "2", "advantage.eps must be in (0, 0.01], got 0.5"),
+    Case(_row("`--advantage.whiten_eps inf` (every advantage 0: no learning)",
+              "exit 2: 'advantage.whiten_eps must be in (0, 0.01], got inf'"),
+         cli("--advantage.whiten_eps", "inf"), SystemExit, "2", "advantage.whiten_eps must be in (0, 0.01], got inf"),
+    Case(_row("`--advantage.whiten_eps 0.5` (every advantage shrunk toward 0)",
+              "exit 2: 'advantage.whiten_eps must be in (0, 0.01], got 0.5'"),
+         cli("--advantage.whiten_eps", "0.5"), SystemExit, "2", "advantage.whiten_eps must be in (0, 0.01], got 0.5"),
     Case(_row("`--method.dual_clip nan`", "exit 2: 'method.dual_clip must be finite and > 1 or null'"),
          cli("--method.dual_clip", "nan"), SystemExit, "2", "method.dual_clip must be finite"),
     Case(_row("`--optim.num_micro_batches 3` that does not divide the batch of 16",
@@ -204,10 +204,10 @@ def test_train_py_refuses_an_infinite_learning_rate_before_any_work(field, tmp_p
     assert done.stdout.strip() == "" and not run.exists()
 
 
-@covers(Row("config / CLI", "`python train.py --config_path configs/smoke.yaml --rollout.max_seq_len 64 --stage prior`: "
+@covers(Row("config / CLI", "`python train.py --config_path configs/smoke.yaml --rollout.max_total_tokens 64 --stage prior`: "
             "every prompt longer than the sequence limit, so no prior episode finishes",
             "exit 2 and one stderr line 'config error: prior: none of the N episodes finished, so no prior was "
-            "written (a prompt longer than rollout.max_seq_len=64, ...)'",
+            "written (a prompt longer than rollout.max_total_tokens=64, ...)'",
             "no prior.json (before: one with success_rate NaN, reused by the next run); the warm start is kept"))
 def test_a_prior_without_one_finished_episode_is_refused_not_saved(tmp_path):
     import os
@@ -215,13 +215,13 @@ def test_a_prior_without_one_finished_episode_is_refused_not_saved(tmp_path):
 
     run = tmp_path / "run"
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config_path", str(ROOT / "configs" / "smoke.yaml"),
-                           "--output_dir", str(run), "--rollout.max_seq_len", "64", "--stage", "prior",
+                           "--output_dir", str(run), "--rollout.max_total_tokens", "64", "--stage", "prior",
                            "--progress", "false"], capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
     ours = [line for line in done.stderr.splitlines() if line.startswith("config error: prior: none of the")]
     assert len(ours) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "rollout.max_seq_len=64" in ours[0]
+    assert "rollout.max_total_tokens=64" in ours[0]
     assert not (run / "prior.json").exists()
     assert (run / "warmstart_model").is_dir()
 

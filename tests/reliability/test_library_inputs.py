@@ -22,7 +22,7 @@ LENGTHS = np.array([3, 1, 2, 4], np.int32)
 
 
 @covers(
-    Row("library input", "`whiten(..., eps=-1)` / `eps=inf` / `eps=nan` (and `--advantage.eps` reaching it)",
+    Row("library input", "`whiten(..., eps=-1)` / `eps=inf` / `eps=nan` (and `--advantage.whiten_eps` reaching it)",
         "ValueError: '`eps` must be finite and >= 0, got -1.0 (a negative eps flips the advantages' signs, an "
         "infinite one makes them all 0)', eagerly and under jit (eps is a Python number)",
         "no sign-flipped or all-zero advantages reach the loss"),

@@ -79,7 +79,8 @@ def simulate(chat, num_updates: int, keep_records: bool):
     def learner(learner_input):
         return LearnerOutput(weights=None, metrics={"loss": 0.0})
 
-    config = OrchestratorConfig(batch_size=BATCH, max_in_flight=IN_FLIGHT, seed=0, keep_history=keep_records)
+    config = OrchestratorConfig(batch_size=BATCH, max_in_flight=IN_FLIGHT, seed=0, keep_history=keep_records,
+                                drain="finish", pad_to_multiple=64)
     agent = AgentConfig(max_turns=1, max_total_tokens=64, sampling=SamplingParams(max_new_tokens=4))
     orchestrator = Orchestrator(engine, lambda: OneTurnEnv(rng), chat, learner, NUM_TASKS, config,
                                 agent, on_update=on_update)

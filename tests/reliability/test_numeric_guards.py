@@ -79,7 +79,7 @@ def poisoned(batch: learner.TrainBatch, field: str, value: float, row: int = 0):
 )
 @pytest.mark.parametrize("poison", ["advantages", "rollout_logp", "params"])
 def test_non_finite_update_is_skipped_and_state_unchanged(tiny_model, poison):
-    config = learner.LearnerConfig(learning_rate=1e-2)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=1e-2)
     model_def, state = learner.init_train_state(tiny_model, config)
     step = learner.make_train_step(model_def, config)
     batch = make_batch(np.random.default_rng(0))
@@ -110,7 +110,7 @@ def test_non_finite_update_is_skipped_and_state_unchanged(tiny_model, poison):
             "that optimizer step skipped, the other taken; `skipped_updates`=1",
             "`step` advances by 1 not 2; params finite", kind="fault"))
 def test_mini_batch_skip_counts_only_the_bad_step(tiny_model):
-    config = learner.LearnerConfig(learning_rate=1e-2, num_mini_batches=2)
+    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-2, num_mini_batches=2)
     model_def, state = learner.init_train_state(tiny_model, config)
     step = learner.make_train_step(model_def, config)
     batch = poisoned(make_batch(np.random.default_rng(0)), "advantages", np.nan, row=1)
@@ -123,7 +123,7 @@ def test_mini_batch_skip_counts_only_the_bad_step(tiny_model):
 @covers(Row("numerics", "NaN in a supervised (warm-start SFT) step",
             "update skipped, `skipped_updates`=1", "state bit-identical to before", kind="fault"))
 def test_sft_step_skips_non_finite(tiny_model):
-    config = learner.LearnerConfig(learning_rate=1e-2)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=1e-2)
     model_def, state = learner.init_train_state(tiny_model, config)
     params = host_copy(state.params)
     params["lm_head"]["kernel"][:, 0] = np.inf
@@ -220,7 +220,8 @@ def test_robust_kl_properties(log_ratios):
             "params, moments and `step` bit-identical to before: no NaN model is ever checkpointed",
             kind="malformed input"))
 def test_infinite_learning_rate_never_reaches_the_weights(tiny_model):
-    config = learner.LearnerConfig(learning_rate=float("inf"))
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                   learning_rate=float("inf"))
     model_def, state = learner.init_train_state(tiny_model, config)
     before = host_copy(state)
     after, metrics = learner.make_train_step(model_def, config)(state, make_batch(np.random.default_rng(0)))
@@ -241,7 +242,8 @@ class _Tokens:
 def test_warm_start_with_infinite_learning_rate_stops(tiny_model):
     from rollout_bridge.warmstart import SFTExample, run_sft
 
-    config = learner.LearnerConfig(learning_rate=float("inf"))
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+                                   learning_rate=float("inf"))
     model_def, state = learner.init_train_state(tiny_model, config)
     examples = [SFTExample(tuple(range(1, 9)), (False,) + (True,) * 7) for _ in range(4)]
     step = learner.make_sft_step(model_def, config)
