@@ -91,7 +91,7 @@ def test_arms_are_compared_with_the_reference_arm():
 
 
 # ------------------------------------------------------------------ tiny runs
-ARGS = ["--rollout.max_inflight", "4", "--progress", "false", "--tensorboard", "false"]
+ARGS = ["--rollout.max_in_flight", "4", "--progress", "false", "--tensorboard", "false"]
 
 
 @dataclasses.dataclass
