@@ -348,12 +348,19 @@ def run_summary(run: Run, records: Sequence[dict]) -> dict:
             "per_task": {"successes": successes.tolist(), "trials": trials.tolist()}}
 
 
-ARM_ORDER = ("spopp", "spo", "grpo", "rloo")   # the tables' order of the known methods
+def known_arm_order() -> tuple[str, ...]:
+    """The tables' order of the known methods: the default method, then the registry's order."""
+    from rollout_bridge.methods import MethodConfig, names
+
+    default = MethodConfig.default_choice_name()
+    return (default, *(name for name in names() if name != default))
 
 
 def arm_order(arms: Sequence[str], reference: str | None) -> list[str]:
-    """The reference arm first (default spopp when present), then ``ARM_ORDER``, then by name."""
-    arms = sorted(set(arms), key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), a))
+    """The reference arm first (by default the first of ``known_arm_order`` present), then
+    the others in that order, then unknown arms by name."""
+    known = known_arm_order()
+    arms = sorted(set(arms), key=lambda a: (known.index(a) if a in known else len(known), a))
     reference = reference or arms[0]
     if reference not in arms:
         raise UserError(f"--reference {reference}: no run of that arm (arms: {arms})")

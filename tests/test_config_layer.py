@@ -161,8 +161,8 @@ def test_every_field_of_the_component_sections_reaches_a_component():
 
 
 def test_a_section_and_its_component_share_one_default():
-    """The defaults that used to differ between a section and its component are one now:
-    a library user gets the main job's values."""
+    """A section and its component share one default: a library user gets the main job's
+    values."""
     cfg = TrainConfig()
     learner = LearnerConfig()
     assert (learner.learning_rate, learner.num_mini_batches, learner.action_logits_fraction) == \
