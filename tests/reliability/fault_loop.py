@@ -200,7 +200,8 @@ def run_once(args: list[str], log_path: Path, signum: int | None, delay: float,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                     epilog="Exit status 0 when every check held.")
     parser.add_argument("--kills", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("/tmp/fault_loop"))
     parser.add_argument("--seed", type=int, default=0)
