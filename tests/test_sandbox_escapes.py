@@ -502,7 +502,7 @@ def worker_memory(box):
     call(box, "note = 'EARLIER-' + 'X' * 3 + '-CODE-7q'\nprint(len('EARLIER-XXX-CODE-7q'))")
     later = call(box, """
 import os
-needle = ''.join(reversed('q7-EDOC-XXX-REILRAE')).encode()
+needle = ''.join(reversed('q7-EDOC-XXX-REILRAE')).encode()  # built at run time: this call's own source never holds it
 found = 'no'
 try:
     ppid = os.getppid()
