@@ -65,7 +65,7 @@ import jax
 
 from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
-from rollout_bridge.config import ConfigFileError, TrainConfig, UnknownChoiceError, format_config_error, load_config
+from rollout_bridge.config import ConfigFileError, TrainConfig, ChoiceError, format_config_error, load_config
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.evaluation import evaluate_policy
 from rollout_bridge.job import build_job, start_servers
@@ -90,7 +90,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     check_renamed_flags(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
-    except (ConfigFileError, UnknownChoiceError) as error:
+    except (ConfigFileError, ChoiceError) as error:
         raise UserError(str(error), "config error") from None
     except ParsingError as error:
         message = format_config_error(error)

@@ -36,7 +36,7 @@ __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
     "LossSection", "OptimSection", "RolloutSection",
     "NodeSection",
-    "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict", "UnknownChoiceError",
+    "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict", "ChoiceError",
 ]
 
 
@@ -627,25 +627,43 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return data
 
 
-class UnknownChoiceError(ValueError):
-    """A choice section given a name no module registered (names the choices)."""
+class ChoiceError(ValueError):
+    """An engine no module registered (names the engines), or a setting of another engine
+    than the chosen one (names the engines that have it)."""
 
 
-def _check_engine_name(args: Sequence[str], settings: dict | None) -> None:
-    """`rollout.engine` names a registered engine (flags after the file), else one line
-    listing the engines (argparse would print its usage first)."""
-    from rollout_bridge.engine.choice import engine_names
+def _flag_values(args: Sequence[str], flag: str) -> list[str]:
+    """The values given to ``flag`` (``--a.b v`` or ``--a.b=v``), in order."""
+    return [args[i + 1] if a == flag else a.split("=", 1)[1] for i, a in enumerate(args)
+            if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")]
 
-    flag = f"{ENGINE_FLAG}.type"
-    names = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
-    names += [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+
+def _check_engine_choice(args: Sequence[str], settings: dict | None) -> None:
+    """`rollout.engine` names a registered engine (argparse would print its usage first) and
+    every `rollout.engine.<field>` given is a field of the chosen engine: else one line."""
+    from rollout_bridge.engine.choice import EngineConfig, engine_names
+
     rollout = (settings or {}).get("rollout")
-    engine = rollout.get("engine") if isinstance(rollout, dict) else None
-    if isinstance(engine, dict) and "type" in engine:
-        names.insert(0, engine["type"])
+    section = rollout.get("engine") if isinstance(rollout, dict) else None
+    section = section if isinstance(section, dict) else {}
+    names = [section["type"]] if "type" in section else []
+    names += _flag_values(args, f"{ENGINE_FLAG}.type")
     for name in names:
         if name not in engine_names():
-            raise UnknownChoiceError(f"rollout.engine must be one of {list(engine_names())}, got {name!r}")
+            raise ChoiceError(f"rollout.engine must be one of {list(engine_names())}, got {name!r}")
+    chosen = names[-1] if names else EngineConfig.default_choice_name()
+    given = [a[len(ENGINE_FLAG) + 1:].split("=", 1)[0] for a in args if a.startswith(ENGINE_FLAG + ".")]
+    if section.get("type", EngineConfig.default_choice_name()) == chosen:   # else the file's section is replaced
+        given += list(section)
+    fields = {name: {f.name for f in dataclasses.fields(EngineConfig.get_choice_class(name))} for name in engine_names()}
+    for dotted in given:
+        field_name = dotted.split(".")[0]
+        if field_name != "type" and field_name not in fields[chosen]:
+            owners = [name for name, names_ in fields.items() if field_name in names_]
+            if owners:
+                raise ChoiceError(f"rollout.engine.{dotted} is a setting of rollout.engine "
+                                  f"{' / '.join(owners)}, not of the chosen rollout.engine {chosen} "
+                                  f"(select it with --rollout.engine {owners[0]})")
 
 
 def _choices_given_replace_the_files(args: Sequence[str], settings: dict) -> None:
@@ -668,7 +686,8 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     """TrainConfig from an optional YAML file (or `--config_path` in args) plus overrides.
 
     Raises ConfigFileError for a file that is not a YAML mapping (`read_config_file`),
-    UnknownChoiceError for an engine nobody registered, draccus.utils.ParsingError for bad
+    ChoiceError for an engine nobody registered or a field of another engine than the
+    chosen one, draccus.utils.ParsingError for bad
     values (see `format_config_error`) and SystemExit(2) for unknown flags or invalid method
     choices (argparse).
     """
@@ -680,7 +699,7 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     args, given = _split_config_path(_normalize_flags(args))
     path = given if config_path is None else config_path
     settings = None if path is None else read_config_file(path)
-    _check_engine_name(args, settings)
+    _check_engine_choice(args, settings)
     if settings is not None:
         _choices_given_replace_the_files(args, settings)
     if settings is None:
