@@ -125,10 +125,9 @@ class ServerLaunchConfig(ServerLaunch):
             groups = server_gpu_groups(self.count, self.gpus_per_server, self.first_gpu, self.gpus)
             check_disjoint((), groups)
             object.__setattr__(self, "gpus", groups)
-        for name in ("count", "capacity"):
-            _check(getattr(self, name) >= 1, f"{LAUNCH}.{name}", ">= 1 (servers to launch)" if name == "count"
-                   else ">= 1", getattr(self, name))
         _check(self.stop_grace_s > 0, f"{LAUNCH}.stop_grace_s", "> 0", self.stop_grace_s)
+        _check(self.capacity >= 1, f"{LAUNCH}.capacity", ">= 1", self.capacity)
+        _check(self.count >= 1, f"{LAUNCH}.count", ">= 1 (servers to launch)", self.count)
 
 
 def server_gpus(index: int, config: ServerLaunchConfig) -> list[int]:
