@@ -80,6 +80,17 @@ def test_an_engine_in_yaml_by_name_or_with_its_fields(tmp_path):
     assert load_config(["--rollout.engine.steps_per_call", "3"], config_path=full).rollout.engine.steps_per_call == 3
 
 
+def test_the_engine_section_is_written_with_its_type_and_parses_back(tmp_path):
+    from rollout_bridge.config import config_to_dict
+
+    cfg = load_config(VLLM_SERVER + [LAUNCH + "count", "2", "--rollout.engine.capacity", "3"])
+    written = config_to_dict(cfg)["rollout"]["engine"]
+    assert written["type"] == "vllm_server" and written["launch"]["count"] == 2 and written["capacity"] == 3
+    path = tmp_path / "again.yaml"
+    path.write_text(json.dumps({"rollout": {"engine": written}}))   # JSON is YAML
+    assert load_config(config_path=path).rollout.engine == cfg.rollout.engine
+
+
 def test_an_unknown_engine_is_one_line_listing_the_engines(tmp_path):
     for args in (["--rollout.engine", "sglang"], ["--rollout.engine=sglang"], ["--rollout.engine.type", "sglang"]):
         with pytest.raises(ChoiceError) as info:
