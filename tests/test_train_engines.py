@@ -359,6 +359,21 @@ def test_launched_servers_serve_every_stage_and_report_a_restart(tmp_path, tiny_
     assert (run / "rollout_servers" / "logs" / "server-0.log").read_text().count("# launch") == 2
 
 
+def test_the_jax_engine_is_built_with_its_own_fields(tiny_policy):
+    from rollout_bridge.engine.jax_engine import JaxEngine
+
+    model, _ = tiny_policy
+    cfg = load_config(["--rollout.engine.steps_per_call", "64", "--rollout.engine.prefix_reuse_across_publish", "true",
+                       "--rollout.max_in_flight", "4", "--rollout.batch_size", "4", "--rollout.max_total_tokens", "512"])
+    agent = c.build_agent_config(cfg, max_turns=2)
+    orchestrator = c.build_orchestrator_config(cfg, agent, seed=0)
+    engine = c.build_engine(cfg, model, agent, orchestrator, 3, seed=0)
+    assert isinstance(engine, JaxEngine) and engine.policy_event == 3
+    assert (engine._num_slots, engine._max_len, engine._across_publish) == (4, 512, True)
+    assert engine._steps_per_call == cfg.rollout.max_new_tokens   # at most the tokens a turn may use
+    assert c.build_rollout_servers(cfg, Path("/tmp/run"), agent) is None
+
+
 def test_vllm_engine_is_created_in_its_loop_on_first_use(tmp_path, tiny_policy):
     from rollout_bridge.engine.base import GenerationResult
     from rollout_bridge.engine.vllm_inprocess import DeferredInProcessEngine
