@@ -670,8 +670,7 @@ def _choices_given_replace_the_files(args: Sequence[str], settings: dict) -> Non
     """A choice the command line selects (`--rollout.engine vllm_server`) other than the
     file's replaces the file's section: the file's fields belong to the choice it named."""
     for flag in CHOICE_FLAGS:
-        chosen = [args[i + 1] for i, a in enumerate(args[:-1]) if a == f"{flag}.type"]
-        chosen += [a.split("=", 1)[1] for a in args if a.startswith(f"{flag}.type=")]
+        chosen = _flag_values(args, f"{flag}.type")
         *parents, name = flag[2:].split(".")
         holder = settings
         for part in parents:
