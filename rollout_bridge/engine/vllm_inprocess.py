@@ -486,22 +486,6 @@ class DeferredInProcessEngine(RolloutEngine):
             await (await self.engine()).close()
 
 
-__all__ = [
-    "DeferredInProcessEngine",
-    "InProcessSyncClient",
-    "VllmInProcessConfig",
-    "VllmInProcessEngine",
-    "WORKER_EXTENSION_CLS",
-    "check_prompt_ids",
-    "check_vllm_logprob_semantics",
-    "import_vllm",
-    "keeps_requests_on_pause",
-    "sampled_logprobs",
-    "vllm_sampling_kwargs",
-    "vllm_top_k",
-]
-
-
 @EngineConfig.register_subclass("vllm")
 @dataclass(frozen=True)
 class VllmEngineConfig(EngineConfig):
@@ -542,3 +526,20 @@ class VllmEngineConfig(EngineConfig):
                                      max_num_seqs=orchestrator.max_in_flight,
                                      drain="abort" if orchestrator.drain == "abort" else "finish")
         return DeferredInProcessEngine(config)
+
+
+__all__ = [
+    "DeferredInProcessEngine",
+    "InProcessSyncClient",
+    "VllmEngineConfig",
+    "VllmInProcessConfig",
+    "VllmInProcessEngine",
+    "WORKER_EXTENSION_CLS",
+    "check_prompt_ids",
+    "check_vllm_logprob_semantics",
+    "import_vllm",
+    "keeps_requests_on_pause",
+    "sampled_logprobs",
+    "vllm_sampling_kwargs",
+    "vllm_top_k",
+]
