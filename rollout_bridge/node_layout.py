@@ -6,7 +6,7 @@ JAX: it reads the few settings below from ``--config_path`` (YAML) and the comma
 (``--a.b value`` / ``--a.b=value``; the full config is parsed later, as always), checks the
 layout, and sets the learner's environment:
 
-* server GPUs: ``rollout.servers.launch.gpus`` ("1,2;3,4": server 0 gets 1 and 2, server 1
+* server GPUs: ``rollout.engine.launch.gpus`` ("1,2;3,4": server 0 gets 1 and 2, server 1
   gets 3 and 4; tensor parallel over its group), else ``first_gpu + i*gpus_per_server ...``
   (none when ``gpus_per_server`` is 0);
 * learner GPUs: ``node.learner_gpus`` ("0" or "0,1"), else, when launched servers use GPUs
@@ -37,15 +37,20 @@ from typing import Any, Mapping, MutableMapping, Sequence
 
 NODE_GPUS_ENV = "SPOPP_NODE_GPUS"
 ALL_GPUS = "all"
+LAUNCH = "rollout.engine.launch."   # the launched servers' settings (rollout.engine=vllm_server only)
 LAYOUT_KEYS = (
-    "rollout.engine", "rollout.server_urls", "rollout.servers.launch.count", "rollout.servers.launch.gpus_per_server",
-    "rollout.servers.launch.first_gpu", "rollout.servers.launch.gpus", "node.learner_gpus", "node.jax_preallocate",
-    "node.jax_mem_fraction",
+    "rollout.engine", "rollout.engine.server_urls", LAUNCH + "count", LAUNCH + "gpus_per_server",
+    LAUNCH + "first_gpu", LAUNCH + "gpus", "node.learner_gpus", "node.jax_preallocate", "node.jax_mem_fraction",
 )
-DEFAULTS = {"rollout.engine": "jax", "rollout.server_urls": None, "rollout.servers.launch.count": 0,
-            "rollout.servers.launch.gpus_per_server": 1, "rollout.servers.launch.first_gpu": 0,
-            "rollout.servers.launch.gpus": None, "node.learner_gpus": None, "node.jax_preallocate": None,
-            "node.jax_mem_fraction": None}
+DEFAULTS = {"rollout.engine": "jax", "rollout.engine.server_urls": None, LAUNCH + "count": 0,
+            LAUNCH + "gpus_per_server": 1, LAUNCH + "first_gpu": 0, LAUNCH + "gpus": None,
+            "node.learner_gpus": None, "node.jax_preallocate": None, "node.jax_mem_fraction": None}
+ENGINE_TYPE = "rollout.engine.type"
+# The engines that put vLLM on this node: in train.py's process, or as servers it launches.
+# This module reads the raw settings before JAX loads, so it cannot ask the engine configs
+# (rollout_bridge/engine/, whose registry imports JAX), which are where these names live.
+IN_PROCESS_VLLM_ENGINE = "vllm"
+LAUNCHING_ENGINE = "vllm_server"
 
 
 class NodeLayoutError(ValueError):
@@ -78,7 +83,7 @@ def parse_gpu_list(text: Any, field: str) -> tuple[int, ...]:
     return ids
 
 
-def parse_gpu_groups(text: Any, field: str = "rollout.servers.launch.gpus") -> tuple[tuple[int, ...], ...]:
+def parse_gpu_groups(text: Any, field: str = LAUNCH + "gpus") -> tuple[tuple[int, ...], ...]:
     """ "1,2;3,4" -> ((1, 2), (3, 4)): one group per server."""
     return tuple(parse_gpu_list(group, field) for group in str(text).split(";"))
 
@@ -90,8 +95,8 @@ def server_gpu_groups(count: int, gpus_per_server: int, first_gpu: int,
     if gpus is not None:
         groups = parse_gpu_groups(gpus) if isinstance(gpus, str) else tuple(tuple(int(g) for g in x) for x in gpus)
         if len(groups) != count:
-            raise NodeLayoutError(f"rollout.servers.launch.gpus={_text(groups)!r} lists {len(groups)} GPU groups "
-                                  f"for rollout.servers.launch.count={count} servers (';' between servers)")
+            raise NodeLayoutError(f"{LAUNCH}gpus={_text(groups)!r} lists {len(groups)} GPU groups "
+                                  f"for {LAUNCH}count={count} servers (';' between servers)")
         return groups
     return tuple(tuple(range(first_gpu + i * gpus_per_server, first_gpu + (i + 1) * gpus_per_server))
                  for i in range(count))
@@ -122,15 +127,14 @@ def node_layout(values: Mapping[str, Any]) -> NodeLayout:
     """The layout of ``values`` (dotted keys of `LAYOUT_KEYS`; missing ones take the
     config's defaults), checked: raises `NodeLayoutError` (one line) when GPUs overlap."""
     v = {**DEFAULTS, **{k: values[k] for k in LAYOUT_KEYS if k in values}}
-    engine = str(v["rollout.engine"])
     try:
-        count = int(v["rollout.servers.launch.count"])
-        per_server = int(v["rollout.servers.launch.gpus_per_server"])
-        first = int(v["rollout.servers.launch.first_gpu"])
+        count = int(v[LAUNCH + "count"])
+        per_server = int(v[LAUNCH + "gpus_per_server"])
+        first = int(v[LAUNCH + "first_gpu"])
     except (TypeError, ValueError) as error:
-        raise NodeLayoutError(f"rollout.servers.launch: {error}") from None
-    launching = engine == "vllm_server" and count > 0 and _none(v["rollout.server_urls"]) is None
-    explicit = _none(v["rollout.servers.launch.gpus"])
+        raise NodeLayoutError(f"{LAUNCH[:-1]}: {error}") from None
+    launching = _launching(v)
+    explicit = _none(v[LAUNCH + "gpus"])
     servers = server_gpu_groups(count, per_server, first, explicit) if launching else ()
     learner_text = _none(v["node.learner_gpus"])
     if learner_text is not None:
@@ -159,15 +163,15 @@ def check_disjoint(learner: tuple[int, ...] | None, servers: Sequence[Sequence[i
         for gpu in group:
             if gpu in owner:
                 raise NodeLayoutError(f"node layout: GPU {gpu} is given to server {owner[gpu]} and server {index} "
-                                      "(rollout.servers.launch.gpus / first_gpu / gpus_per_server)")
+                                      f"({LAUNCH}gpus / first_gpu / gpus_per_server)")
             owner[gpu] = index
     if not owner:
         return
     if learner is None:
         raise NodeLayoutError(f"node layout: the learner would see every GPU, the servers' {sorted(owner)} "
-                              "included: set node.learner_gpus (e.g. 0) or rollout.servers.launch.first_gpu >= 1 "
+                              f"included: set node.learner_gpus (e.g. 0) or {LAUNCH}first_gpu >= 1 "
                               "(the learner then uses the GPUs below it); on a CPU host "
-                              "rollout.servers.launch.gpus_per_server 0")
+                              f"{LAUNCH}gpus_per_server 0")
     shared = sorted(set(learner) & set(owner))
     if shared:
         raise NodeLayoutError(f"node layout: GPU {', '.join(map(str, shared))} is given to the learner "
@@ -191,11 +195,15 @@ def visible_devices(gpus: Sequence[int], environ: Mapping[str, str]) -> str:
     return ",".join(entries[g] for g in gpus)
 
 
+def _launching(v: Mapping[str, Any]) -> bool:
+    """Servers are launched here: the engine that launches them, a launch count and no URLs."""
+    return (v["rollout.engine"] == LAUNCHING_ENGINE and int(v[LAUNCH + "count"]) > 0
+            and _none(v["rollout.engine.server_urls"]) is None)
+
+
 def shares_node_with_vllm(values: Mapping[str, Any]) -> bool:
     v = {**DEFAULTS, **values}
-    launching = (v["rollout.engine"] == "vllm_server" and int(v["rollout.servers.launch.count"]) > 0
-                 and _none(v["rollout.server_urls"]) is None)
-    return v["rollout.engine"] == "vllm" or launching
+    return v["rollout.engine"] == IN_PROCESS_VLLM_ENGINE or _launching(v)
 
 
 def learner_environment(layout: NodeLayout, environ: Mapping[str, str], vllm_here: bool) -> dict[str, str]:
@@ -229,8 +237,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def read_layout_values(argv: Sequence[str], default_config: str | None = None) -> dict[str, Any]:
     """The `LAYOUT_KEYS` set by ``--config_path``'s YAML (else ``default_config``) and the
-    command line (later flags win). An unreadable file gives nothing here: the full parse
-    reports it."""
+    command line (later flags win; an engine the command line names other than the file's
+    leaves none of the file's engine settings, as in the full parse). An unreadable file
+    gives nothing here: the full parse reports it."""
     import yaml
 
     args = list(argv)
@@ -250,8 +259,20 @@ def read_layout_values(argv: Sequence[str], default_config: str | None = None) -
                 values = _flatten(yaml.safe_load(f) or {})
         except (OSError, yaml.YAMLError):
             values = {}
-    values.update({k: v for k, v in flags.items() if k in LAYOUT_KEYS})
+    values, flags = _engine_named(values), _engine_named(flags)
+    if "rollout.engine" in flags and flags["rollout.engine"] != values.get("rollout.engine", DEFAULTS["rollout.engine"]):
+        values = {k: v for k, v in values.items() if not k.startswith("rollout.engine")}
+    values.update(flags)
     return {k: v for k, v in values.items() if k in LAYOUT_KEYS}
+
+
+def _engine_named(values: dict[str, Any]) -> dict[str, Any]:
+    """``rollout.engine.type`` (YAML ``engine: {type: X}``, ``--rollout.engine.type X``) as
+    ``rollout.engine``."""
+    out = dict(values)
+    if ENGINE_TYPE in out:
+        out["rollout.engine"] = out.pop(ENGINE_TYPE)
+    return out
 
 
 def apply_before_jax(argv: Sequence[str], default_config: str | None = None,

@@ -131,6 +131,18 @@ RENAMED = {
     "rollout.max_inflight": "rollout.max_in_flight",
     "rollout.max_seq_len": "rollout.max_total_tokens",
     "advantage.eps": "advantage.whiten_eps",
+    # rollout.engine became a choice carrying each engine's own settings
+    "rollout.engine_steps_per_call": "rollout.engine.steps_per_call (with --rollout.engine jax)",
+    "rollout.prefix_reuse_across_publish": "rollout.engine.prefix_reuse_across_publish (with --rollout.engine jax)",
+    "rollout.server_urls": "rollout.engine.server_urls (with --rollout.engine vllm_server)",
+    "rollout.servers": "rollout.engine (with --rollout.engine vllm_server: its capacity, health_interval_s, "
+                       "outage_wait_s, weights_transport and launch)",
+    "rollout.servers.python": "rollout.engine.launch.python (with --rollout.engine vllm_server)",
+    **{f"rollout.servers.{name}": f"rollout.engine.{name} (with --rollout.engine vllm_server)"
+       for name in ("capacity", "health_interval_s", "outage_wait_s", "weights_transport")},
+    **{f"rollout.servers.launch{name}": f"rollout.engine.launch{name} (with --rollout.engine vllm_server)"
+       for name in ("", ".count", ".gpus_per_server", ".first_gpu", ".gpus", ".extra_args", ".max_restarts",
+                    ".ready_timeout_s", ".max_num_seqs", ".cpu_threads", ".kv_cache_gib")},
 }
 
 

@@ -61,12 +61,11 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 
 
 # Settings no stage key holds, so a prior, an evaluation or a checkpoint stays reusable when
-# they change: where the rollouts run, not what they are (a run may continue on other
-# launched servers: one more, other GPUs; rollout.server_urls stays in the key, checkpoints
-# written before rollout.servers existed hold it), and rollout.prefix_reuse_across_publish,
-# which acts only across publishes (a fixed policy's prior and evaluations have none; a
-# resumed run may change it), and env.blind_control, a finished run read for the report only.
-UNKEYED_FIELDS = {"rollout": ("servers", "prefix_reuse_across_publish", "pack_rows"), "prior": ("cache_dir",),
+# they change: rollout.pack_rows (how learner rows are packed, not what is trained),
+# prior.cache_dir, env.blind_control (a finished run read for the report only), model.remat.
+# The rollout engine is keyed by its `record_key` (rollout_bridge/engine/choice.py): its name
+# and the flat fields records were first written with, not where the rollouts run.
+UNKEYED_FIELDS = {"rollout": ("pack_rows",), "prior": ("cache_dir",),
                   "env": ("blind_control",), "model": ("remat",)}
 # Fields renamed after keys were first written are keyed under their first names, so the
 # records (priors, evaluation caches, checkpoints) written before the rename stay valid.
@@ -83,6 +82,8 @@ def stage_key(cfg, *sections: str) -> dict:
     ``env.alfred_floor_plans`` only when on for generated ALFWorld games (the only games they
     change; with both off those games are the ones made before they existed)."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
+    if "rollout" in key:
+        key["rollout"].update(cfg.rollout.engine.record_key())   # replaces the engine's section
     generated_alfworld = cfg.env.kind == "alfworld" and cfg.env.game_dir is None
     for field in ("alfred_filter", "alfred_floor_plans"):
         if "env" in key and not (generated_alfworld and getattr(cfg.env, field)):

@@ -49,7 +49,7 @@ class RegimeReference:
 TUNED_REGIME = RegimeReference(
     source="9 cached runs of configs/default.yaml on an idle 2-core AMD EPYC (docs/RESULTS.md)",
     recipe={"method.name": "spopp", "env.kind": "textworld", "model.path": "assets/textworld_text_warmstart",
-            "rollout.engine": "jax", "rollout.batch_size": 16, "rollout.max_in_flight": 16,
+            "rollout.engine.name": "jax", "rollout.batch_size": 16, "rollout.max_in_flight": 16,
             "rollout.max_in_flight_per_task": 1, "rollout.publish_every": 1, "rollout.max_buffered_batches": 2,
             "rollout.drain": "none", "rollout.max_policy_lag": 8, "rollout.result_delay_s": 0.0,
             "optim.num_mini_batches": 4, "optim.num_micro_batches": 1, "env.max_turns": 12},

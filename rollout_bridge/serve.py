@@ -4,7 +4,7 @@
         [--weights-dir DIR] [--keep-policies N] [any other `vllm serve` flag]
     spopp-serve ...        # the same, where this package is installed in vLLM's environment
 
-Then ``python train.py --rollout.engine vllm_server --rollout.server_urls http://node:8000``.
+Then ``python train.py --rollout.engine vllm_server --rollout.engine.server_urls http://node:8000``.
 Runs in vLLM's environment (needs vLLM and the standard library; neither JAX nor the rest
 of this project's dependencies). It starts vLLM's OpenAI-compatible API server with what
 `VllmFleetEngine` needs, the flags `vllm_fleet.vllm_server_argv` passes to launched servers:

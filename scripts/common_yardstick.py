@@ -79,8 +79,9 @@ def main(argv=None) -> dict:
     from rollout_bridge.run_folder import RunPaths, enable_compilation_cache, log
 
     cfg = train.parse_config(rest)
-    if cfg.rollout.engine == "vllm_server":
-        raise SystemExit("common_yardstick: rollout.engine=vllm_server is not supported; use jax or vllm")
+    if cfg.rollout.engine.uses_servers:
+        raise SystemExit(f"common_yardstick: rollout.engine={cfg.rollout.engine.name} (on servers) is not supported; "
+                         "use jax or vllm")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     enable_compilation_cache(cfg.compilation_cache_dir)
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
     finally:
         env.close()
     settings = {"argv": list(sys.argv[1:] if argv is None else argv), "env_kind": cfg.env.kind, "seed": cfg.seed,
-                "engine": cfg.rollout.engine, "machine": machine, "wall_s": time.time() - start,
+                "engine": cfg.rollout.engine.name, "machine": machine, "wall_s": time.time() - start,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     record = ys.yardstick_record(summaries, mix, steps, arms, settings)
     tmp = out / "yardstick.json.tmp"   # one line: the per-task records of every run and step are long

@@ -16,7 +16,7 @@
 #         NOT run yet: written without a GPU machine.
 #   fleet-train  the same fleet driven by train.py itself: a small TextWorld job (8 updates,
 #         in-flight publishes) with `--rollout.engine vllm_server
-#         --rollout.servers.launch.count N --rollout.servers.launch.first_gpu 1` (train.py
+#         --rollout.engine.launch.count N --rollout.engine.launch.first_gpu 1` (train.py
 #         launches, health-checks and stops the servers; logs and servers.json under
 #         <run>/rollout_servers; per-update rollout/* metrics in <run>/metrics.jsonl). Extra
 #         args go to train.py. Needs vLLM + 2 GPUs. NOT run yet: written without a GPU machine.
@@ -88,9 +88,9 @@ run_fleet_train() {
   CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "${PYTHON}" train.py --output_dir "${run_dir}" --steps 8 --checkpoint_every 4 --progress false \
       --model.tiny_head_dim 32 --rollout.drain none \
-      --rollout.engine vllm_server --rollout.servers.launch.count "${servers}" \
-      --rollout.servers.launch.gpus_per_server "${per_server}" --rollout.servers.launch.first_gpu 1 \
-      --rollout.servers.launch.extra_args "--gpu-memory-utilization 0.5 --dtype float32" "$@"
+      --rollout.engine vllm_server --rollout.engine.launch.count "${servers}" \
+      --rollout.engine.launch.gpus_per_server "${per_server}" --rollout.engine.launch.first_gpu 1 \
+      --rollout.engine.launch.extra_args "--gpu-memory-utilization 0.5 --dtype float32" "$@"
   "${PYTHON}" - "${run_dir}" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]

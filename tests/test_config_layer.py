@@ -15,6 +15,9 @@ from rollout_bridge import components
 from rollout_bridge.agent import AgentConfig
 from rollout_bridge.config import TrainConfig, load_config
 from rollout_bridge.engine.base import SamplingParams
+from rollout_bridge.engine.choice import EngineConfig
+from rollout_bridge.engine.vllm_launcher import ServerLaunch, ServerLaunchConfig
+from rollout_bridge.engine.vllm_servers import RolloutServersConfig, ServerFleet
 from rollout_bridge.methods.base import MethodConfig, method_names, recipe
 from rollout_bridge.orchestrator import OrchestratorConfig
 from spopp_jax.learner import LearnerConfig
@@ -50,16 +53,14 @@ def resolved(config_path: str, args: list[str]) -> dict:
     agent = components.build_agent_config(cfg, max_turns=cfg.env.max_turns)
     orchestrator = components.build_orchestrator_config(cfg, agent, seed=cfg.seed)
     plain = lambda obj: json.loads(json.dumps(dataclasses.asdict(obj)))   # tuples as lists, like the record
-    r = cfg.rollout
+    engine = cfg.rollout.engine
+    # every recipe runs the JAX engine; "servers" / "server_launch" are what
+    # `--rollout.engine vllm_server` starts from (the vllm_server engine's defaults)
     return {"learner": plain(components.build_learner_config(cfg)), "agent": plain(agent),
             "orchestrator": _as_recorded(plain(orchestrator)),
-            "engine": {"steps_per_call": r.engine_steps_per_call,
-                       "prefix_reuse_across_publish": r.prefix_reuse_across_publish},
-            "servers": {name: getattr(r.servers, name) for name in
-                        ("capacity", "health_interval_s", "outage_wait_s", "weights_transport")},
-            "server_launch": {"python": r.servers.python,
-                              **{f.name: getattr(r.servers.launch, f.name)
-                                 for f in dataclasses.fields(r.servers.launch)}}}
+            "engine": {"steps_per_call": engine.steps_per_call,
+                       "prefix_reuse_across_publish": engine.prefix_reuse_across_publish},
+            "servers": plain(ServerFleet()), "server_launch": plain(ServerLaunch())}
 
 
 def test_every_recorded_recipe_is_still_shipped():
@@ -76,18 +77,35 @@ def test_recipe_resolves_to_the_recorded_component_configs(case):
 
 # ------------------------------------------------------------------ every knob declared once
 
-COMPONENT_CONFIGS = (LearnerConfig, OrchestratorConfig, AgentConfig, SamplingParams)
+COMPONENT_CONFIGS = (LearnerConfig, OrchestratorConfig, AgentConfig, SamplingParams, RolloutServersConfig,
+                     ServerLaunchConfig)
 
 
 def _sections(config=None, prefix: str = "") -> dict[str, type]:
-    """Every section of the run config (nested ones too) by dotted path -> its class."""
+    """Every section of the run config (nested ones too) by dotted path -> its class; the
+    ``rollout.engine`` choice once per registered engine (``rollout.engine[vllm_server]``)."""
     config = TrainConfig() if config is None else config
     out = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
+        if isinstance(value, EngineConfig):
+            for name, choice in EngineConfig.get_known_choices().items():
+                path = f"{prefix}{f.name}[{name}]"
+                out[path] = choice
+                out.update(_section_classes(choice, path + "."))
+        elif dataclasses.is_dataclass(value):
             out[prefix + f.name] = type(value)
             out.update(_sections(value, f"{prefix}{f.name}."))
+    return out
+
+
+def _section_classes(config_class: type, prefix: str) -> dict[str, type]:
+    """The sections nested in ``config_class`` (by its fields' defaults) by dotted path."""
+    out = {}
+    for f in dataclasses.fields(config_class):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            out[prefix + f.name] = f.default_factory
+            out.update(_section_classes(f.default_factory, f"{prefix}{f.name}."))
     return out
 
 
@@ -142,22 +160,24 @@ def test_the_method_fields_default_to_the_default_methods_recipe():
 
 def test_every_field_of_the_component_sections_reaches_a_component():
     """The other direction: a field of the optim, loss, tracker, sampler, advantage or
-    rollout section is a component config's field, or (the engine's own) is read by the
-    engine builders."""
+    rollout section is a component config's field; a field of an engine's section is its
+    servers' or launcher's config field, or is read by the engine config's own builders."""
     import inspect
 
     component_fields = {id(f) for c in COMPONENT_CONFIGS for f in dataclasses.fields(c)}
-    engine_source = "".join(inspect.getsource(fn) for fn in (components.build_engine, components.build_rollout_servers,
-                                                              components.check_engine_choice))
     sections = _sections()
     for path in ("optim", "loss", "tracker", "sampler", "advantage", "rollout"):
         for f in dataclasses.fields(sections[path]):
             nested = dataclasses.is_dataclass(getattr(_config_path_value(path), f.name))
             if path in ("tracker", "sampler", "advantage") or nested:
-                continue                                   # read whole (OrchestratorConfig's own) / the servers
-            assert id(f) in component_fields or f".{f.name}" in engine_source, f"{path}.{f.name} reaches nothing"
-    for f in dataclasses.fields(sections["rollout.servers"]) + dataclasses.fields(sections["rollout.servers.launch"]):
-        assert f".{f.name}" in engine_source, f"rollout.servers: {f.name} reaches nothing"
+                continue                                   # read whole (OrchestratorConfig's own) / the engine
+            assert id(f) in component_fields, f"{path}.{f.name} reaches nothing"
+    engines = {path: cls for path, cls in sections.items() if path.startswith("rollout.engine[")}
+    assert {path.split("[")[1].split("]")[0] for path in engines} >= {"jax", "vllm", "vllm_server"}
+    for path, cls in engines.items():
+        source = inspect.getsource(EngineConfig.get_choice_class(path.split("[")[1].split("]")[0]))
+        for f in dataclasses.fields(cls):
+            assert id(f) in component_fields or f"self.{f.name}" in source, f"{path}.{f.name} reaches nothing"
 
 
 def test_a_section_and_its_component_share_one_default():
@@ -184,3 +204,30 @@ def test_renamed_fields_keep_the_keys_records_were_written_under():
     key = checkpoint_key(cfg)
     assert (key["rollout"]["max_inflight"], key["rollout"]["max_seq_len"], key["advantage"]["eps"]) == (8, 512, 1e-6)
     assert not {"max_in_flight", "max_total_tokens"} & set(key["rollout"]) and "whiten_eps" not in key["advantage"]
+
+
+def _declared_twice(section: type, component: type) -> list[str]:
+    """Fields a section and a component config each declare themselves under one name (not
+    one declaration shared by extending the other's class), the component's not marked as
+    set by the job (``metadata["from"]``)."""
+    section_fields = {f.name: f for f in dataclasses.fields(section)}
+    return [f"{section.__name__}.{f.name} / {component.__name__}.{f.name}" for f in dataclasses.fields(component)
+            if f.name in section_fields and section_fields[f.name] is not f and "from" not in f.metadata]
+
+
+# which component config each section configures (the sections a build reads into it)
+CONFIGURES = {"optim": (LearnerConfig,), "loss": (LearnerConfig,),
+              "rollout": (OrchestratorConfig, AgentConfig, SamplingParams),
+              "rollout.engine[vllm_server]": (RolloutServersConfig,),
+              "rollout.engine[vllm_server].launch": (ServerLaunchConfig,)}
+
+
+def test_no_knob_is_declared_twice_between_the_sections_and_the_component_configs():
+    """Zero fields declared in two layers: e.g. the vLLM servers' settings are the fleet's
+    `ServerFleet` and the launcher's `ServerLaunch` themselves (the vllm_server engine's
+    section extends the one and nests the other), so no section repeats a
+    `RolloutServersConfig` or `ServerLaunchConfig` knob with a default of its own."""
+    sections = _sections()
+    twice = [pair for path, components_ in CONFIGURES.items() for component in components_
+             for pair in _declared_twice(sections[path], component)]
+    assert twice == [], f"{len(twice)} fields declared twice: {twice}"

@@ -55,7 +55,7 @@ def test_a_rerun_into_another_folder_reads_the_prior(tmp_path):
 # (field, value, another field of its section that IS keyed, its value)
 UNKEYED = [
     # changes nothing a fixed policy plays (no publish there)
-    ("rollout.prefix_reuse_across_publish", "true", "rollout.temperature", "0.5"),
+    ("rollout.engine.prefix_reuse_across_publish", "true", "rollout.temperature", "0.5"),
     # the learner's batch layout: the same loss and gradient, nothing the rollouts play
     ("rollout.pack_rows", "true", "rollout.max_new_tokens", "20"),
     # a finished run printed beside the agent's success, read for the report only
@@ -70,10 +70,10 @@ def test_unkeyed_fields_change_no_key(field, value, keyed, keyed_value):
     from rollout_bridge.run_folder import checkpoint_key, stage_key
     from rollout_bridge.config import load_config
 
-    section, name = field.split(".")
+    section, name = field.split(".", 1)
     plain = load_config([])
     changed = load_config([f"--{field}", value])
-    assert name not in stage_key(changed, section)[section]
+    assert name.rsplit(".", 1)[-1] not in stage_key(changed, section)[section]
     assert stage_key(changed, section) == stage_key(plain, section)
     assert checkpoint_key(changed) == checkpoint_key(plain)
     assert stage_key(load_config([f"--{keyed}", keyed_value]), section) != stage_key(plain, section)

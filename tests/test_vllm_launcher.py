@@ -106,9 +106,9 @@ def test_gpus_command_and_environment_of_each_server(tmp_path):
 
 
 def test_launch_config_names_the_bad_field():
-    with pytest.raises(ValueError, match="rollout.servers.launch.count"):
+    with pytest.raises(ValueError, match="rollout.engine.launch.count"):
         ServerLaunchConfig(count=0)
-    with pytest.raises(ValueError, match="rollout.servers.launch.gpus_per_server"):
+    with pytest.raises(ValueError, match="rollout.engine.launch.gpus_per_server"):
         ServerLaunchConfig(gpus_per_server=-1)
-    with pytest.raises(ValueError, match="rollout.servers.launch.stop_grace_s"):
+    with pytest.raises(ValueError, match="rollout.engine.launch.stop_grace_s"):
         ServerLaunchConfig(stop_grace_s=0)

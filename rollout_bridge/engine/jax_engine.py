@@ -74,6 +74,7 @@ from flax import nnx
 
 from rollout_bridge.engine import slot_decode
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
+from rollout_bridge.engine.choice import EngineConfig, check
 from spopp_jax.models.cache import AttentionCache
 
 
@@ -719,3 +720,34 @@ def _requests_batch(
         rng_key=rng_key,
         stop_token_ids=stop_ids,
     )
+
+
+@EngineConfig.register_subclass("jax")
+@dataclasses.dataclass(frozen=True)
+class JaxEngineConfig(EngineConfig):
+    """``rollout.engine: jax``, the embedded engine above (the default). ``steps_per_call``:
+    decode steps per engine call (a host round-trip; at most the rollout's max_new_tokens
+    are used). ``prefix_reuse_across_publish`` (drain none): a conversation's next turn
+    prefills only its new tokens on top of the cache rows its previous turn left even when
+    an in-flight publish came in between (those rows were written by older weights, as the
+    kept cache of a request decoding through the publish is, SPEC 3); false: every publish
+    forgets the rows and the next turn prefills the whole conversation again."""
+
+    steps_per_call: int = 8
+    prefix_reuse_across_publish: bool = False
+
+    def __post_init__(self):
+        check(self.steps_per_call > 0, "rollout.engine.steps_per_call", "> 0", self.steps_per_call)
+
+    def build(self, model, agent, orchestrator, policy_event: int, seed: int, servers=None,
+              policy_folder=None, run_dir=None) -> JaxEngine:
+        """One slot per in-flight request, a cache row as long as the agent's conversations."""
+        return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
+                         steps_per_call=min(self.steps_per_call, agent.sampling.max_new_tokens),
+                         policy_event=policy_event, seed=seed,
+                         prefix_reuse_across_publish=self.prefix_reuse_across_publish)
+
+    def record_key(self) -> dict:
+        """``prefix_reuse_across_publish`` acts only across publishes (a fixed policy's prior
+        and evaluations have none; a resumed run may change it): not keyed."""
+        return {**super().record_key(), "engine_steps_per_call": self.steps_per_call}

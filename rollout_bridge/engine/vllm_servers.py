@@ -4,8 +4,8 @@ One `RolloutServers` lives for the whole job; every stage that rolls out (the pr
 evaluations, RL) gets its own `VllmFleetEngine` over the same servers from
 `RolloutServers.engine(model, policy_event, ...)`:
 
-* servers: ``rollout.server_urls`` (running elsewhere: never started or stopped here) or
-  ``rollout.servers.launch.count`` local ``vllm serve`` processes (`VllmServerLauncher`):
+* servers: ``rollout.engine.server_urls`` (running elsewhere: never started or stopped here)
+  or ``rollout.engine.launch.count`` local ``vllm serve`` processes (`VllmServerLauncher`):
   started from the job's initial policy folder, ``wait_ready``, watched every
   ``health_interval_s`` (a dead one is restarted on its port, or dropped after
   ``max_restarts``), stopped at ``close`` (also at interpreter exit). Logs go to
@@ -34,15 +34,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import threading
 import urllib.error
 import urllib.request
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Literal, Optional
 
+from rollout_bridge.engine.choice import EngineConfig, check as _check, check_vllm_temperature
 from rollout_bridge.engine.vllm_fleet import VllmFleetConfig, VllmFleetEngine, VllmServerSpec
-from rollout_bridge.engine.vllm_launcher import ServerLaunchConfig, VllmServerLauncher
+from rollout_bridge.engine.vllm_launcher import ServerLaunch, ServerLaunchConfig, VllmServerLauncher
 from rollout_bridge.engine.vllm_worker_ext import UNKNOWN_POLICY_EVENT
 
 logger = logging.getLogger(__name__)
@@ -54,45 +56,127 @@ LauncherFactory = Callable[[ServerLaunchConfig, str, str], Any]  # (config, mode
 
 
 def parse_server_urls(text: str) -> tuple[str, ...]:
-    """``rollout.server_urls`` ("http://a:8000, http://b:8000") as a tuple of URLs."""
+    """``rollout.engine.server_urls`` ("http://a:8000, http://b:8000") as a tuple of URLs."""
     urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
     if not urls:
-        raise ValueError(f"rollout.server_urls lists no URL: {text!r}")
+        raise ValueError(f"rollout.engine.server_urls lists no URL: {text!r}")
     for url in urls:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"rollout.server_urls: {url!r} must start with http:// or https://")
+            raise ValueError(f"rollout.engine.server_urls: {url!r} must start with http:// or https://")
     return urls
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutServersConfig:
-    """run_dir: the job's run folder (logs, weights and servers.json go under
-    ``<run_dir>/rollout_servers``). Exactly one of ``urls`` (running servers) and
-    ``launch`` (servers to start). capacity: requests sent to one server at once.
-    health_interval_s: the launcher's and the fleet's health-check period.
-    outage_wait_s / weights_transport: the fleet's (`VllmFleetConfig`): how long a request
-    waits for a server when none is in rotation; how weights reach a server ("auto":
-    over HTTP to a server started with ``python -m rollout_bridge.serve``, else a path)."""
+class ServerFleet:
+    """The fleet's settings of ``rollout.engine: vllm_server``. ``capacity``: requests sent
+    to one server at once. ``health_interval_s``: how often dead servers are looked for
+    (restarted by the launcher, taken out of / back into rotation by the fleet).
+    ``outage_wait_s``: when no server is in rotation, how long a request waits for one to
+    come back before it fails (0: at once; remote servers restarted by hand need minutes).
+    ``weights_transport``: how published weights reach a server: "path" (it reads the
+    trainer's folder: shared filesystem), "http" (uploaded to a server started with
+    ``python -m rollout_bridge.serve``), "auto" (http where the server offers it)."""
 
-    run_dir: str
-    urls: tuple[str, ...] = ()
-    launch: ServerLaunchConfig | None = None
     capacity: int = 8
     health_interval_s: float = 5.0
     outage_wait_s: float = 0.0
-    weights_transport: str = "auto"
+    weights_transport: Literal["auto", "path", "http"] = "auto"
 
     def __post_init__(self):
+        _check(self.capacity > 0, "rollout.engine.capacity", "> 0", self.capacity)
+        _check(self.health_interval_s > 0, "rollout.engine.health_interval_s", "> 0", self.health_interval_s)
+        _check(math.isfinite(self.outage_wait_s) and self.outage_wait_s >= 0, "rollout.engine.outage_wait_s",
+               "finite and >= 0", self.outage_wait_s)
+        _check(self.weights_transport in ("auto", "path", "http"), "rollout.engine.weights_transport",
+               "one of ['auto', 'path', 'http']", self.weights_transport)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutServersConfig(ServerFleet):
+    """The fleet's settings (`ServerFleet`) and what the job sets (``metadata["from"]``):
+    run_dir, the job's run folder (logs, weights and servers.json go under
+    ``<run_dir>/rollout_servers``), and exactly one of ``urls`` (running servers) and
+    ``launch`` (servers to start)."""
+
+    run_dir: str = dataclasses.field(default="", metadata={"from": "output_dir (the job's run folder)"})
+    urls: tuple[str, ...] = dataclasses.field(default=(), metadata={"from": "rollout.engine.server_urls"})
+    launch: ServerLaunchConfig | None = dataclasses.field(default=None, metadata={
+        "from": "rollout.engine.launch with rollout.engine.capacity and rollout.max_total_tokens"})
+
+    def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "urls", tuple(self.urls))
+        if not self.run_dir:
+            raise ValueError("RolloutServersConfig needs run_dir (the job's run folder)")
         if bool(self.urls) == (self.launch is not None):
             raise ValueError("give exactly one of urls (running servers) and launch (servers to start)")
-        if self.capacity < 1 or self.health_interval_s <= 0:
-            raise ValueError(f"need capacity >= 1 and health_interval_s > 0, got {self.capacity}, "
-                             f"{self.health_interval_s}")
 
     @property
     def folder(self) -> str:
         return os.path.join(self.run_dir, SERVERS_DIR)
+
+
+@EngineConfig.register_subclass("vllm_server")
+@dataclasses.dataclass(frozen=True)
+class VllmServerEngineConfig(ServerFleet, EngineConfig):
+    """``rollout.engine: vllm_server``: vLLM servers given by ``server_urls``
+    (comma-separated, running elsewhere) or launched by train.py (``launch``: its ``count``
+    >= 1), never both; the fleet's settings are `ServerFleet`'s. One set of servers serves
+    every stage of the job (`RolloutServers`)."""
+
+    uses_servers: ClassVar[bool] = True
+
+    server_urls: Optional[str] = None
+    launch: ServerLaunch = dataclasses.field(default_factory=ServerLaunch)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check((self.launch.count > 0) != (self.server_urls is not None), "rollout.engine.launch.count",
+               "0 when rollout.engine.server_urls is set and >= 1 when it is not (rollout.engine=vllm_server "
+               "needs the URLs of running servers or servers to launch, not both)", self.launch.count)
+
+    def check_runnable(self, rollout) -> None:
+        """Temperature 1 (raw log-probs); well-formed URLs, or an interpreter with vLLM to
+        launch the servers with."""
+        import importlib.util
+        import sys
+
+        check_vllm_temperature(self.name, rollout)
+        if self.server_urls is not None:
+            parse_server_urls(self.server_urls)
+            return
+        python = self.launch.python
+        if python is not None and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise ValueError(f"rollout.engine.launch.python={python}: no such executable (the interpreter that "
+                             "runs `vllm serve`, e.g. <repo>/.venv-vllm/bin/python from scripts/setup_vllm_cpu.sh)")
+        if python is None and importlib.util.find_spec("vllm") is None:
+            raise ValueError(f"rollout.engine.launch.count={self.launch.count} starts `vllm serve` with "
+                             f"{sys.executable}, which has no vllm: set rollout.engine.launch.python to an "
+                             "interpreter that has it (on CPU: <repo>/.venv-vllm/bin/python, scripts/setup_vllm_cpu.sh)")
+
+    def servers(self, run_dir, agent, launcher_factory: LauncherFactory | None = None) -> "RolloutServers":
+        """The job's servers; ``start(policy_folder)`` launches them (a no-op for URLs)."""
+        urls = () if self.server_urls is None else parse_server_urls(self.server_urls)
+        launch = None
+        if not urls:
+            settings = {f.name: getattr(self.launch, f.name) for f in dataclasses.fields(ServerLaunch)}
+            launch = ServerLaunchConfig(capacity=self.capacity, max_model_len=agent.max_total_tokens, **settings)
+        fleet = {f.name: getattr(self, f.name) for f in dataclasses.fields(ServerFleet)}
+        return RolloutServers(RolloutServersConfig(run_dir=str(run_dir), urls=urls, launch=launch, **fleet),
+                              launcher_factory=launcher_factory)
+
+    def build(self, model, agent, orchestrator, policy_event: int, seed: int, servers=None,
+              policy_folder=None, run_dir=None) -> VllmFleetEngine:
+        """A fleet engine over the job's started ``servers``."""
+        if servers is None:
+            raise ValueError("rollout.engine=vllm_server: the engine needs the job's servers")
+        return servers.engine(model, policy_event, policy_folder, drain=orchestrator.drain)
+
+    def record_key(self) -> dict:
+        """The URLs are keyed (records written before the servers' settings existed hold
+        them); which servers were launched, and the fleet's settings, are not: where the
+        rollouts run, not what they are (a run may continue on one more server, other GPUs)."""
+        return {**super().record_key(), "server_urls": self.server_urls}
 
 
 class RolloutServers:
@@ -220,4 +304,5 @@ class RolloutServers:
             os.replace(path + ".tmp", path)
 
 
-__all__ = ["RolloutServers", "RolloutServersConfig", "SERVERS_DIR", "parse_server_urls"]
+__all__ = ["RolloutServers", "RolloutServersConfig", "SERVERS_DIR", "ServerFleet", "VllmServerEngineConfig",
+           "parse_server_urls"]

