@@ -95,12 +95,11 @@ def key_differences(key: Any, other: Any, prefix: str = "") -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """What ``find_record`` found: ``record`` (None: play the episodes) read from ``path``,
-    and ``line``, what to log: which record is used, or why the policy's shipped record is
-    not (None: there is none to mention)."""
+    """What ``find_record`` found: ``record`` (None: play the episodes) and ``line``, what
+    to log: which record is used, or why the policy's shipped record is not (None: there
+    is none to mention)."""
 
     record: dict | None
-    path: Path | None
     line: str | None
 
 
@@ -111,13 +110,12 @@ def find_record(cache_dir: str | os.PathLike | None, policy: str | os.PathLike, 
     it differs: e.g. ``tasks``, games generated differently on this machine)."""
     record = read_cached(cache_dir, kind, key)
     if record is not None:
-        path = cache_file(cache_dir, kind, key)
-        return Found(record, path, f"reusing {path} from an earlier run")
+        return Found(record, f"reusing {cache_file(cache_dir, kind, key)} from an earlier run")
     shipped = Path(policy) / SHIPPED_RECORDS
     record = read_cached(shipped, kind, key)
     if record is not None:
-        path = cache_file(shipped, kind, key)
-        return Found(record, path, f"reusing {path}, shipped with the policy (same settings and games)")
+        return Found(record, f"reusing {cache_file(shipped, kind, key)}, shipped with the policy "
+                             "(same settings and games)")
     differences = []
     for path in sorted(shipped.glob(f"{kind}-*.json")):
         try:
@@ -128,6 +126,6 @@ def find_record(cache_dir: str | os.PathLike | None, policy: str | os.PathLike, 
         if not differences or len(found) < len(differences):
             differences = found
     if differences:
-        return Found(None, None, f"not reusing the record shipped in {shipped}: it was measured with other "
-                                 f"{', '.join(differences[:4])}{' ...' if len(differences) > 4 else ''}")
-    return Found(None, None, None)
+        return Found(None, f"not reusing the record shipped in {shipped}: it was measured with other "
+                           f"{', '.join(differences[:4])}{' ...' if len(differences) > 4 else ''}")
+    return Found(None, None)
