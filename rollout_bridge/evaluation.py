@@ -2,7 +2,7 @@
 numbers per set (``evaluation_seed``), so that the prior and the evaluations before and
 after RL compare policies on the same episodes. The evaluations of the final policy after
 RL (``evaluate_after_rl``) and of the initial policy on the env kind's extra sets before RL
-(``evaluate_policy``, cached in ``prior.cache_dir``)."""
+(``evaluate_policy``, cached in ``prior.cache_dir`` or shipped with the policy)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 from rollout_bridge.agent import derived_seed
 from rollout_bridge.components import load_policy
-from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
+from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, find_record, policy_digest, tasks_digest, write_cached
 from rollout_bridge.prior import rollout_successes
 from rollout_bridge.progress_lines import TenthLines, show_bar
-from rollout_bridge.run_folder import folder_digest, log, stage_key
+from rollout_bridge.run_folder import log, stage_key
 
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
 
@@ -64,25 +64,37 @@ async def extra_evaluations(engine, env, chat, agent, concurrency: int, n: int, 
     return results
 
 
+def evaluation_key(cfg, policy: Path, rollouts: int, sets: dict[str, str | None]) -> dict:
+    """What the evaluations before RL depend on: the settings (not ``env.rename_episodes``,
+    which renames training episodes only), the seed, the policy's content, ``rollouts``
+    per task, the episode scheme and ``sets``: each evaluated set's name -> its content
+    (``tasks_digest``)."""
+    key = stage_key(cfg, "model", "env", "warmstart", "rollout")
+    key.update(seed=cfg.seed, policy=policy_digest(policy), rollouts=rollouts, sets=sorted(sets),
+               episodes=EVALUATION_SCHEME, tasks=dict(sorted(sets.items())))
+    key["env"].pop("rename_episodes", None)
+    return key
+
+
 async def evaluate_policy(job, policy: Path, chat, rollouts: int | None = None, when: str = "before RL") -> dict:
     """The env kind's extra evaluations of ``policy`` (an HF folder) on a fresh engine seeded
     ``seed + EXTRA_EVAL_SEED_OFFSET``, ``rollouts`` per task (default
     ``evaluation.heldout_rollouts``), with common random numbers; empty when the env kind has
-    none. Read from ``prior.cache_dir`` when an earlier run made the same evaluation."""
+    none. Read from ``prior.cache_dir`` when an earlier run made the same evaluation, or
+    from the policy's shipped records when they were measured on the same games."""
     if not job.env.extra_evals:
         return {}
     cfg = job.cfg
     rollouts = rollouts or cfg.evaluation.rollouts(cfg.prior, "heldout")
-    key = stage_key(cfg, "model", "env", "warmstart", "rollout")
-    key.update(seed=cfg.seed, policy=folder_digest(policy), rollouts=rollouts, sets=sorted(job.env.extra_evals),
-               episodes=EVALUATION_SCHEME)
-    key["env"].pop("rename_episodes", None)   # renames training episodes only, never these sets
-    cached = read_cached(cfg.prior.cache_dir, "evaluation", key)
-    if cached is not None:
-        for name, record in cached.items():
-            log(f"evaluation {when} ({name}): reusing {cache_file(cfg.prior.cache_dir, 'evaluation', key)} "
-                f"from an earlier run: success {record['success_rate']:.3f}")
-        return cached
+    key = evaluation_key(cfg, policy, rollouts,
+                         {name: tasks_digest(tasks) for name, (tasks, _) in job.env.extra_evals.items()})
+    found = find_record(cfg.prior.cache_dir, policy, "evaluation", key)
+    if found.record is not None:
+        for name, record in found.record.items():
+            log(f"evaluation {when} ({name}): {found.line}: success {record['success_rate']:.3f}")
+        return found.record
+    if found.line is not None:
+        log(f"evaluation {when}: {found.line}")
     engine = job.engine(load_policy(policy, cfg.model), seed=cfg.seed + EXTRA_EVAL_SEED_OFFSET)
     try:
         results = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,

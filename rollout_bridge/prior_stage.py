@@ -1,6 +1,7 @@
 """The prior stage: ``prior.rollouts_per_task`` rollouts of every task with the initial
-policy -> the Jeffreys prior of the tracker (SPEC 2), reused from the run folder or
-``prior.cache_dir`` when made with the same settings."""
+policy -> the Jeffreys prior of the tracker (SPEC 2), reused from the run folder,
+``prior.cache_dir`` or the policy's shipped records when made with the same settings on
+the same tasks (``prior_key``)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,22 @@ import numpy as np
 
 from rollout_bridge.components import load_policy
 from rollout_bridge.evaluation import evaluation_seed, success_rollouts
-from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, cache_file, read_cached, write_cached
+from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, find_record, policy_digest, tasks_digest, write_cached
 from rollout_bridge.prior import prior_record, read_prior_file, write_json_atomic
 from rollout_bridge.run_errors import UserError
-from rollout_bridge.run_folder import RunPaths, folder_digest, log, stage_key
+from rollout_bridge.run_folder import RunPaths, log, stage_key
 from rollout_bridge.run_report import prior_text
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
+
+
+def prior_key(cfg, policy: Path, rho: float, tasks: str | None) -> dict:
+    """What the prior's episodes depend on: the settings, ``rho`` (its mass), the seed, the
+    policy's content (not its path), the episode scheme and the training tasks' content
+    ``tasks`` (``tasks_digest``)."""
+    key = stage_key(cfg, "model", "env", "warmstart", "prior", "rollout")
+    key.update(rho=rho, seed=cfg.seed, policy=policy_digest(policy), episodes=EVALUATION_SCHEME, tasks=tasks)
+    return key
 
 
 def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine: Callable, rho: float,
@@ -34,22 +44,22 @@ def run_prior(cfg, paths: RunPaths, policy: Path, chat, env, agent, make_engine:
     if not cfg.prior.enabled:
         half = np.full(env.num_tasks, 0.5, np.float32)
         return half, half.copy(), None
-    key = stage_key(cfg, "model", "env", "warmstart", "prior", "rollout")
-    key.update(rho=rho, seed=cfg.seed, policy=folder_digest(policy),    # the policy's content, not its path
-               episodes=EVALUATION_SCHEME)
+    key = prior_key(cfg, policy, rho, tasks_digest(env.train))
     if paths.prior.exists():
         record = json.loads(paths.prior.read_text())
         if record.get("key") == key:
             log(f"prior: reusing {paths.prior} ({prior_text(record)})")
             alpha0, beta0 = read_prior_file(paths.prior, env.num_tasks)
             return alpha0, beta0, record
-    record = read_cached(cfg.prior.cache_dir, "prior", key)
-    if record is not None:
-        log(f"prior: reusing {cache_file(cfg.prior.cache_dir, 'prior', key)} from an earlier run "
-            f"({prior_text(record)})")
+    found = find_record(cfg.prior.cache_dir, policy, "prior", key)
+    if found.record is not None:
+        record = found.record
+        log(f"prior: {found.line} ({prior_text(record)})")
         write_json_atomic(paths.prior, record)
         alpha0, beta0 = read_prior_file(paths.prior, env.num_tasks)
         return alpha0, beta0, record
+    if found.line is not None:
+        log(f"prior: {found.line}")
     n = cfg.prior.rollouts_per_task
     log(f"prior: {n} rollouts x {env.num_tasks} tasks with the initial policy")
     start = time.time()

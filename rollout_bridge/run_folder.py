@@ -137,9 +137,11 @@ def state_digest(tree: Any) -> str:
 
 
 def folder_digest(folder: Path, skip: tuple[str, ...] = (WARMSTART_RECORD_NAME,)) -> str:
-    """sha1 over every file under `folder` (relative path and bytes, in sorted order)."""
+    """sha1 over every file under `folder` (relative path and bytes, in sorted order) but
+    those with a name in `skip` or inside a folder of such a name."""
     digest = hashlib.sha1()
-    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name not in skip):
+    kept = lambda path: path.is_file() and not set(path.relative_to(folder).parts) & set(skip)
+    for path in sorted(p for p in Path(folder).rglob("*") if kept(p)):
         digest.update(str(path.relative_to(folder)).encode())
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):

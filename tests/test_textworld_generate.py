@@ -42,3 +42,25 @@ def test_a_set_record_is_the_same_as_from_textworlds_path(tmp_path):
 def test_compile_story_refuses_other_formats(tmp_path):
     with pytest.raises(ValueError, match=r"\.z8"):
         generate.compile_story("", tmp_path / "game.ulx")
+
+
+@pytest.mark.parametrize("seed, wins", [(0, True), (728, False)])   # 728: "Which do you mean, ...?"
+def test_the_walkthrough_check_agrees_with_the_game_the_job_plays(tmp_path, seed, wins):
+    """`walkthrough_wins` plays without TextWorld's state tracking; the env the job plays
+    (admissible commands and all) ends the walkthrough the same way."""
+    from rollout_bridge.envs.textworld_env import start_game
+
+    path = tmp_path / "game.z8"
+    walkthrough = generate.make_and_compile(seed, *DEFAULT_SHAPE, path).metadata["walkthrough"]
+    env = start_game(str(path))
+    try:
+        env.reset()
+        state, done = None, False
+        for command in walkthrough:
+            state, _, done = env.step(command)
+            if done:
+                break
+        tracked = bool(done and state["won"])
+    finally:
+        env.close()
+    assert walkthrough_wins(path, walkthrough) == tracked == wins

@@ -193,16 +193,16 @@ def check_zcode_file(path: str) -> None:
                          f"bytes, the file has {len(data)}")
 
 
-def start_game(path: str):
-    """Load a game with the infos this env needs (admissible commands, walkthrough, won).
-    Thread-safe: loads are serialized by a module lock (see `_START_LOCK`). A corrupt
-    Z-machine file is refused first (`check_zcode_file`)."""
+def start_game(path: str, request_infos=None):
+    """Load a game with the infos this env needs (admissible commands, walkthrough, won), or
+    `request_infos`. Thread-safe: loads are serialized by a module lock (see `_START_LOCK`).
+    A corrupt Z-machine file is refused first (`check_zcode_file`)."""
     import textworld
 
     check_zcode_file(str(path))
     with _START_LOCK, warnings.catch_warnings():   # jericho: "not fully supported" (score via TextWorld)
         warnings.filterwarnings("ignore", message=".*not fully supported.*")
-        return textworld.start(path, request_infos=_request_infos())
+        return textworld.start(path, request_infos=request_infos or _request_infos())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,8 +87,12 @@ def _record(seed: int, game, compiled: str | os.PathLike) -> dict:
 
 def walkthrough_wins(path: str | os.PathLike, walkthrough: Sequence[str]) -> bool:
     """Whether the compiled game at `path` is won by playing `walkthrough` (a few games
-    are not: the z-machine parser asks "Which do you mean, the type P box or the box?")."""
-    env = start_game(str(path))
+    are not: the z-machine parser asks "Which do you mean, the type P box or the box?").
+    Only `won` is requested: TextWorld reads it from the game's own "*** The End ***" with or
+    without its state tracking, which the admissible commands would need and cost."""
+    from textworld import EnvInfos
+
+    env = start_game(str(path), EnvInfos(won=True))
     try:
         env.reset()
         for command in walkthrough:
@@ -138,6 +142,27 @@ def game_signature(record: dict) -> str:
     """Content identity of a game: objective + walkthrough (names differ across seeds)."""
     text = record["objective"] + "\n" + "\n".join(record["walkthrough"])
     return hashlib.sha1(text.encode()).hexdigest()
+
+
+def game_files_digest(names: Sequence[str], files: Sequence[str | os.PathLike]) -> str:
+    """sha1 over a task set's games in task order: each game's name, then what it is made
+    of. A generated game (a `.z8` with its `.ni` and `.json` beside it) is its Inform 7
+    source and its description with `KB.text_grammars_path` (where textworld is installed)
+    left out, so the same seeds give the same digest on every machine; the `.z8` is not
+    read (it carries its compile date). Any other game file is its own bytes."""
+    digest = hashlib.sha1()
+    for name, file in zip(names, files, strict=True):
+        path = Path(file)
+        digest.update(f"{name}\n".encode())
+        source, description = path.with_suffix(".ni"), path.with_suffix(".json")
+        if path.suffix == ".z8" and source.exists() and description.exists():
+            game = json.loads(description.read_bytes())
+            game.get("KB", {}).pop("text_grammars_path", None)
+            digest.update(source.read_bytes())
+            digest.update(json.dumps(game, sort_keys=True).encode())
+        else:
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _load_manifest(folder: Path) -> dict | None:
