@@ -86,8 +86,9 @@ def check_vllm_temperature(name: str, rollout) -> None:
 
 
 def engine_names() -> tuple[str, ...]:
-    """Every registered engine (each module of ``rollout_bridge.engine`` imported)."""
-    return tuple(EngineConfig.get_known_choices())
+    """Every registered engine, sorted (each module of ``rollout_bridge.engine`` imported; import
+    order would otherwise decide the order)."""
+    return tuple(sorted(EngineConfig.get_known_choices()))
 
 
 def engine_config(name: str) -> EngineConfig:
