@@ -29,11 +29,15 @@ def test_recipes_load_their_math_tir_env_sections():
 
 
 def test_qwen_recipe_stops_at_the_missing_inputs(tmp_path):
-    done = subprocess.run([sys.executable, "train.py", "--config_path", str(CONFIGS / "math_tir_qwen35_0p8b.yaml"),
-                           "--output_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode != 0
-    assert "error: model.path" in done.stdout + done.stderr
+    """Checked before any work: the model folder (train.py's first check, in-process here),
+    then, through train.py, the DAPO data folder."""
+    import train
+    from rollout_bridge.components import check_inputs
+    from rollout_bridge.run_errors import UserError
+
+    with pytest.raises(UserError, match=r"^model.path"):
+        check_inputs(train.parse_config(["--config_path", str(CONFIGS / "math_tir_qwen35_0p8b.yaml"),
+                                         "--output_dir", str(tmp_path / "run")]))
     model = tmp_path / "model"
     model.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
