@@ -128,8 +128,9 @@ class SingleStreamConfig(MethodConfig):
         """m in-flight requests per task (SPEC 2: m = 1) need enough distinct tasks: on a
         task set the config decides (``env.known_num_tasks()``: generated games, drawn problems),
         ``rollout.max_in_flight`` <= m x ``env.num_games``."""
-        if cfg.env.known_num_tasks() is not None:
-            slots = cfg.rollout.max_in_flight_per_task * cfg.env.known_num_tasks()
+        tasks = cfg.env.known_num_tasks()
+        if tasks is not None:
+            slots = cfg.rollout.max_in_flight_per_task * tasks
             if cfg.rollout.max_in_flight > slots:
                 raise ValueError(f"rollout.max_in_flight must be <= rollout.max_in_flight_per_task x "
                                  f"env.num_games={slots} (in-flight requests per task are bounded), "
