@@ -97,10 +97,10 @@ def stage_key(cfg, *sections: str) -> dict:
     change; with both off those games are the ones made before they existed)."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
     if "env" in key:
+        own = set(key["env"])   # the chosen kind's fields
         key["env"] = {"kind": cfg.env.kind, **ENV_FLAT_FIELDS, **key["env"]}
-        generated_alfworld = cfg.env.kind == "alfworld" and key["env"]["game_dir"] is None
-        for field in ("alfred_filter", "alfred_floor_plans"):
-            if not (generated_alfworld and key["env"][field]):
+        for field in ("alfred_filter", "alfred_floor_plans"):   # ALFWorld's, for generated games
+            if not (field in own and key["env"]["game_dir"] is None and key["env"][field]):
                 key["env"].pop(field)
     for name, fields in UNKEYED_FIELDS.items():
         for field in fields:
