@@ -94,6 +94,3 @@ class AlfworldConfig(CommandGameConfig):
         extra = {} if held is None else {"heldout": (held, alfworld_tasks.env_factory(held))}
         return EnvBundle(train=sets.train, env_factory=alfworld_tasks.env_factory(sets.train),
                          max_turns=self.max_turns, corpus=corpus, warm=sets.warm, held_out=held, extra_evals=extra)
-
-    def known_num_tasks(self) -> Optional[int]:
-        return None   # generated ALFWorld sets may hold fewer games than asked (too few valid tasks)
