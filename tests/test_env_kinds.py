@@ -161,3 +161,18 @@ def test_kind_own_settings_are_keyed_where_they_were():
     math = stage_key(load_config(["--env", "math_tir"]), "env")["env"]
     assert math["kind"] == "math_tir" and "source" not in math
     assert stage_key(load_config(["--env", "math_tir", "--env.sandbox.num_workers", "2"]), "env")["env"] == math
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--env", "textworld"], True), (["--env", "alfworld"], True), (["--env", "math_tir"], True),
+    (["--env", "textworld", "--env.game_dir", "games"], False),   # your own games: counted once built
+])
+def test_single_stream_in_flight_bound_uses_the_kinds_known_task_count(argv, refused):
+    """SPEC 2 (one request in flight per task): 16 in flight need >= 16 tasks, checked at
+    parse time wherever the config alone decides the task count."""
+    argv = [*argv, "--env.num_games", "8", "--rollout.max_in_flight", "16"]
+    if refused:
+        with pytest.raises(UserError, match=r"rollout.max_in_flight must be <= .* env.num_games=8"):
+            train.parse_config(argv)
+    else:
+        assert train.parse_config(argv).env.known_num_tasks() is None
