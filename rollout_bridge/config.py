@@ -546,11 +546,11 @@ def _normalize_flags(args: Sequence[str]) -> list[str]:
     out = list(args)
     for i, arg in enumerate(out):
         nxt = out[i + 1] if i + 1 < len(out) else None
-        flag = arg.split("=", 1)[0]
+        name = arg.split("=", 1)[0]
         if arg == "--resume" and (nxt is None or nxt.startswith("--")):
             out[i] = "--resume=true"
-        elif flag in CHOICE_FLAGS:
-            out[i] = f"{flag}.type" + arg[len(flag):]
+        elif name in CHOICE_FLAGS:
+            out[i] = f"{name}.type" + arg[len(name):]
     return out
 
 

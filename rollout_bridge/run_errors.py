@@ -121,6 +121,7 @@ def storage_error_line(error: BaseException) -> str | None:
 # settings a newer version renamed: the old dotted name -> the new one (named in the hint
 # instead of the closest spelling, which can point at the wrong field)
 RENAMED = {
+    "env.kind": "env.type (or --env <kind>; in YAML env: {type: <kind>})",
     "model.dtype": "model.compute_dtype (model.param_dtype holds the master weights)",
     "advantage.measure": "method.measure",
     "loss.dual_clip": "method.dual_clip",
@@ -131,7 +132,6 @@ RENAMED = {
     "rollout.max_inflight": "rollout.max_in_flight",
     "rollout.max_seq_len": "rollout.max_total_tokens",
     "advantage.eps": "advantage.whiten_eps",
-    "env.kind": "env.type (or --env <kind>; in YAML env: {type: <kind>})",
 }
 # sections a newer version folded into another: every old dotted name under the first now
 # lives under the second

@@ -66,25 +66,12 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 # written before rollout.servers existed hold it), and rollout.prefix_reuse_across_publish,
 # which acts only across publishes (a fixed policy's prior and evaluations have none; a
 # resumed run may change it), and env.blind_control, a finished run read for the report only.
-# Math-TIR's own env fields were a section of their own that no key held; they stay unkeyed
-# so the Math-TIR records written then stay valid.
 UNKEYED_FIELDS = {"rollout": ("servers", "prefix_reuse_across_publish", "pack_rows"), "prior": ("cache_dir",),
-                  "env": ("blind_control", "source", "tool_format", "tools_enabled", "teacher_file",
-                          "teacher_samples_per_task", "held_out_fraction", "arithmetic", "sandbox", "verifier"),
-                  "model": ("remat",)}
+                  "env": ("blind_control",), "model": ("remat",)}
 # Fields renamed after keys were first written are keyed under their first names, so the
 # records (priors, evaluation caches, checkpoints) written before the rename stay valid.
 KEYED_AS = {"rollout": {"max_in_flight": "max_inflight", "max_total_tokens": "max_seq_len"},
             "advantage": {"whiten_eps": "eps"}}
-# The env section is keyed in the flat layout records were first written in, when one section
-# held every kind's fields: the kind's name as `kind`, and each field of that layout the chosen
-# kind does not have at the value the repository's recipes of the kinds without it set.
-ENV_FLAT_FIELDS = {"game_dir": None, "world_size": 1, "nb_objects": 3, "quest_length": 1, "numbered_actions": True,
-                   "shuffle_actions": False, "free_text_commands": True, "goal_every_turn": True,
-                   "reply_format": "number", "warmstart_orders": 1, "warmstart_rename": 0.0, "rename_episodes": 0.0,
-                   "actions_per_line": False, "blind_observations": False, "heldout_dir": None,
-                   "max_distractors": 6, "max_receptacles": None, "alfworld_task_types": None,
-                   "alfred_filter": True, "alfred_floor_plans": True}
 
 
 def stage_key(cfg, *sections: str) -> dict:
@@ -94,14 +81,11 @@ def stage_key(cfg, *sections: str) -> dict:
     trained with it on; so records written before it existed stay valid. ``env.rename_episodes``
     (added later too) is keyed only when it is not 0; ``env.alfred_filter`` and
     ``env.alfred_floor_plans`` only when on for generated ALFWorld games (the only games they
-    change; with both off those games are the ones made before they existed)."""
+    change; with both off those games are the ones made before they existed): the env kind's
+    ``record_key`` (rollout_bridge/envs/kinds/base.py)."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
     if "env" in key:
-        own = set(key["env"])   # the chosen kind's fields
-        key["env"] = {"kind": cfg.env.kind, **ENV_FLAT_FIELDS, **key["env"]}
-        for field in ("alfred_filter", "alfred_floor_plans"):   # ALFWorld's, for generated games
-            if not (field in own and key["env"]["game_dir"] is None and key["env"][field]):
-                key["env"].pop(field)
+        key["env"] = json.loads(json.dumps(cfg.env.record_key()))   # the layout records were first written in
     for name, fields in UNKEYED_FIELDS.items():
         for field in fields:
             key.get(name, {}).pop(field, None)
@@ -111,8 +95,6 @@ def stage_key(cfg, *sections: str) -> dict:
                 key[name][first_name] = key[name].pop(field)
     if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
         key["warmstart"].pop("group_by_length", None)
-    if "env" in key and not key["env"]["rename_episodes"]:
-        key["env"].pop("rename_episodes")
     return key
 
 

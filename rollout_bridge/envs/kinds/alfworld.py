@@ -40,6 +40,16 @@ class AlfworldConfig(CommandGameConfig):
         check(self.alfworld_task_types is None or len(self.alfworld_task_types) > 0, "env.alfworld_task_types",
               "null or non-empty", self.alfworld_task_types)
 
+    def record_key(self) -> dict:
+        """``alfred_filter`` and ``alfred_floor_plans`` (added after keys were first written)
+        only when on for generated games, the only games they change: with both off those
+        games are the ones made before they existed."""
+        key = super().record_key()
+        for field in ("alfred_filter", "alfred_floor_plans"):
+            if not (self.game_dir is None and key[field]):
+                del key[field]
+        return key
+
     def build(self, seed: int, with_demonstrations: bool, log: Callable[[str], None] = print,
               progress: bool = False) -> EnvBundle:
         """The training games, held-out games never trained on (evaluated before and after

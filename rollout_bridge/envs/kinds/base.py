@@ -22,6 +22,14 @@ from rollout_bridge.progress_lines import TenthLines, show_bar
 
 MAX_GENERATION_WORKERS = 2   # the CPU job's cores; more only crowd a shared box
 REPLY_FORMATS = ("number", "command_number")
+# Records (priors, evaluation caches, warm starts, checkpoints) were first keyed when one flat
+# env section held every kind's fields: a kind's ``record_key`` still has that layout, each of
+# these fields the kind lacks at the value the repository's recipes of the kinds without it set.
+FIRST_RECORD_KEY = {"game_dir": None, "world_size": 1, "nb_objects": 3, "quest_length": 1, "numbered_actions": True,
+                    "shuffle_actions": False, "free_text_commands": True, "goal_every_turn": True,
+                    "reply_format": "number", "warmstart_orders": 1, "warmstart_rename": 0.0, "rename_episodes": 0.0,
+                    "actions_per_line": False, "blind_observations": False, "heldout_dir": None, "max_distractors": 6,
+                    "max_receptacles": None, "alfworld_task_types": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +130,15 @@ class EnvConfig(draccus.PluginRegistry, discover_packages_path="rollout_bridge.e
         """The kind's task sets (``seed``: the job seed, for per-episode randomness such
         as shuffled actions; ``with_demonstrations``: build the warm-start set)."""
         raise NotImplementedError(f"env kind {self.kind!r} has no build()")
+
+    def record_key(self) -> dict[str, Any]:
+        """The section in a stage key (``run_folder.stage_key``), in the layout records were
+        first written in (``FIRST_RECORD_KEY``): the kind's name as ``kind``; ``rename_episodes``
+        (added after keys were first written) only when it is not 0."""
+        key = {"kind": self.kind, **FIRST_RECORD_KEY, **dataclasses.asdict(self)}
+        if not key["rename_episodes"]:
+            del key["rename_episodes"]
+        return key
 
     def to_dict(self) -> dict[str, Any]:
         """The section as a YAML/JSON mapping, ``type`` first (what ``env:`` parses back)."""

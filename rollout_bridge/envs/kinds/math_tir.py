@@ -47,6 +47,12 @@ class MathTIRConfig(EnvConfig):
         check(self.teacher_samples_per_task >= 1, "env.teacher_samples_per_task", ">= 1",
               self.teacher_samples_per_task)
 
+    def record_key(self) -> dict:
+        """Without Math-TIR's own fields: they were a section of their own that no key held,
+        so the Math-TIR records written then stay valid."""
+        own = {f.name for f in dataclasses.fields(MathTIRConfig)} - {f.name for f in dataclasses.fields(EnvConfig)}
+        return {name: value for name, value in super().record_key().items() if name not in own}
+
     def build(self, seed: int, with_demonstrations: bool, log: Callable[[str], None] = print,
               progress: bool = False) -> EnvBundle:
         """The training problems (``max_turns`` tool calls, then one more turn for the final
