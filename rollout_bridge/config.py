@@ -608,9 +608,10 @@ def read_config_file(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else f"a {type(data).__name__} ({str(data)[:40]!r})"
         raise ConfigFileError(f"{path}: a config file must hold a mapping of settings (section: value), got {got}")
-    for choice in ("method", "env"):   # `method: spo` = the recipe of spo, `env: alfworld` its defaults
-        if isinstance(data.get(choice), str):
-            data[choice] = {"type": data[choice]}
+    if isinstance(data.get("env"), str):   # `env: alfworld` = that kind with its defaults
+        data["env"] = {"type": data["env"]}
+    if isinstance(data.get("method"), str):   # `method: spo` = the recipe of spo
+        data["method"] = {"type": data["method"]}
     return data
 
 
