@@ -15,7 +15,7 @@ Extension points (lists a later module appends to):
     ``UpdateRecord`` and may have ``close()`` (e.g. wandb);
   * ``END_OF_RUN_HOOKS``: ``(cfg, run_dir, learner) -> None`` after the RL stage (e.g.
     an HF export of the final policy);
-  * env kinds: ``rollout_bridge.envs.kinds.register_env_kind``;
+  * env kinds: a file in ``rollout_bridge/envs/kinds/`` registering its ``EnvConfig`` (its fields and build);
   * rollout engines: a file in ``rollout_bridge/engine/`` registering its ``EngineConfig``;
   * methods: a file in ``rollout_bridge/methods/`` registering its ``MethodConfig`` (its recipe).
 """

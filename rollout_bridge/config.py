@@ -27,13 +27,13 @@ from typing import Literal, Optional, Sequence
 from rollout_bridge.agent import EpisodeLimits
 from rollout_bridge.engine.base import Decoding
 from rollout_bridge.engine.choice import EngineConfig, engine_config
-from rollout_bridge.envs.math_tir.sections import MathTIRSection
+from rollout_bridge.envs.kinds.base import EnvConfig, default_env
 from rollout_bridge.methods.base import MethodConfig, recipe
 from rollout_bridge.orchestrator import AdvantageConfig, RolloutSchedule, SamplerConfig, TrackerConfig
 from spopp_jax.learner import LossConfig, OptimConfig
 
 __all__ = [
-    "ModelSection", "EnvSection", "WarmStartSection", "PriorSection", "EvaluationSection",
+    "ModelSection", "WarmStartSection", "PriorSection", "EvaluationSection",
     "LossSection", "OptimSection", "RolloutSection",
     "NodeSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict", "ChoiceError",
@@ -152,99 +152,6 @@ class ModelSection:
         _check(self.tiny_num_heads % self.tiny_num_kv_heads == 0, "model.tiny_num_heads",
                f"a multiple of model.tiny_num_kv_heads={self.tiny_num_kv_heads}",
                self.tiny_num_heads)
-
-
-@dataclass
-class EnvSection:
-    """Tasks. `kind=textworld`: `game_dir` = a folder of your own games (ALFWorld's
-    game.tw-pddl files, or .z8); None = a seeded generated set of `num_games` games
-    (tw-make custom --world-size/--nb-objects/--quest-length, seeds game_seed+i) cached in
-    `data_dir`. With `game_dir`, `num_games` games are picked by a seeded shuffle
-    (0 = all). The warm-start demonstrations come from a separate generated set of
-    `warmstart_games` games (seeds from `warmstart_seed`) disjoint from the training set.
-    Observations: the game text cut to `max_feedback_chars`, then the admissible commands,
-    numbered when `numbered_actions` (the reply may then be the number), in a fresh random
-    order every turn when `shuffle_actions`; `free_text_commands=False` plays only a shown
-    command's number (any other reply spends the turn); `reply_format` "command_number" lists
-    and replies "<command> = <number>" (only the number is played); the goal heads every observation,
-    or only the first when `goal_every_turn=False`. `heldout_games` generated games
-    (seeds from `heldout_seed`, disjoint from the training set) are evaluated before and
-    after RL, never trained on."""
-
-    kind: Literal["textworld", "alfworld", "math_tir"] = "textworld"
-    game_dir: Optional[str] = None
-    data_dir: str = "artifacts/textworld_games"
-    num_games: int = 1024
-    game_seed: int = 0
-    world_size: int = 3
-    nb_objects: int = 4
-    quest_length: int = 3
-    max_turns: int = 12
-    max_feedback_chars: int = 600
-    numbered_actions: bool = False
-    shuffle_actions: bool = True
-    free_text_commands: bool = True
-    goal_every_turn: bool = False
-    # numbered actions: reply "3" to a list "3 go south | ..." (number), or "go south = 3"
-    # to a list "go south = 3 | ..." (command_number: the text first; textworld plays only
-    # the number, alfworld plays the text when it is a valid command, else the number)
-    reply_format: Literal["number", "command_number"] = "number"
-    warmstart_games: int = 256
-    warmstart_seed: int = 100_000
-    warmstart_orders: int = 4   # shuffled actions: each walkthrough shown in this many orders
-    # textworld: this fraction of the warm-start demonstrations name their rooms and things
-    # with fresh random words (rollout_bridge.envs.textworld_rename): names must be copied
-    warmstart_rename: float = 0.5
-    # textworld: this fraction of the TRAINING games' episodes (prior, RL, training-game
-    # evaluations), decided per episode from its seed, name every room and thing with fresh
-    # random words (observations renamed, typed commands renamed back): no name can be
-    # memorized per game, so what RL learns must hold on games it never saw. Held-out games
-    # are always played as generated.
-    rename_episodes: float = 0.0
-    # textworld and alfworld: "Actions:" then one command per line, tokenized as a reply typing it
-    actions_per_line: bool = True
-    # textworld: every observation hidden ("(hidden)"), demonstrations too: the prompt-blind
-    # control for free-text commands, trained and evaluated like the agent
-    blind_observations: bool = False
-    # textworld, free-text commands: the folder of a finished run of this recipe with
-    # blind_observations=true on the same games; its success after RL is printed beside the
-    # agent's as the prompt-blind reference (rollout_bridge/envs/blind_control.py)
-    blind_control: Optional[str] = "assets/textworld_blind_control"
-    # held-out games (textworld and alfworld: generated with seeds from heldout_seed;
-    # alfworld also: the first heldout_games of heldout_dir)
-    heldout_games: int = 512
-    heldout_seed: int = 200_000
-    # kind=alfworld only (rollout_bridge.envs.alfworld_tasks): a folder of held-out games,
-    # objects besides the targets, receptacles kept per floor plan (None = all, as released)
-    heldout_dir: Optional[str] = None
-    max_distractors: int = 6
-    max_receptacles: Optional[int] = None
-    # kind=alfworld only: task types generated (None = all six)
-    alfworld_task_types: Optional[tuple[str, ...]] = None
-    # kind=alfworld, generated games: only tasks ALFRED's task sampler would make
-    # (rollout_bridge.envs.alfworld_games.alfred_exclusions), and training / warm-start games
-    # on ALFRED's training floor plans, held-out games on its test floor plans
-    alfred_filter: bool = True
-    alfred_floor_plans: bool = True
-
-    def __post_init__(self):
-        _check_literals("env", self)
-        _positive("env", self, "world_size", "nb_objects", "quest_length", "max_turns",
-                  "max_feedback_chars")
-        _check(self.num_games >= (0 if self.game_dir else 1), "env.num_games",
-               ">= 1 (>= 0 with env.game_dir)", self.num_games)
-        _check(self.warmstart_games >= 0, "env.warmstart_games", ">= 0", self.warmstart_games)
-        _check(self.warmstart_orders >= 1, "env.warmstart_orders", ">= 1", self.warmstart_orders)
-        _check(0.0 <= self.warmstart_rename <= 1.0, "env.warmstart_rename", "in [0, 1]", self.warmstart_rename)
-        _check(0.0 <= self.rename_episodes <= 1.0, "env.rename_episodes", "in [0, 1]", self.rename_episodes)
-        _check(self.game_seed >= 0, "env.game_seed", ">= 0", self.game_seed)
-        _check(self.warmstart_seed >= 0, "env.warmstart_seed", ">= 0", self.warmstart_seed)
-        _check(self.heldout_games >= 0, "env.heldout_games", ">= 0", self.heldout_games)
-        _check(self.max_distractors >= 0, "env.max_distractors", ">= 0", self.max_distractors)
-        _check(self.max_receptacles is None or self.max_receptacles >= 4,
-               "env.max_receptacles", "null or >= 4", self.max_receptacles)
-        _check(self.alfworld_task_types is None or len(self.alfworld_task_types) > 0,
-               "env.alfworld_task_types", "null or non-empty", self.alfworld_task_types)
 
 
 @dataclass
@@ -457,7 +364,9 @@ class TrainConfig:
     `method`: the method and its recipe (`rollout_bridge.methods`: spopp, spo, grpo, rloo,
     the 2x2 cells event_trajectory, receipt_token, receipt_trajectory, and any method file
     added there); `--method spo` is SPO's whole recipe, `--method.dual_clip 5` one field of
-    it. `stage`: all = warm start, prior, RL (each stage
+    it. `env`: the env kind and its tasks (`rollout_bridge.envs.kinds`: textworld, alfworld,
+    math_tir, and any kind file added there); `--env alfworld` selects a kind, `--env.num_games 64`
+    one field of it. `stage`: all = warm start, prior, RL (each stage
     reuses its output when present); warmstart / prior / rl run one stage.
     `steps` updates of `rollout.batch_size` trajectories; a checkpoint every
     `checkpoint_every` updates (and at the end) in `output_dir/checkpoints`, keeping
@@ -489,7 +398,7 @@ class TrainConfig:
     wandb_project: str = "spopp-jax"
     compilation_cache_dir: Optional[str] = "artifacts/jax_compilation_cache"
     model: ModelSection = field(default_factory=ModelSection)
-    env: EnvSection = field(default_factory=EnvSection)
+    env: EnvConfig = field(default_factory=default_env)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
     prior: PriorSection = field(default_factory=PriorSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
@@ -500,7 +409,6 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     mesh: MeshSection = field(default_factory=MeshSection)
-    math_tir: MathTIRSection = field(default_factory=MathTIRSection)  # env.kind=math_tir only
     node: NodeSection = field(default_factory=NodeSection)  # GPUs of learner and launched servers
 
     def __post_init__(self):
@@ -537,10 +445,11 @@ def config_value(config, path: str):
 
 
 def config_to_dict(config: TrainConfig) -> dict:
-    """The run config as plain data; the choice sections (method, rollout.engine) with their
-    ``type`` (parses back)."""
+    """The run config as plain data; the choice sections (method, env, rollout.engine) with
+    their ``type`` (parses back)."""
     out = dataclasses.asdict(config)
     out["method"] = config.method.to_dict()
+    out["env"] = config.env.to_dict()
     out["rollout"]["engine"] = config.rollout.engine.to_dict()
     return out
 
@@ -548,12 +457,14 @@ def config_to_dict(config: TrainConfig) -> dict:
 CONFIG_FLAG = "--config_path"
 METHOD_FLAG = "--method"
 ENGINE_FLAG = "--rollout.engine"
-CHOICE_FLAGS = (METHOD_FLAG, ENGINE_FLAG)   # `--<choice> X` selects X (`--<choice>.type X`)
+ENV_FLAG = "--env"
+CHOICE_FLAGS = (METHOD_FLAG, ENV_FLAG, ENGINE_FLAG)   # `--<choice> X` selects X (`--<choice>.type X`)
 
 
 def _normalize_flags(args: Sequence[str]) -> list[str]:
     """`--resume` alone means `--resume true` (draccus wants a value for bools);
-    `--method X` / `--rollout.engine X` select the choice section's X (`--method.type X`)."""
+    `--method X` / `--env X` / `--rollout.engine X` select the choice section's X
+    (`--method.type X`)."""
     out = list(args)
     for i, arg in enumerate(out):
         nxt = out[i + 1] if i + 1 < len(out) else None
@@ -619,6 +530,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else f"a {type(data).__name__} ({str(data)[:40]!r})"
         raise ConfigFileError(f"{path}: a config file must hold a mapping of settings (section: value), got {got}")
+    if isinstance(data.get("env"), str):   # `env: alfworld` = that kind with its defaults
+        data["env"] = {"type": data["env"]}
     if isinstance(data.get("method"), str):   # `method: spo` = the recipe of spo
         data["method"] = {"type": data["method"]}
     rollout = data.get("rollout")

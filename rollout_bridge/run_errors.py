@@ -121,6 +121,7 @@ def storage_error_line(error: BaseException) -> str | None:
 # settings a newer version renamed: the old dotted name -> the new one (named in the hint
 # instead of the closest spelling, which can point at the wrong field)
 RENAMED = {
+    "env.kind": "env.type (or --env <kind>; in YAML env: {type: <kind>})",
     "model.dtype": "model.compute_dtype (model.param_dtype holds the master weights)",
     "advantage.measure": "method.measure",
     "loss.dual_clip": "method.dual_clip",
@@ -144,6 +145,20 @@ RENAMED = {
        for name in ("", ".count", ".gpus_per_server", ".first_gpu", ".gpus", ".extra_args", ".max_restarts",
                     ".ready_timeout_s", ".max_num_seqs", ".cpu_threads", ".kv_cache_gib")},
 }
+# sections a newer version folded into another: every old dotted name under the first now
+# lives under the second
+RENAMED_SECTIONS = {"math_tir": ("env", "with --env math_tir")}
+
+
+def renamed_to(name: str) -> str | None:
+    """The new name of a renamed dotted setting ``name`` (with how to use it), or None."""
+    if name in RENAMED:
+        return RENAMED[name]
+    section, _, rest = name.partition(".")
+    if section in RENAMED_SECTIONS:
+        new, how = RENAMED_SECTIONS[section]
+        return f"{new}{'.' + rest if rest else ''} ({how})"
+    return None
 
 
 def check_renamed_flags(argv: Sequence[str]) -> None:
@@ -152,18 +167,22 @@ def check_renamed_flags(argv: Sequence[str]) -> None:
     for token in argv:
         if token.startswith("--"):
             name = token[2:].split("=", 1)[0]
-            if name in RENAMED:
-                raise UserError(f"--{name} was renamed to --{RENAMED[name]}", "config error")
+            new = renamed_to(name)
+            if new is not None:
+                raise UserError(f"--{name} was renamed to --{new}", "config error")
 
 
-def _valid_names(config_class: type, section: str | None) -> list[str]:
-    """Field names of `config_class` (a dataclass with defaults) or of its `section`."""
-    import dataclasses
-
+def _section_classes(config_class: type, section: str | None, class_name: str) -> tuple[type, list[tuple[str, type]]]:
+    """The dataclass of `config_class`'s `section` that draccus named `class_name` (for a
+    choice section: the chosen choice's class), and the section's (name, class) choices
+    (empty unless it is a choice section)."""
     target = config_class()
     for part in (section.split(".") if section else []):
         target = getattr(target, part)
-    return [f.name for f in dataclasses.fields(target)]
+    known = getattr(type(target), "get_known_choices", None)
+    choices = list(known().items()) if known is not None else []
+    chosen = next((c for _, c in choices if c.__name__ == class_name), type(target))
+    return chosen, choices
 
 
 def unknown_fields_line(message: str, config_path: str | None,
@@ -179,13 +198,20 @@ def unknown_fields_line(message: str, config_path: str | None,
     dotted = [f"{section}.{n}" if section else n for n in names]
     hints = []
     if config_class is not None:
+        import dataclasses
+
         try:
-            valid = _valid_names(config_class, section)
+            chosen, choices = _section_classes(config_class, section, match.group("cls"))
+            valid = [f.name for f in dataclasses.fields(chosen)]
         except (AttributeError, TypeError):
-            valid = []
+            valid, choices = [], []
         for name, full in zip(names, dotted):
-            if full in RENAMED:
-                hints.append(f"{full} was renamed to {RENAMED[full]}")
+            if renamed_to(full) is not None:
+                hints.append(f"{full} was renamed to {renamed_to(full)}")
+                continue
+            owners = [choice for choice, cls in choices if name in {f.name for f in dataclasses.fields(cls)}]
+            if owners:
+                hints.append(f"{full} is a setting of --{section} {' / '.join(owners)} only")
                 continue
             close = difflib.get_close_matches(name, valid, n=SUGGESTIONS)
             if close:

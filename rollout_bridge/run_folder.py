@@ -80,14 +80,13 @@ def stage_key(cfg, *sections: str) -> dict:
     trained with it on; so records written before it existed stay valid. ``env.rename_episodes``
     (added later too) is keyed only when it is not 0; ``env.alfred_filter`` and
     ``env.alfred_floor_plans`` only when on for generated ALFWorld games (the only games they
-    change; with both off those games are the ones made before they existed)."""
+    change; with both off those games are the ones made before they existed): the env kind's
+    ``record_key`` (rollout_bridge/envs/kinds/base.py)."""
     key = {name: json.loads(json.dumps(dataclasses.asdict(getattr(cfg, name)))) for name in sections}
     if "rollout" in key:
         key["rollout"].update(cfg.rollout.engine.record_key())   # replaces the engine's section
-    generated_alfworld = cfg.env.kind == "alfworld" and cfg.env.game_dir is None
-    for field in ("alfred_filter", "alfred_floor_plans"):
-        if "env" in key and not (generated_alfworld and getattr(cfg.env, field)):
-            key["env"].pop(field, None)
+    if "env" in key:
+        key["env"] = json.loads(json.dumps(cfg.env.record_key()))   # the layout records were first written in
     for name, fields in UNKEYED_FIELDS.items():
         for field in fields:
             key.get(name, {}).pop(field, None)
@@ -97,8 +96,6 @@ def stage_key(cfg, *sections: str) -> dict:
                 key[name][first_name] = key[name].pop(field)
     if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
         key["warmstart"].pop("group_by_length", None)
-    if "env" in key and not cfg.env.rename_episodes:
-        key["env"].pop("rename_episodes", None)
     return key
 
 

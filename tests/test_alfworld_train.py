@@ -1,4 +1,4 @@
-"""`python train.py` with env.kind=alfworld end to end on generated games: warm start,
+"""`python train.py` with --env alfworld end to end on generated games: warm start,
 prior, SPO++ updates, success after RL on the training and held-out games (slow)."""
 
 from __future__ import annotations

@@ -155,17 +155,17 @@ def test_rl_progress_counts_from_a_resumed_update(capsys):
 
 def test_game_generation_logs_a_line_per_tenth_without_a_bar(monkeypatch):
     from rollout_bridge import progress_lines
-    from rollout_bridge.envs.kinds import _GenerationBar
+    from rollout_bridge.envs.kinds import GenerationBar
 
     lines = []
-    bar = _GenerationBar("training games", enabled=False, log=lines.append)
+    bar = GenerationBar("training games", enabled=False, log=lines.append)
     for done in range(0, 21):
         bar(done, 20)
     bar.close()
     assert [line.split(" in ")[0] for line in lines] == [f"generating training games: {2 * k}/20" for k in range(1, 11)]
     quiet = []
     monkeypatch.setattr(progress_lines, "stderr_is_terminal", lambda: True)
-    shown = _GenerationBar("training games", enabled=True, log=quiet.append)   # the bar shows progress
+    shown = GenerationBar("training games", enabled=True, log=quiet.append)   # the bar shows progress
     shown(10, 20)
     shown.close()
     assert quiet == []

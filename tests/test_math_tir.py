@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import types
 
 import numpy as np
 import pyarrow as pa
@@ -16,8 +15,8 @@ import pytest
 
 from rollout_bridge.agent import AgentConfig, ChatFormat, run_episode
 from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
-from rollout_bridge.envs.kinds import math_tir_evaluations
-from rollout_bridge.envs.math_tir import EpisodeRules, MathTIREnv, MathTIRSection, build_math_tir
+from rollout_bridge.envs.kinds.math_tir import MathTIRConfig, math_tir_evaluations
+from rollout_bridge.envs.math_tir import EpisodeRules, MathTIREnv, build_math_tir
 from rollout_bridge.envs.math_tir.arithmetic import (
     ArithmeticSpec,
     expression_of,
@@ -250,13 +249,12 @@ def test_final_message_loss_mask_token_by_token(chat):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    env = types.SimpleNamespace(data_dir=str(tmp_path_factory.mktemp("data")), num_games=4, game_seed=0,
-                                max_turns=2, max_feedback_chars=40, warmstart_games=6, warmstart_seed=100,
-                                heldout_games=3, heldout_seed=7)
-    section = MathTIRSection(arithmetic=ArithmeticSpec(slip_rate=0.5),
-                             sandbox=SandboxConfig(num_workers=2, wall_s=2.0, cpu_s=1))
+    env = MathTIRConfig(data_dir=str(tmp_path_factory.mktemp("data")), num_games=4, game_seed=0, max_turns=2,
+                        max_feedback_chars=40, warmstart_games=6, warmstart_seed=100, heldout_games=3, heldout_seed=7,
+                        arithmetic=ArithmeticSpec(slip_rate=0.5),
+                        sandbox=SandboxConfig(num_workers=2, wall_s=2.0, cpu_s=1))
     try:
-        built = build_math_tir(env, section, seed=0)
+        built = build_math_tir(env, seed=0)
     except SandboxUnavailable as exc:
         pytest.skip(f"bubblewrap sandbox unavailable here: {exc}")
     yield built
@@ -360,8 +358,8 @@ def test_episode_rules_and_env_validate():
     env = MathTIREnv(tasks, None, None, EpisodeRules("plain", 1, 10))
     with pytest.raises(ValueError, match="task_id"):
         asyncio.run(env.reset(3))
-    with pytest.raises(ValueError, match="math_tir.source"):
-        MathTIRSection(source="gsm8k")
+    with pytest.raises(ValueError, match="env.source"):
+        MathTIRConfig(source="gsm8k")
 
 
 def test_filter_teacher_command_writes_the_split(tmp_path, capsys):

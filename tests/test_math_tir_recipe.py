@@ -16,24 +16,28 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
-def test_recipes_load_their_math_tir_sections():
+def test_recipes_load_their_math_tir_env_sections():
     tiny = load_config(config_path=CONFIGS / "math_tir_tiny.yaml")
-    assert tiny.env.kind == "math_tir" and tiny.math_tir.source == "arithmetic"
-    assert tiny.math_tir.arithmetic.operators == ("*",)
-    assert 0 < tiny.math_tir.arithmetic.direct_rate < 1  # the teacher sometimes answers without the tool
+    assert tiny.env.kind == "math_tir" and tiny.env.source == "arithmetic"
+    assert tiny.env.arithmetic.operators == ("*",)
+    assert 0 < tiny.env.arithmetic.direct_rate < 1  # the teacher sometimes answers without the tool
     assert tiny.env.heldout_games > 0  # held-out problems evaluated before/after RL
     qwen = load_config(config_path=CONFIGS / "math_tir_qwen35_0p8b.yaml")
-    assert (qwen.math_tir.source, qwen.math_tir.tool_format) == ("dapo", "qwen")
+    assert (qwen.env.source, qwen.env.tool_format) == ("dapo", "qwen")
     assert qwen.warmstart.loss_on == "final_message"  # SPEC 6
-    assert qwen.math_tir.sandbox.preload == ("sympy",)
+    assert qwen.env.sandbox.preload == ("sympy",)
 
 
 def test_qwen_recipe_stops_at_the_missing_inputs(tmp_path):
-    done = subprocess.run([sys.executable, "train.py", "--config_path", str(CONFIGS / "math_tir_qwen35_0p8b.yaml"),
-                           "--output_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode != 0
-    assert "error: model.path" in done.stdout + done.stderr
+    """Checked before any work: the model folder (train.py's first check, in-process here),
+    then, through train.py, the DAPO data folder."""
+    import train
+    from rollout_bridge.components import check_inputs
+    from rollout_bridge.run_errors import UserError
+
+    with pytest.raises(UserError, match=r"^model.path"):
+        check_inputs(train.parse_config(["--config_path", str(CONFIGS / "math_tir_qwen35_0p8b.yaml"),
+                                         "--output_dir", str(tmp_path / "run")]))
     model = tmp_path / "model"
     model.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):

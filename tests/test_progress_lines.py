@@ -32,12 +32,12 @@ def test_stderr_is_terminal_only_for_a_tty(monkeypatch, stream, terminal):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_game_generation_draws_a_bar_or_logs_tenths_never_both(monkeypatch, terminal):
-    from rollout_bridge.envs.kinds import _GenerationBar
+    from rollout_bridge.envs.kinds import GenerationBar
 
     stderr = _Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", stderr)
     lines = []
-    bar = _GenerationBar("training games", enabled=True, log=lines.append)
+    bar = GenerationBar("training games", enabled=True, log=lines.append)
     for done in range(0, 21):
         bar(done, 20)
     bar.close()

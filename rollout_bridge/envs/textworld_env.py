@@ -396,7 +396,7 @@ class TextWorldTasks:
         pddl = [str(p) for p in game_files if str(p).endswith(".tw-pddl")]
         if pddl and not self.plays_pddl:
             raise ValueError(f"{pddl[0]} is an ALFWorld game (.tw-pddl): play it with "
-                             "rollout_bridge.envs.alfworld_env.AlfworldTasks (env.kind=alfworld)")
+                             "rollout_bridge.envs.alfworld_env.AlfworldTasks (--env alfworld)")
         self.root = Path(root)
         self.max_turns = max_turns
         self.style = style

@@ -126,9 +126,11 @@ class SingleStreamConfig(MethodConfig):
 
     def check(self, cfg) -> None:
         """m in-flight requests per task (SPEC 2: m = 1) need enough distinct tasks: on a
-        generated task set, ``rollout.max_in_flight`` <= m x ``env.num_games``."""
-        if cfg.env.game_dir is None and cfg.env.kind in ("textworld", "math_tir"):
-            slots = cfg.rollout.max_in_flight_per_task * cfg.env.num_games
+        task set the config decides (``env.known_num_tasks()``: generated games, drawn problems),
+        ``rollout.max_in_flight`` <= m x ``env.num_games``."""
+        tasks = cfg.env.known_num_tasks()
+        if tasks is not None:
+            slots = cfg.rollout.max_in_flight_per_task * tasks
             if cfg.rollout.max_in_flight > slots:
                 raise ValueError(f"rollout.max_in_flight must be <= rollout.max_in_flight_per_task x "
                                  f"env.num_games={slots} (in-flight requests per task are bounded), "

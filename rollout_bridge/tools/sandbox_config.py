@@ -1,4 +1,4 @@
-"""The tool sandbox's settings (the run config's ``math_tir.sandbox`` section): pure data,
+"""The tool sandbox's settings (the run config's ``env.sandbox`` section, kind math_tir): pure data,
 validated on construction. It lives beside the sandbox, not in the Math-TIR package, so
 that the sandbox imports no environment."""
 

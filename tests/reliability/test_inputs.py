@@ -122,10 +122,10 @@ CONFIG_CASES = [
               "exit 2: 'error: env.game_dir=... does not exist' with the ALFWorld hint",
               category="game / data folder"),
          inputs("--env.game_dir", "/nonexistent/games"), SystemExit, "2", "error: env.game_dir="),
-    Case(_row("`--env.kind math_tir --math_tir.source dapo` with a missing data folder "
+    Case(_row("`--env math_tir --env.source dapo` with a missing data folder "
               "(parquet prompts)", "exit 2: 'error: env.data_dir=... does not exist'",
               category="game / data folder"),
-         inputs("--env.kind", "math_tir", "--math_tir.source", "dapo", "--env.data_dir", "/nonexistent/dapo"),
+         inputs("--env", "math_tir", "--env.source", "dapo", "--env.data_dir", "/nonexistent/dapo"),
          SystemExit, "2", "error: env.data_dir="),
     # every setting checked before any work: finite numbers, divisibility, the mesh, files
     Case(_row("`--optim.learning_rate inf`", "exit 2: 'optim.learning_rate must be finite, got inf' "

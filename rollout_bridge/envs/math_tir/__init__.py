@@ -9,9 +9,8 @@ checks, verifier filter, split by prompt).
 from rollout_bridge.envs.math_tir.env import (
     EpisodeRules,
     MathTIREnv,
-    MathTIRSection,
     MathTIRSetup,
     build_math_tir,
 )
 
-__all__ = ["EpisodeRules", "MathTIREnv", "MathTIRSection", "MathTIRSetup", "build_math_tir"]
+__all__ = ["EpisodeRules", "MathTIREnv", "MathTIRSetup", "build_math_tir"]

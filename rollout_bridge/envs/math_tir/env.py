@@ -10,9 +10,10 @@ An episode: ``reset(task_id)`` returns the problem text. Each reply of the polic
     (reward 1 or 0; a verifier error or time-out is 0, logged), done.
 The agent loop therefore needs ``max_turns = max_tool_calls + 1`` model turns.
 
-``build_math_tir`` is the kind's entry point: from the ``env`` section (data_dir,
-num_games, game_seed, max_turns, max_feedback_chars, warmstart_games, warmstart_seed,
-heldout_games, heldout_seed) and this module's ``MathTIRSection`` it returns a
+``build_math_tir`` is the kind's entry point: from the ``env`` section of kind
+``math_tir`` (``rollout_bridge.envs.kinds.math_tir.MathTIRConfig``: data_dir, num_games,
+game_seed, max_turns, max_feedback_chars, the warm-start and held-out counts and seeds,
+source, tool_format, arithmetic, sandbox, verifier, ...) it returns a
 :class:`MathTIRSetup` holding the training task set, the held-out problems (arithmetic
 source: ``heldout_games`` drawn problems; dapo source: ``heldout_games`` prompts of the
 same files drawn with ``heldout_seed``; either way never trained on nor demonstrated), the cold-start
@@ -27,7 +28,6 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from rollout_bridge.envs.math_tir.sections import MathTIRSection
 from rollout_bridge.envs.base import AsyncEnvironment, StepResult, check_task_id
 from rollout_bridge.envs.math_tir.arithmetic import ArithmeticSpec, generate_problems, teacher_trajectories
 from rollout_bridge.envs.math_tir.tasks import MathTaskSet, load_dapo_heldout, load_dapo_math
@@ -50,7 +50,7 @@ DIGITS_REMOVED = str.maketrans("", "", "0123456789")
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeRules:
-    """What one episode allows (from ``env`` + ``math_tir``)."""
+    """What one episode allows (from the ``env`` section)."""
 
     tool_format: ToolFormat
     max_tool_calls: int
@@ -162,16 +162,16 @@ def arithmetic_problem_sets(env, spec: ArithmeticSpec):
     return train, warm, held
 
 
-def arithmetic_teacher(env, section: MathTIRSection, warm: MathTaskSet, sandbox, verifier, seed: int):
+def arithmetic_teacher(env, warm: MathTaskSet, sandbox, verifier, seed: int):
     """Scripted teacher on the warm-start problems, filtered and split (records are also
     written to ``env.data_dir`` for inspection)."""
     if warm is None:
         raise ValueError("env.warmstart_games must be >= 1 for the arithmetic teacher's cold start")
-    spec = section.arithmetic
-    records = teacher_trajectories(warm, _sandbox_stdout(sandbox, env.max_feedback_chars), section.tool_format,
-                                   section.teacher_samples_per_task, seed, spec.slip_rate, spec.direct_rate)
-    kept, held, report = filter_teacher(records, verifier.score, section.tool_format, env.max_turns,
-                                        section.held_out_fraction, seed)
+    spec = env.arithmetic
+    records = teacher_trajectories(warm, _sandbox_stdout(sandbox, env.max_feedback_chars), env.tool_format,
+                                   env.teacher_samples_per_task, seed, spec.slip_rate, spec.direct_rate)
+    kept, held, report = filter_teacher(records, verifier.score, env.tool_format, env.max_turns,
+                                        env.held_out_fraction, seed)
     folder = Path(env.data_dir)
     write_jsonl(folder / "teacher_raw.jsonl", records)
     write_jsonl(folder / "teacher_train.jsonl", kept)
@@ -180,17 +180,17 @@ def arithmetic_teacher(env, section: MathTIRSection, warm: MathTaskSet, sandbox,
     return kept, held, report
 
 
-def dapo_teacher(env, section: MathTIRSection) -> list[dict]:
-    """The filtered teacher JSONL named by ``math_tir.teacher_file`` (every record checked)."""
-    if section.teacher_file is None:
-        raise ValueError("math_tir.teacher_file is required for the cold start with source=dapo "
+def dapo_teacher(env) -> list[dict]:
+    """The filtered teacher JSONL named by ``env.teacher_file`` (every record checked)."""
+    if env.teacher_file is None:
+        raise ValueError("env.teacher_file is required for the cold start with source=dapo "
                          "(a JSONL written by `python -m rollout_bridge.envs.math_tir.teacher filter`)")
-    path = Path(env.data_dir) / section.teacher_file
+    path = Path(env.data_dir) / env.teacher_file
     if not path.is_file():
-        raise FileNotFoundError(f"math_tir.teacher_file: {str(path)!r} does not exist")
+        raise FileNotFoundError(f"env.teacher_file: {str(path)!r} does not exist")
     records = read_jsonl(path)
     for number, record in enumerate(records, 1):
-        why = structure_error(record, section.tool_format, env.max_turns)
+        why = structure_error(record, env.tool_format, env.max_turns)
         if why is not None:
             raise ValueError(f"{path} record {number}: {why}")
     return records
@@ -205,27 +205,27 @@ def dapo_seen_prompts(train: MathTaskSet, demos: "TeacherDemonstrations | None")
     return seen
 
 
-def build_math_tir(env, section: MathTIRSection, seed: int, with_teacher: bool = True) -> MathTIRSetup:
+def build_math_tir(env, seed: int, with_teacher: bool = True) -> MathTIRSetup:
     """The ``math_tir`` kind's builder (see the module docstring)."""
     if env.max_turns < 1:
         raise ValueError(f"env.max_turns (max tool calls) must be >= 1, got {env.max_turns}")
     warm = held_out = None
-    if section.source == "dapo":
+    if env.source == "dapo":
         train = load_dapo_math(env.data_dir, env.num_games, env.game_seed)
     else:
-        train, warm, held_out = arithmetic_problem_sets(env, section.arithmetic)
-    rules = EpisodeRules(section.tool_format, env.max_turns, env.max_feedback_chars, section.tools_enabled)
-    sandbox = ToolSandbox(section.sandbox)
-    verifier = MathVerifier(section.verifier)
+        train, warm, held_out = arithmetic_problem_sets(env, env.arithmetic)
+    rules = EpisodeRules(env.tool_format, env.max_turns, env.max_feedback_chars, env.tools_enabled)
+    sandbox = ToolSandbox(env.sandbox)
+    verifier = MathVerifier(env.verifier)
     demos = held = None
     try:
-        if with_teacher and section.source == "arithmetic":
-            kept, held_records, _ = arithmetic_teacher(env, section, warm, sandbox, verifier, seed)
-            demos = TeacherDemonstrations(kept, section.tool_format)
-            held = TeacherDemonstrations(held_records, section.tool_format) if held_records else None
+        if with_teacher and env.source == "arithmetic":
+            kept, held_records, _ = arithmetic_teacher(env, warm, sandbox, verifier, seed)
+            demos = TeacherDemonstrations(kept, env.tool_format)
+            held = TeacherDemonstrations(held_records, env.tool_format) if held_records else None
         elif with_teacher:
-            demos = TeacherDemonstrations(dapo_teacher(env, section), section.tool_format)
-        if section.source == "dapo" and env.heldout_games > 0:
+            demos = TeacherDemonstrations(dapo_teacher(env), env.tool_format)
+        if env.source == "dapo" and env.heldout_games > 0:
             held_out = load_dapo_heldout(env.data_dir, env.heldout_games, env.heldout_seed,
                                          dapo_seen_prompts(train, demos))
     except BaseException:
