@@ -137,29 +137,52 @@ def test_the_main_jobs_key_is_the_one_its_records_were_written_with():
         assert _digest(stage_key(cfg, "model", "env")) == "ca86850c42a7fc88"
 
 
+MATH_TIR_OWN = ("source", "tool_format", "tools_enabled", "teacher_file", "teacher_samples_per_task",
+                "held_out_fraction", "arithmetic", "sandbox", "verifier")
+
+
+def _without_math_tir_own(key: dict) -> dict:
+    return {name: value for name, value in key.items() if name not in MATH_TIR_OWN}
+
+
 @pytest.mark.parametrize("name", sorted(BEFORE["configs"]))
 def test_every_recipes_env_key_is_unchanged(name):
+    """The env key of every recipe is the one records were written under; Math-TIR's adds
+    its own settings, which no key held before (so no earlier record is served to it)."""
     cfg = train.parse_config(["--config_path", str(ROOT / "configs" / name)])
-    assert stage_key(cfg, "env")["env"] == BEFORE["configs"][name]
+    key = stage_key(cfg, "env")["env"]
+    if cfg.env.kind == "math_tir":
+        assert set(key) - set(BEFORE["configs"][name]) == set(MATH_TIR_OWN)
+        key = _without_math_tir_own(key)
+    assert key == BEFORE["configs"][name]
 
 
-def test_a_math_tir_run_folder_written_before_still_resumes():
-    """The env part of run_config.json of a configs/math_tir_tiny.yaml run made before
-    (what --resume compares) equals this version's key of the same command."""
+def test_a_math_tir_run_folder_written_before_is_refused_naming_its_unrecorded_settings():
+    """A configs/math_tir_tiny.yaml run folder made before Math-TIR's settings were keyed does
+    not --resume (its problems and teacher are unrecorded); the refusal names those settings,
+    and the rest of its env key equals this version's."""
+    from spopp_jax.checkpoint import config_differences
+
     saved = BEFORE["math_tir_tiny_run_folder"]
     cfg = train.parse_config(["--config_path", str(ROOT / "configs" / "math_tir_tiny.yaml"), *saved["flags"]])
-    assert stage_key(cfg, "env")["env"] == saved["env"]
+    key = stage_key(cfg, "env")["env"]
+    assert _without_math_tir_own(key) == saved["env"]
+    differing = {line.split(":")[0].split(".")[0] for line in config_differences(saved["env"], key)}
+    assert differing == set(MATH_TIR_OWN)
 
 
-def test_kind_own_settings_are_keyed_where_they_were():
-    """A TextWorld or ALFWorld field changes the key; Math-TIR's own settings stay out of it,
-    as when they were a section no key held."""
+def test_kind_own_settings_are_keyed():
+    """A TextWorld, ALFWorld or Math-TIR setting changes the key, except the sandbox's worker
+    count (how many tool calls run at once, not what they return)."""
     base = stage_key(TrainConfig(), "env")["env"]
     assert stage_key(load_config(["--env.world_size", "4"]), "env")["env"] != base
     alf = stage_key(load_config(["--env", "alfworld"]), "env")["env"]
     assert stage_key(load_config(["--env", "alfworld", "--env.max_distractors", "2"]), "env")["env"] != alf
     math = stage_key(load_config(["--env", "math_tir"]), "env")["env"]
-    assert math["kind"] == "math_tir" and "source" not in math
+    assert math["kind"] == "math_tir" and math["source"] == "arithmetic"
+    for flag, value in (("--env.arithmetic.max_operand", "500"), ("--env.tool_format", "qwen"),
+                        ("--env.sandbox.wall_s", "2.0")):
+        assert stage_key(load_config(["--env", "math_tir", flag, value]), "env")["env"] != math, flag
     assert stage_key(load_config(["--env", "math_tir", "--env.sandbox.num_workers", "2"]), "env")["env"] == math
 
 

@@ -48,10 +48,12 @@ class MathTIRConfig(EnvConfig):
               self.teacher_samples_per_task)
 
     def record_key(self) -> dict:
-        """Without Math-TIR's own fields: they were a section of their own that no key held,
-        so the Math-TIR records written then stay valid."""
-        own = {f.name for f in dataclasses.fields(MathTIRConfig)} - {f.name for f in dataclasses.fields(EnvConfig)}
-        return {name: value for name, value in super().record_key().items() if name not in own}
+        """Every field but the sandbox's worker count (how many calls run at once, not what a
+        call returns): a cached prior, evaluation or warm start made on other problems, another
+        teacher or another tool format is never served."""
+        key = super().record_key()
+        key["sandbox"] = {name: value for name, value in key["sandbox"].items() if name != "num_workers"}
+        return key
 
     def build(self, seed: int, with_demonstrations: bool, log: Callable[[str], None] = print,
               progress: bool = False) -> EnvBundle:
