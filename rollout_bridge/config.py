@@ -30,6 +30,7 @@ from rollout_bridge.engine.choice import EngineConfig, engine_config
 from rollout_bridge.envs.kinds.base import EnvConfig, default_env
 from rollout_bridge.methods.base import MethodConfig, recipe
 from rollout_bridge.orchestrator import AdvantageConfig, RolloutSchedule, SamplerConfig, TrackerConfig
+from rollout_bridge.run_errors import check_setting as _check
 from spopp_jax.learner import LossConfig, OptimConfig
 
 __all__ = [
@@ -38,11 +39,6 @@ __all__ = [
     "NodeSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict", "ChoiceError",
 ]
-
-
-def _check(ok: bool, name: str, requirement: str, value) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
 def _check_literals(section: str, obj) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["EXIT_USER_ERROR", "UserError", "config_path_argument", "check_config_path", "check_output_dir",
+__all__ = ["EXIT_USER_ERROR", "UserError", "check_setting", "config_path_argument", "check_config_path", "check_output_dir",
            "storage_error_line", "error_chain", "unknown_fields_line", "run_cleanly"]
 
 EXIT_USER_ERROR = 2   # as argparse and the config checks
@@ -46,6 +46,14 @@ STORAGE_MESSAGES = {os.strerror(code): reason for code, reason in STORAGE_ERRNOS
 _UNKNOWN_FIELDS = re.compile(r"(?:`(?P<section>[\w.]+)`: )?The fields? (?P<fields>.+?) "
                              r"(?:are|is) not valid for (?P<cls>\w+)")
 SUGGESTIONS = 2
+
+
+
+def check_setting(ok: bool, name: str, requirement: str, value) -> None:
+    """ValueError '<name> must be <requirement>, got <value>' unless ``ok``: the one form of
+    a bad config value (the run config's sections, env kinds, rollout engines)."""
+    if not ok:
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
 class UserError(Exception):

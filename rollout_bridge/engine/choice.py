@@ -21,18 +21,14 @@ from typing import Any, ClassVar
 
 import draccus
 
+from rollout_bridge.run_errors import check_setting as check
+
 VLLM_TEMPERATURE = 1.0  # the vLLM engines report raw log-probs: exact sampling log-probs only at T = 1
 
 # How records (priors, evaluation caches, checkpoints) written before ``rollout.engine`` was a
 # choice keyed the engine: its name and these flat fields, whatever the engine. An engine's
 # ``record_key`` overrides the ones it owns, so those records stay valid.
 FIRST_RECORD_KEY = {"engine_steps_per_call": 8, "server_urls": None}
-
-
-def check(ok: bool, name: str, requirement: str, value) -> None:
-    """ValueError '<name> must be <requirement>, got <value>' (the run config's form)."""
-    if not ok:
-        raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import draccus
 
 from rollout_bridge.envs.base import EnvFactory
 from rollout_bridge.progress_lines import TenthLines, show_bar
+from rollout_bridge.run_errors import check_setting as check
 
 MAX_GENERATION_WORKERS = 2   # the CPU job's cores; more only crowd a shared box
 REPLY_FORMATS = ("number", "command_number")
@@ -66,12 +67,6 @@ class EnvBundle:
     @property
     def num_tasks(self) -> int:
         return self.train.num_tasks
-
-
-def check(ok: bool, name: str, requirement: str, value) -> None:
-    """ValueError '<env.field> must be <requirement>, got <value>' unless ``ok``."""
-    if not ok:
-        raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
 @dataclasses.dataclass
