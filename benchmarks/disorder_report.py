@@ -59,6 +59,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -341,7 +342,9 @@ def calibrate(args) -> None:
         folder = delay_folder(args.root, delay)
         wall = None
         if not (folder / "summary.json").is_file():
-            folder.mkdir(parents=True, exist_ok=True)
+            if folder.exists():
+                shutil.rmtree(folder)  # an interrupted run: redo it from scratch
+            folder.mkdir(parents=True)
             command = calibration_command(delay, args)
             print(" ".join(command), flush=True)
             start = time.time()

@@ -132,3 +132,19 @@ def test_calibration_command_and_measured_share(tmp_path):
             f.write(json.dumps({"step": step, "diag/received_total": received, "diag/out_of_event_order_total": late}) + "\n")
     assert disorder_report.measured_share(folder)["fraction"] == pytest.approx(0.25)
     assert disorder_report.calibration_line(0.25, folder, 7.0) == "| 0.25 | 48 | 12 | 25.0 | 7 |"
+
+
+def test_the_two_arms_differ_in_the_tracker_only():
+    """spopp and receipt_token share the measure, the dual clip and the learner's fields; the
+    receipt-order retention is fixed at the event-time tracker's rho of configs/default.yaml
+    (so no divergence forward runs: the learner's work per update is the same)."""
+    import yaml
+
+    from matched_runs import ARMS
+    from rollout_bridge.methods.base import MethodConfig
+
+    event, receipt = (MethodConfig.get_choice_class(ARMS[arm])() for arm in disorder_report.ARMS)
+    assert (event.measure, event.dual_clip) == (receipt.measure, receipt.dual_clip)
+    assert event.learner_fields() == receipt.learner_fields()
+    rho = yaml.safe_load(open(os.path.join(disorder_report.REPO, "configs", "default.yaml")))["tracker"]["rho"]
+    assert receipt.rho_min == receipt.rho_max == rho
