@@ -355,7 +355,11 @@ def main(args, workers: dict):
               f"loss {float(metrics['loss']):.6g}, grad_norm {float(metrics['grad_norm']):.6g}")
         fns[f"jax train_step M={micro_batches}"] = jax_step
     for name, worker in workers.items():
-        first = worker.read()
+        try:
+            first = worker.read()
+        except RuntimeError as error:  # e.g. a flag XLA takes but the train step's compile not
+            print(f"{name}: {error} before its first step; left out (its stderr is above)")
+            continue
         seen = f", XLA_FLAGS seen {first['xla_flags']!r}" if "xla_flags" in first else ""
         print(f"{name}: compile + first step {first['compile_s']:.1f} s, loss "
               f"{first['loss']:.6g}, grad_norm {first['grad_norm']:.6g}{seen}")
@@ -412,7 +416,7 @@ def main(args, workers: dict):
         for theirs in (n for n in medians if n.startswith("torch") and "step" in n):
             print("  " + _protocol.headline(timings, ours, theirs, args.allow_busy))
     for micro_batches in args.micro_batches:
-        if args.baseline:
+        if f"jax@{args.baseline} M={micro_batches}" in medians:
             print("  " + _protocol.headline(timings, f"jax train_step M={micro_batches}",
                                             f"jax@{args.baseline} M={micro_batches}",
                                             args.allow_busy))
