@@ -29,19 +29,22 @@ DEFAULT_MAX_LOAD_EXCESS = 0.5
 def pin_threads(threads: int) -> None:
     """Ask every runtime for ``threads`` threads. Call before numpy / jax / torch import.
 
-    OpenMP (torch, OpenBLAS) reads OMP_NUM_THREADS; XLA's CPU client sizes its Eigen pool
-    from ``--xla_cpu_multi_thread_eigen`` / intra-op threads; torch is also set directly
-    when it is already imported.
+    OpenMP (torch, OpenBLAS) reads OMP_NUM_THREADS; torch is also set directly when it is
+    already imported. XLA gets ``--xla_cpu_multi_thread_eigen=true`` unless XLA_FLAGS sets
+    it; the ``intra_op_parallelism_threads=N`` token appended as well is no XLA flag (no
+    leading "--") and XLA skips it, so XLA's intra-op pool has one thread per core the
+    process may use (``taskset`` limits it).
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[name] = str(threads)
     flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_multi_thread_eigen" not in flags:  # a given setting is kept (flag A/B)
+        flags = f"{flags} --xla_cpu_multi_thread_eigen=true"
     if "intra_op_parallelism_threads" not in flags:
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={threads}"
-        ).strip()
+        flags = f"{flags} intra_op_parallelism_threads={threads}"
+    os.environ["XLA_FLAGS"] = flags.strip()
     import sys
 
     if "torch" in sys.modules:

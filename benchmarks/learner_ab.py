@@ -106,7 +106,8 @@ def worker(args) -> None:
     state, metrics = step(state, batch)
     metrics = jax.device_get(metrics)
     first = {"compile_s": time.perf_counter() - start, "loss": float(metrics["loss"]),
-             "grad_norm": float(metrics["grad_norm"])}
+             "grad_norm": float(metrics["grad_norm"]),
+             "xla_flags": os.environ.get("XLA_FLAGS", "")}  # what XLA was started with
     print(REPLY + json.dumps(first), flush=True)
     for line in sys.stdin:
         if line.strip() != "step":

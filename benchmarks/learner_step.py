@@ -7,6 +7,10 @@ global-norm clipping + AdamW), eager and `torch.compile`, on the same weights an
     python benchmarks/learner_step.py --model 10m --batch 4 --seq 1024   # ~10M params, T=1024
     python benchmarks/learner_step.py --torch-micro-batches 1 16 --no-torch-eager --baseline main
         # against torch.compile at M = 1 and 16, and our step at git revision main, same rounds
+    python benchmarks/learner_step.py --torch-micro-batches 1 16 --no-torch-eager \
+        --xla-flag-sets "" "--xla_cpu_use_xnnpack=true" "--xla_cpu_use_onednn=true"
+        # our step under each XLA_FLAGS set ("" = none) against torch.compile, same rounds
+    python benchmarks/learner_step.py --probe-xla-flags   # which candidate flags jaxlib takes
 
 Methods are timed under the benchmark protocol (benchmarks/_protocol.py): interleaved
 rounds (jax, torch eager, torch.compile, jax, ...), the same thread count for all, the load
@@ -19,6 +23,43 @@ about 60% of those score FLOPs, `causal_block_attention`), and the peak is a mea
 Each step's CPU seconds (its process's, all threads) are printed as well, with their
 same-run ratios: on an oversubscribed machine they vary far less than wall time, though
 threads that spin while waiting count in them.
+
+XLA flag sets (``--xla-flag-sets``): XLA reads XLA_FLAGS once, when its client starts, so
+each set runs our step in its own worker process per micro-batch count, the `--baseline`
+workers' mechanism (benchmarks/learner_ab.py, this checkout's tree), timed in the same
+rounds as everything else. Each worker reports the XLA_FLAGS it started with (the thread
+flags of `_protocol.pin_threads` appended unless the set gives them) and its first step's
+loss and gradient norm. Each set is first probed in a subprocess (a tiny jitted matmul
+checked against numpy); a set this jaxlib refuses (XLA aborts on an unknown flag) or that
+computes a wrong matmul is reported in one line and left out. The headline gives each
+set's ratio to the torch steps and to the no-flag set at the same M ("" among the sets:
+its worker; else the in-process step).
+
+Candidate XLA:CPU flags (``--probe-xla-flags`` lists which this jaxlib accepts; the help
+texts are XLA's, debug_options_flags.cc):
+  --xla_cpu_use_thunk_runtime=true|false  accepted but no longer supported: XLA warns it
+      will be removed; the thunk runtime is the only CPU runtime, so it changes nothing.
+  --xla_cpu_multi_thread_eigen=false  run Eigen's dot / convolution kernels single-threaded
+      (default true: on XLA's intra-op thread pool).
+  --xla_cpu_enable_fast_math=true  unsafe fast-math LLVM optimisations in XLA's generated
+      code (default false; the xla_cpu_fast_math_honor_* flags refine it).
+  --xla_cpu_use_xnnpack=true  use XNNPACK for the operations it supports.
+  --xla_cpu_experimental_xnn_fusion_type=dot|eltwise|reduce  XNNPACK fusion types to form
+      (comma list; default empty).
+  --xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY  extract
+      XNNPACK-compatible subgraphs greedily from the roots (default DISABLED).
+  --xla_cpu_experimental_ynn_fusion_type=dot  YNNPACK (XNNPACK's successor) fusion types
+      (comma list; default empty).
+  --xla_cpu_use_onednn=true  call oneDNN thunks for matmul and convolution fusions.
+  --xla_cpu_experimental_onednn_fusion_type=dot  oneDNN fusion types (comma list).
+  --xla_cpu_experimental_onednn_custom_call=true  call oneDNN custom-call thunks.
+  --xla_cpu_prefer_vector_width=256|512  preferred vector width of XLA's LLVM code.
+  --xla_cpu_enable_concurrency_optimized_scheduler=true  schedule HLO for concurrency
+      (independent ops can overlap on the thread pool) rather than memory.
+The intra-op thread count: `_protocol.pin_threads` appends
+``intra_op_parallelism_threads=N`` to XLA_FLAGS; XLA takes a token without a leading "--"
+as a positional argument and ignores it, so XLA's pool keeps its own size (the cores the
+process may use); `taskset` is the way to give XLA fewer.
 """
 
 from __future__ import annotations
@@ -26,6 +67,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,16 +118,98 @@ def parse_args():
         help="also time our train step at git revision REV (e.g. main), one worker process "
              "per micro-batch count (benchmarks/learner_ab.py), in the same rounds",
     )
+    parser.add_argument(
+        "--xla-flag-sets", nargs="+", metavar="FLAGS", default=[],
+        help='also time our train step under each XLA_FLAGS string ("" = no flags), one '
+             "worker process per set and micro-batch count, in the same rounds; a set this "
+             "jaxlib refuses is reported in one line and left out",
+    )
+    parser.add_argument(
+        "--probe-xla-flags", nargs="*", metavar="FLAGS", default=None,
+        help="only list which XLA flag sets this jaxlib accepts (the given sets, else the "
+             "candidates in this script's docstring), a tiny jitted matmul per set, and exit",
+    )
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--no-torch-eager", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also time forward and fwd+bwd")
-    args = parser.parse_args()
+    # XLA flags start with "--", which argparse reads as options of its own: they are
+    # passed on with a leading space, stripped again below.
+    args = parser.parse_args(" " + a if a.startswith("--xla_") else a for a in sys.argv[1:])
+    args.xla_flag_sets = [flags.strip() for flags in args.xla_flag_sets]
+    if args.probe_xla_flags is not None:
+        args.probe_xla_flags = [flags.strip() for flags in args.probe_xla_flags]
     resolve_shape(args)
     return args
 
 
+# ----------------------------------------------------------------------------- XLA flags
+
+XLA_FLAG_CANDIDATES = (
+    "--xla_cpu_use_thunk_runtime=false",
+    "--xla_cpu_use_thunk_runtime=true",
+    "--xla_cpu_multi_thread_eigen=false",
+    "--xla_cpu_enable_fast_math=true",
+    "--xla_cpu_use_xnnpack=true",
+    "--xla_cpu_experimental_xnn_fusion_type=dot",
+    "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
+    "--xla_cpu_experimental_ynn_fusion_type=dot",
+    "--xla_cpu_use_onednn=true",
+    "--xla_cpu_experimental_onednn_fusion_type=dot",
+    "--xla_cpu_experimental_onednn_custom_call=true",
+    "--xla_cpu_prefer_vector_width=512",
+    "--xla_cpu_enable_concurrency_optimized_scheduler=true",
+)
+
+_PROBE = """
+import jax, numpy as np
+x = np.arange(96, dtype=np.float32).reshape(8, 12) / 96
+y = np.asarray(jax.jit(lambda a: a @ a.T)(x))
+print("PROBE_OK" if np.allclose(y, x @ x.T, rtol=1e-5, atol=1e-6) else "PROBE_WRONG")
+"""
+
+
+def probe_xla_flags(flags: str, timeout_s: float = 120.0) -> str | None:
+    """None when this jaxlib runs a tiny jitted matmul right under XLA_FLAGS=``flags``,
+    else the reason in one line. In a subprocess: XLA aborts the process on a flag it
+    does not know."""
+    env = dict(os.environ, XLA_FLAGS=flags)
+    try:
+        result = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
+                                text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"the probe did not finish in {timeout_s:.0f} s"
+    if "PROBE_OK" in result.stdout:
+        return None
+    if "PROBE_WRONG" in result.stdout:
+        return "accepted, but the jitted matmul is wrong"
+    lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+    # XLA's fatal log line: "F1206 10:03:40.930350  4493 parse_flags_from_env.cc:234] Unknown ..."
+    fatal = [line.split("] ", 1)[-1] for line in lines if line[:1] == "F" and "] " in line]
+    reason = (fatal or lines or [f"exit status {result.returncode}"])[0]
+    return reason[:300]
+
+
+def flag_set_name(flags: str, micro_batches: int) -> str:
+    """The printout's label of our step under XLA_FLAGS ``flags`` at M = ``micro_batches``."""
+    return f"jax xla[{flags or 'no flags'}] M={micro_batches}"
+
+
+def probe_main(flag_sets) -> None:
+    from importlib.metadata import version
+
+    print(f"jaxlib {version('jaxlib')}: XLA flag sets probed with a tiny jitted matmul, "
+          "each in its own process", flush=True)
+    for flags in flag_sets or XLA_FLAG_CANDIDATES:
+        reason = probe_xla_flags(flags)
+        print(f"  {'accepted' if reason is None else 'REFUSED '}  {flags!r}"
+              + ("" if reason is None else f": {reason}"), flush=True)
+
+
 ARGS = parse_args()
+if ARGS.probe_xla_flags is not None:
+    probe_main(ARGS.probe_xla_flags)
+    sys.exit(0)
 import _protocol  # noqa: E402
 
 _protocol.pin_threads(ARGS.threads)
@@ -167,8 +291,8 @@ def step_flops(args, matmul_params):
     return 6 * matmul_params * tokens + attention
 
 
-def main(args, baselines: dict):
-    """``baselines``: `start_baselines`' workers (timed in the same rounds)."""
+def main(args, workers: dict):
+    """``workers``: `start_workers`' worker processes by name (timed in the same rounds)."""
     import torch
     import transformers
 
@@ -230,12 +354,16 @@ def main(args, baselines: dict):
         print(f"jax compile + first step (M={micro_batches}): {time.perf_counter() - start:.1f} s, "
               f"loss {float(metrics['loss']):.6g}, grad_norm {float(metrics['grad_norm']):.6g}")
         fns[f"jax train_step M={micro_batches}"] = jax_step
-    for micro_batches, worker in baselines.items():
-        first = worker.read()
-        print(f"jax@{args.baseline} compile + first step (M={micro_batches}): "
-              f"{first['compile_s']:.1f} s, loss {first['loss']:.6g}, "
-              f"grad_norm {first['grad_norm']:.6g}")
-        fns[f"jax@{args.baseline} M={micro_batches}"] = worker.step
+    for name, worker in workers.items():
+        try:
+            first = worker.read()
+        except RuntimeError as error:  # e.g. a flag XLA takes but the train step's compile not
+            print(f"{name}: {error} before its first step; left out (its stderr is above)")
+            continue
+        seen = f", XLA_FLAGS seen {first['xla_flags']!r}" if "xla_flags" in first else ""
+        print(f"{name}: compile + first step {first['compile_s']:.1f} s, loss "
+              f"{first['loss']:.6g}, grad_norm {first['grad_norm']:.6g}{seen}")
+        fns[name] = worker.step
     if args.breakdown:
         config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
                                        num_micro_batches=args.micro_batches[0])
@@ -271,37 +399,50 @@ def main(args, baselines: dict):
     for fn in fns.values():  # warm-up (compiles the breakdown functions)
         fn()
     cpu_seconds = {name: [] for name in fns}
-    clocked = {name: with_cpu_seconds(name, fn, cpu_seconds, baselines) for name, fn in fns.items()}
+    clocked = {name: with_cpu_seconds(name, fn, cpu_seconds, workers) for name, fn in fns.items()}
     try:
         timings = _protocol.interleaved_rounds(clocked, args.rounds,
                                                max_load_excess=args.max_load_excess)
     finally:
-        for worker in baselines.values():
+        for worker in workers.values():
             worker.close()
     _protocol.report(timings, tokens, "tok", args.allow_busy)
     medians = {name: timings.summary(name, args.allow_busy)[0] for name in fns}
     for name, seconds in medians.items():
-        if "step" in name:
+        if "step" in name or name in workers:
             print(f"{name:34s} MFU {flops / seconds / peak * 100:5.1f}%")
     print("headline (same-run ratio of medians, > 1: ours faster):")
-    for ours in (n for n in medians if n.startswith(("jax train_step", "jax@"))):
+    for ours in (n for n in medians if n.startswith(OURS)):
         for theirs in (n for n in medians if n.startswith("torch") and "step" in n):
             print("  " + _protocol.headline(timings, ours, theirs, args.allow_busy))
-    for micro_batches in baselines:
-        print("  " + _protocol.headline(timings, f"jax train_step M={micro_batches}",
-                                        f"jax@{args.baseline} M={micro_batches}",
-                                        args.allow_busy))
+    for micro_batches in args.micro_batches:
+        if f"jax@{args.baseline} M={micro_batches}" in medians:
+            print("  " + _protocol.headline(timings, f"jax train_step M={micro_batches}",
+                                            f"jax@{args.baseline} M={micro_batches}",
+                                            args.allow_busy))
+        reference = flag_set_name("", micro_batches)  # the no-flag set
+        if reference not in medians:
+            reference = f"jax train_step M={micro_batches}"
+        for name in (flag_set_name(flags, micro_batches) for flags in args.xla_flag_sets):
+            if name in medians and name != reference:
+                print("  " + _protocol.headline(timings, name, reference, args.allow_busy))
+        if reference != f"jax train_step M={micro_batches}":  # in-process against worker
+            print("  " + _protocol.headline(timings, f"jax train_step M={micro_batches}",
+                                            reference, args.allow_busy))
     print("CPU seconds per step (all threads of the system's process; every round; steadier "
           "than wall time on an oversubscribed machine, but spin-waiting threads count):")
     for name, values in cpu_seconds.items():
         print(f"  {name:34s} {statistics.median(values) * 1e3:9.1f} ms  "
               f"[{min(values) * 1e3:.1f}, {max(values) * 1e3:.1f}]")
-    for ours in (n for n in cpu_seconds if n.startswith(("jax train_step", "jax@"))):
+    for ours in (n for n in cpu_seconds if n.startswith(OURS)):
         for theirs in (n for n in cpu_seconds if n.startswith("torch") and "step" in n):
             ratios = [t / o for o, t in zip(cpu_seconds[ours], cpu_seconds[theirs])]
             ratio = statistics.median(cpu_seconds[theirs]) / statistics.median(cpu_seconds[ours])
             print(f"  {ours} vs {theirs}: {ratio:.2f}x CPU time "
                   f"(per-round ratio median {statistics.median(ratios):.2f}x)")
+
+
+OURS = ("jax train_step", "jax@", "jax xla[")  # names of our steps in the printout
 
 
 def make_jax_step(train_step, holder, batch):
@@ -313,12 +454,12 @@ def make_jax_step(train_step, holder, batch):
     return jax_step
 
 
-def with_cpu_seconds(name, fn, record: dict, baselines: dict):
+def with_cpu_seconds(name, fn, record: dict, workers: dict):
     """``fn`` that also appends its CPU seconds to ``record[name]``: this process's
     (`time.process_time`, all threads) for an in-process step, the worker's own for a
-    baseline worker's step."""
-    if name.startswith("jax@"):
-        worker = baselines[int(name.rsplit("=", 1)[1])]
+    worker's step."""
+    if name in workers:
+        worker = workers[name]
 
         def run_worker():
             record[name].append(worker.step("cpu_seconds"))
@@ -333,29 +474,38 @@ def with_cpu_seconds(name, fn, record: dict, baselines: dict):
     return run
 
 
-def start_baselines(args, scratch: str) -> dict:
-    """micro-batch count -> a `learner_ab.Worker` compiling our train step at git revision
-    ``args.baseline`` (exported into ``scratch``) on the same model and batch; {} without
-    ``--baseline``. The workers compile while this process does; their first replies are
-    read later."""
-    if not args.baseline:
-        return {}
+def start_workers(args, scratch: str) -> dict:
+    """name -> a `learner_ab.Worker` compiling our train step on the same model and batch,
+    one per micro-batch count: at git revision ``args.baseline`` (exported into
+    ``scratch``), and in this checkout under each of ``args.xla_flag_sets`` that this
+    jaxlib accepts (a refused set is reported in one line and left out). The workers
+    compile while this process does; their first replies are read later."""
     import argparse as _argparse
 
     import learner_ab
     from _model_shapes import SHAPE_FLAGS
 
-    folder = learner_ab.export_tree(args.baseline, os.path.join(scratch, "baseline"))
+    variants = []  # (name, tree, XLA_FLAGS)
+    if args.baseline:
+        folder = learner_ab.export_tree(args.baseline, os.path.join(scratch, "baseline"))
+        variants += [(f"jax@{args.baseline} M={m}", folder, "") for m in args.micro_batches]
+    for flags in dict.fromkeys(args.xla_flag_sets):  # each set once
+        reason = probe_xla_flags(flags)
+        if reason is not None:
+            print(f"XLA flag set {flags!r}: refused by this jaxlib ({reason}); left out",
+                  flush=True)
+            continue
+        variants += [(flag_set_name(flags, m), learner_ab.REPO, flags)
+                     for m in args.micro_batches]
     workers = {}
-    for micro_batches in args.micro_batches:
+    for name, tree, flags in variants:
         options = {flag: getattr(args, flag) for flag in SHAPE_FLAGS}
-        options.update(batch=args.batch, seq=args.seq, micro_batches=micro_batches,
-                       mini_batches=1, threads=args.threads)
-        workers[micro_batches] = learner_ab.Worker(
-            f"jax@{args.baseline} M={micro_batches}", folder, "", _argparse.Namespace(**options))
+        options.update(batch=args.batch, seq=args.seq, mini_batches=1, threads=args.threads,
+                       micro_batches=int(name.rsplit("=", 1)[1]))
+        workers[name] = learner_ab.Worker(name, tree, flags, _argparse.Namespace(**options))
     return workers
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as _scratch:
-        main(ARGS, start_baselines(ARGS, _scratch))
+        main(ARGS, start_workers(ARGS, _scratch))
