@@ -10,7 +10,9 @@ rolls out on servers, the job's servers (``servers``).
 
 Adding an engine is one new module in ``rollout_bridge/engine/`` with its engine and its
 registered ``EngineConfig``: the registry imports every module of the package, so
-``--rollout.engine <name>`` selects it with no other edit.
+``--rollout.engine <name>`` selects it with no other edit. An engine module that also runs
+inside the vLLM venv (no draccus there) keeps its config in a module beside it
+(``vllm_choice.py``).
 """
 
 from __future__ import annotations

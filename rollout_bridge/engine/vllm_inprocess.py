@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
-from rollout_bridge.engine.choice import EngineConfig, check_vllm_temperature
 from rollout_bridge.engine.vllm_worker_ext import UNKNOWN_POLICY_EVENT
 
 WORKER_EXTENSION_CLS = "rollout_bridge.engine.vllm_worker_ext.SpoppWorkerExtension"
@@ -486,52 +485,9 @@ class DeferredInProcessEngine(RolloutEngine):
             await (await self.engine()).close()
 
 
-@EngineConfig.register_subclass("vllm")
-@dataclass(frozen=True)
-class VllmEngineConfig(EngineConfig):
-    """``rollout.engine: vllm``: vLLM's AsyncLLM in this process (``DeferredInProcessEngine``).
-    No fields of its own: its model folder, context length, concurrency and drain are the
-    job's (the stage's policy written as a weight folder, rollout.max_total_tokens,
-    rollout.max_in_flight, rollout.drain)."""
-
-    def check_runnable(self, rollout) -> None:
-        """Temperature 1 (raw log-probs) and vllm importable here."""
-        import importlib.util
-        import sys
-
-        check_vllm_temperature(self.name, rollout)
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError("rollout.engine=vllm runs vLLM inside this process, but vllm is not importable here "
-                             f"({sys.executable}); on a CPU host use rollout.engine=vllm_server with "
-                             "rollout.engine.launch.python <repo>/.venv-vllm/bin/python (scripts/setup_vllm_cpu.sh)")
-
-    def build(self, model, agent, orchestrator, policy_event: int, seed: int, servers=None,
-              policy_folder=None, run_dir=None) -> DeferredInProcessEngine:
-        """The stage's model written as a policy folder under ``run_dir/rollout_vllm``, vLLM's
-        AsyncLLM created on first use."""
-        import tempfile
-        from pathlib import Path
-
-        from rollout_bridge.engine.vllm_weights import write_policy_folder
-
-        if run_dir is None:
-            raise ValueError("rollout.engine=vllm: the engine needs run_dir (the weight folders go there)")
-        parent = Path(run_dir) / "rollout_vllm"
-        parent.mkdir(parents=True, exist_ok=True)
-        root = tempfile.mkdtemp(prefix="engine-", dir=parent)
-        tokenizer = None if policy_folder is None else str(policy_folder)
-        folder = write_policy_folder(model, root, int(policy_event), tokenizer)
-        config = VllmInProcessConfig(model=folder, weights_root=root, tokenizer_dir=tokenizer,
-                                     initial_policy_event=int(policy_event), max_model_len=agent.max_total_tokens,
-                                     max_num_seqs=orchestrator.max_in_flight,
-                                     drain="abort" if orchestrator.drain == "abort" else "finish")
-        return DeferredInProcessEngine(config)
-
-
 __all__ = [
     "DeferredInProcessEngine",
     "InProcessSyncClient",
-    "VllmEngineConfig",
     "VllmInProcessConfig",
     "VllmInProcessEngine",
     "WORKER_EXTENSION_CLS",
