@@ -387,6 +387,20 @@ def comparisons(summaries: Sequence[dict], arms: Sequence[str]) -> list[dict]:
     return out
 
 
+def carried_runs(earlier: dict, mix: TaskMix, steps: Sequence[int], played: Sequence[str]) -> list[dict]:
+    """The run summaries of an ``earlier`` yardstick record (its yardstick.json) but those
+    labelled in ``played`` (the runs evaluated now): a record grows by new runs without
+    playing the ones it holds again (their folders may be gone, or older than the
+    settings' current key). UserError unless it was made on this mix at these steps."""
+    if earlier.get("mix") != mix.record():
+        raise UserError(f"--carry: its task mix {earlier.get('mix')} is not this one {mix.record()} "
+                        "(pass the --set, --tasks, --rollouts and --seed it was made with)")
+    if list(earlier.get("steps", [])) != list(steps):
+        raise UserError(f"--carry: its steps {earlier.get('steps')} are not these {list(steps)} "
+                        "(pass the --eval_steps and --start it was made with)")
+    return [run for run in earlier["runs"] if run["label"] not in set(played)]
+
+
 def yardstick_record(summaries: Sequence[dict], mix: TaskMix, steps: Sequence[int], arms: Sequence[str],
                      settings: dict) -> dict:
     return {"mix": mix.record(), "steps": list(steps), "arms": list(arms), "settings": settings,

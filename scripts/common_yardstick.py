@@ -7,13 +7,16 @@ defines the mix and the scores.
 
     python scripts/common_yardstick.py --runs runs/m/spopp_0 runs/m/grpo_0 ... \
         --out docs/results/yardstick_x [--set train] [--tasks 32] [--rollouts 4] \
-        [--eval_steps 20,40,...] [--start true] [--reference spopp] [any train.py flag]
+        [--eval_steps 20,40,...] [--start true] [--reference spopp] [--carry earlier/yardstick.json] \
+        [any train.py flag]
 
 The train.py flags (e.g. `--config_path configs/math_tir_tiny.yaml`) give the tasks, the
 agent and the engine; each run's saved env settings and decoding must equal them (the
 command names every difference). Writes `<out>/yardstick.json` (the record),
 `<out>/yardstick.md` (the tables), `<out>/yardstick.png` (the curves) and one file per run
 and step under `<out>/evaluations/` (reused when run again with the same settings).
+`--carry` keeps the runs of an earlier record (made on the same mix and steps) that
+`--runs` does not name, as they were recorded: runs added later are played alone.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ def parse_args(argv=None):
     parser.add_argument("--start", type=_bool, default=True, help="also evaluate each run's starting policy (step 0)")
     parser.add_argument("--reference", default=None, help="the arm the others are compared with (default spopp)")
     parser.add_argument("--figure", type=_bool, default=True)
+    parser.add_argument("--carry", default=None,
+                        help="an earlier yardstick.json of the same mix and steps: its runs that --runs does not "
+                             "name are kept as recorded (not played)")
     return parser.parse_known_args(argv)
 
 
@@ -88,13 +94,14 @@ def main(argv=None) -> dict:
     runs = [ys.read_run(folder) for folder in args.runs]
     ys.check_runs(cfg, runs)
     steps = ys.common_steps(runs, args.eval_steps, args.start)
-    arms = ys.arm_order([run.arm for run in runs], args.reference)
+    earlier = None if args.carry is None else json.loads(Path(args.carry).read_text())
     machine = machine_text()
     log(f"yardstick: {len(runs)} runs ({', '.join(run.label for run in runs)}), steps {steps}; {machine}")
     env = build_env(cfg, False, log, cfg.progress)
     try:
         job = build_job(cfg, RunPaths(out), env)
         mix = ys.TaskMix.build(env, args.task_set, args.tasks, args.rollouts, cfg.seed)
+        carried = [] if earlier is None else ys.carried_runs(earlier, mix, steps, [run.label for run in runs])
         start = time.time()
         summaries = []
         for run in runs:   # one at a time: each step a fresh engine
@@ -102,14 +109,22 @@ def main(argv=None) -> dict:
             summaries.append(ys.run_summary(run, records))
     finally:
         env.close()
+    summaries = [*carried, *summaries]
+    arms = ys.arm_order([summary["arm"] for summary in summaries], args.reference)
     settings = {"argv": list(sys.argv[1:] if argv is None else argv), "env_kind": cfg.env.kind, "seed": cfg.seed,
                 "engine": cfg.rollout.engine.name, "machine": machine, "wall_s": time.time() - start,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if carried:
+        settings["carried"] = {"from": args.carry, "runs": [summary["label"] for summary in carried],
+                               "settings": earlier["settings"]}
     record = ys.yardstick_record(summaries, mix, steps, arms, settings)
     tmp = out / "yardstick.json.tmp"   # one line: the per-task records of every run and step are long
     tmp.write_text(json.dumps(record, separators=(",", ":")) + "\n")
     os.replace(tmp, out / "yardstick.json")
-    table = ys.markdown(record) + f"\n({machine} at the start; {settings['wall_s']:.0f} s)\n"
+    table = ys.markdown(record) + f"\n({machine} at the start; {settings['wall_s']:.0f} s"
+    if carried:
+        table += f"; {len(carried)} runs carried from {args.carry}, not played"
+    table += ")\n"
     (out / "yardstick.md").write_text(table)
     if args.figure:
         ys.figure(record, out / "yardstick.png")

@@ -327,6 +327,36 @@ def test_the_command_writes_curves_auc_and_paired_differences(setup, runs, tmp_p
     assert "Common yardstick" in capsys.readouterr().out
 
 
+def test_carry_keeps_an_earlier_records_runs_and_plays_only_the_new_ones(setup, runs, tmp_path):
+    """--carry: a run added later is played alone; the earlier record's runs enter the new
+    record as recorded, in its tables and paired differences; an earlier record of another
+    mix or other steps is refused before anything is played."""
+    flags = ["--rollouts", "2", "--tasks", "2", *setup.flags]
+    first = common_yardstick.main(["--runs", str(runs["a"]), str(runs["b"]), "--out", str(tmp_path / "first"), *flags])
+    earlier = tmp_path / "first" / "yardstick.json"
+    out = tmp_path / "second"
+    record = common_yardstick.main(["--runs", str(runs["c"]), "--out", str(out), "--carry", str(earlier), *flags])
+    assert sorted(p.name for p in (out / "evaluations").iterdir()) == ["spopp_seed1"]   # played: only the new run
+    by_label = {r["label"]: r for r in record["runs"]}
+    assert sorted(by_label) == ["spo_seed0", "spopp_seed0", "spopp_seed1"]
+    for r in first["runs"]:
+        assert by_label[r["label"]] == r
+    assert record["settings"]["carried"]["runs"] == ["spopp_seed0", "spo_seed0"]
+    (row,) = record["comparisons"]
+    assert (row["a"], row["b"], row["auc"]["seeds"]) == ("spopp", "spo", [0])
+    assert "| spopp_seed0 |" in (out / "yardstick.md").read_text()
+    # a run named in --runs is played, not carried
+    again = common_yardstick.main(["--runs", str(runs["a"]), "--out", str(tmp_path / "third"), "--carry",
+                                   str(out / "yardstick.json"), *flags])
+    assert sorted(r["label"] for r in again["runs"]) == ["spo_seed0", "spopp_seed0", "spopp_seed1"]
+    assert again["settings"]["carried"]["runs"] == ["spo_seed0", "spopp_seed1"]
+    for other, match in ((["--rollouts", "3"], "task mix"), (["--eval_steps", "2"], "steps")):
+        with pytest.raises(UserError, match=match):
+            common_yardstick.main(["--runs", str(runs["c"]), "--out", str(tmp_path / "refused"), "--carry",
+                                   str(earlier), *flags, *other])
+        assert not (tmp_path / "refused" / "evaluations").exists()
+
+
 @pytest.mark.slow
 def test_the_command_on_real_train_py_runs(tmp_path):
     """Two real tiny jobs (`python train.py`, SPO++ and SPO, seed 3, 4 updates, a checkpoint
