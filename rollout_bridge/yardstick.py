@@ -163,7 +163,7 @@ def read_run(folder: str | Path) -> Run:
     from rollout_bridge.run_guard import complete_steps
     from spopp_jax.export import read_step_config, resolve_model_folder
 
-    folder = Path(folder)
+    folder = Path(folder).resolve()   # orbax restores by absolute path only
     steps = complete_steps(folder / "checkpoints")
     if not steps:
         raise UserError(f"{folder}: no checkpoint step in {folder / 'checkpoints'} (a train.py output_dir?)")

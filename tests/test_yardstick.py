@@ -279,6 +279,14 @@ def test_the_same_episode_seeds_for_every_arm_and_step(setup, runs, tmp_path):
     assert again == records["a"] and len(seen) == 9
 
 
+def test_a_run_named_by_a_relative_path_loads_its_checkpoints(setup, runs, monkeypatch):
+    """``--runs runs/<arm>/seed<k>`` as a user types it: checkpoints restore by absolute path."""
+    monkeypatch.chdir(runs["a"].parent)
+    run = ys.read_run(Path(runs["a"].name))
+    assert run.folder.is_absolute() and run.start_folder.is_absolute()
+    ys.load_step_policy(run, 2, setup.cfg.model)
+
+
 def test_runs_made_on_other_tasks_and_missing_steps_are_refused(setup, runs):
     import train
 
