@@ -451,10 +451,10 @@ def config_to_dict(config: TrainConfig) -> dict:
 
 
 CONFIG_FLAG = "--config_path"
-METHOD_FLAG = "--method"
 ENGINE_FLAG = "--rollout.engine"
-ENV_FLAG = "--env"
-CHOICE_FLAGS = (METHOD_FLAG, ENV_FLAG, ENGINE_FLAG)   # `--<choice> X` selects X (`--<choice>.type X`)
+# the choice sections by dotted name, each with the registry of its choices
+CHOICE_SECTIONS = {"method": MethodConfig, "env": EnvConfig, "rollout.engine": EngineConfig}
+CHOICE_FLAGS = tuple(f"--{name}" for name in CHOICE_SECTIONS)   # `--<choice> X` selects X (`--<choice>.type X`)
 
 
 def _normalize_flags(args: Sequence[str]) -> list[str]:
@@ -537,8 +537,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
 
 
 class ChoiceError(ValueError):
-    """An engine no module registered (names the engines), or a setting of another engine
-    than the chosen one (names the engines that have it)."""
+    """A method, env kind or engine no module registered (names the registered ones), or a
+    setting of another engine than the chosen one (names the engines that have it)."""
 
 
 def _flag_values(args: Sequence[str], flag: str) -> list[str]:
@@ -547,19 +547,35 @@ def _flag_values(args: Sequence[str], flag: str) -> list[str]:
             if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")]
 
 
-def _check_engine_choice(args: Sequence[str], settings: dict | None) -> None:
-    """`rollout.engine` names a registered engine (argparse would print its usage first) and
-    every `rollout.engine.<field>` given is a field of the chosen engine: else one line."""
-    from rollout_bridge.engine.choice import EngineConfig, engine_names
+def _file_section(settings: dict | None, dotted: str) -> dict:
+    """The mapping at ``dotted`` ("rollout.engine") of a config file's settings ({} if none)."""
+    holder = settings
+    for part in dotted.split("."):
+        holder = holder.get(part) if isinstance(holder, dict) else None
+    return holder if isinstance(holder, dict) else {}
 
-    rollout = (settings or {}).get("rollout")
-    section = rollout.get("engine") if isinstance(rollout, dict) else None
-    section = section if isinstance(section, dict) else {}
-    names = [section["type"]] if "type" in section else []
-    names += _flag_values(args, f"{ENGINE_FLAG}.type")
-    for name in names:
-        if name not in engine_names():
-            raise ChoiceError(f"rollout.engine must be one of {list(engine_names())}, got {name!r}")
+
+def _check_choice_names(args: Sequence[str], settings: dict | None, path) -> None:
+    """Every choice named on the command line (`--method X`, `--env.type X`) or in the file
+    (`method: X`, `env: {type: X}`) is registered: else one line naming the value, the
+    registered choices and the file (argparse would print its usage first, draccus a chain)."""
+    for dotted, registry in CHOICE_SECTIONS.items():
+        known = sorted(registry.get_known_choices())
+        section = _file_section(settings, dotted)
+        named = [(f"config file {path}: ", section["type"])] if "type" in section else []
+        named += [("", name) for name in _flag_values(args, f"--{dotted}.type")]
+        for source, name in named:
+            if name not in known:
+                raise ChoiceError(f"{source}{dotted} must be one of {known}, got {name!r}")
+
+
+def _check_engine_fields(args: Sequence[str], settings: dict | None) -> None:
+    """Every `rollout.engine.<field>` given is a field of the chosen engine: else one line
+    naming the engines that have it."""
+    from rollout_bridge.engine.choice import engine_names
+
+    section = _file_section(settings, "rollout.engine")
+    names = ([section["type"]] if "type" in section else []) + _flag_values(args, f"{ENGINE_FLAG}.type")
     chosen = names[-1] if names else EngineConfig.default_choice_name()
     given = [a[len(ENGINE_FLAG) + 1:].split("=", 1)[0] for a in args if a.startswith(ENGINE_FLAG + ".")]
     if section.get("type", EngineConfig.default_choice_name()) == chosen:   # else the file's section is replaced
@@ -594,10 +610,9 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     """TrainConfig from an optional YAML file (or `--config_path` in args) plus overrides.
 
     Raises ConfigFileError for a file that is not a YAML mapping (`read_config_file`),
-    ChoiceError for an engine nobody registered or a field of another engine than the
-    chosen one, draccus.utils.ParsingError for bad
-    values (see `format_config_error`) and SystemExit(2) for unknown flags or invalid method
-    choices (argparse).
+    ChoiceError for a method, env kind or engine nobody registered or a field of another
+    engine than the chosen one, draccus.utils.ParsingError for bad values (see
+    `format_config_error`) and SystemExit(2) for unknown flags (argparse).
     """
     import json
     import tempfile
@@ -607,7 +622,8 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     args, given = _split_config_path(_normalize_flags(args))
     path = given if config_path is None else config_path
     settings = None if path is None else read_config_file(path)
-    _check_engine_choice(args, settings)
+    _check_choice_names(args, settings, path)
+    _check_engine_fields(args, settings)
     if settings is not None:
         _choices_given_replace_the_files(args, settings)
     if settings is None:
