@@ -617,8 +617,6 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     import json
     import tempfile
 
-    import draccus
-
     args, given = _split_config_path(_normalize_flags(args))
     path = given if config_path is None else config_path
     settings = None if path is None else read_config_file(path)
@@ -627,12 +625,48 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     if settings is not None:
         _choices_given_replace_the_files(args, settings)
     if settings is None:
-        return draccus.parse(TrainConfig, config_path=None, args=args)
+        return _parse(None, args)
     with tempfile.TemporaryDirectory(prefix="spopp-config-") as folder:
         checked = os.path.join(folder, "config.json")   # the checked settings, as draccus reads files
         with open(checked, "w") as f:
             json.dump(settings, f)
-        return draccus.parse(TrainConfig, config_path=checked, args=args)
+        return _parse(checked, args)
+
+
+def _parse(config_path: str | None, args: Sequence[str]) -> TrainConfig:
+    """draccus' parse of ``args`` over the file ``config_path``; its --help lists settings
+    only (`_help_lists_settings_only`)."""
+    from draccus.argparsing import ArgumentParser
+
+    parser = ArgumentParser(TrainConfig, config_path=config_path)
+    _help_lists_settings_only(parser.parser)
+    return parser.parse_args(args)
+
+
+SECTION_FILE_HELP = "Config file for "   # how draccus' help starts for the flag it adds per section
+
+
+def _help_lists_settings_only(parser) -> None:
+    """draccus adds a flag per section (``--rollout str  Config file for rollout``) that takes
+    no file (only ``"include <file>"``), listed twice for a top-level section, and for a
+    section nested deeper (rollout.engine's ``launch``) a second one under its bare name
+    (``--launch``), which names nothing: --help leaves them out. The choice sections' flags
+    select a choice (``--method spo``, `_normalize_flags`) and say so."""
+    import argparse
+
+    choices = {f"--{name}": name for name in CHOICE_SECTIONS}
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if not str(action.help or "").startswith(SECTION_FILE_HELP):
+                continue
+            flag = next((option for option in action.option_strings if option in choices), None)
+            if flag is None:
+                action.help = argparse.SUPPRESS
+                continue
+            registry = CHOICE_SECTIONS[choices[flag]]
+            action.help = (f"one of {sorted(registry.get_known_choices())} (default "
+                           f"{registry.default_choice_name()}); the same as {flag}.type")
+            action.default = argparse.SUPPRESS   # no "(default: None)" added to the help
 
 
 def format_config_error(error: BaseException) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,6 +192,24 @@ def test_train_py_states_an_unknown_choice_in_one_line(tmp_path):
                                 capture_output=True, text=True, timeout=120, cwd=ROOT)
         lines = [text for text in result.stderr.splitlines() if text.strip()]
         assert result.returncode == 2 and lines == [line], result.stderr[-3000:]
+
+
+def test_help_lists_only_flags_that_set_something(capsys):
+    """No flag of a nested section's bare name (``--launch``, rollout.engine's server launch)
+    and no section-file flag (``--rollout str  Config file for rollout``, which takes no file):
+    every flag listed is a setting, the config file or a choice."""
+    with pytest.raises(SystemExit) as info:
+        load_config(["--help"])
+    text = capsys.readouterr().out
+    assert info.value.code == 0
+    listed = re.findall(r"^ +(--[\w.]+)", text, re.M)   # the option lines (the usage lines start with "[")
+    assert not re.search(r"(?<![\w.])--launch\b", text) and "Config file for" not in text
+    top = {f"--{f.name}" for f in dataclasses.fields(TrainConfig)}
+    assert {flag for flag in listed if "." not in flag} <= top | {"--help", "--config_path"}
+    assert {"--method", "--env", "--rollout.engine", "--rollout.engine.type", "--rollout.engine.launch.count",
+            "--rollout.engine.dtype", "--rollout.batch_size", "--env.num_games"} <= set(listed)
+    for name in ("method", "env", "rollout.engine"):   # a choice flag names its choices
+        assert re.search(rf"^  --{re.escape(name)} str +one of \[", text, re.M), name
 
 
 def test_bad_literal_in_yaml_names_the_field(tmp_path):
