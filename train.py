@@ -65,7 +65,8 @@ import jax
 
 from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
-from rollout_bridge.config import ConfigFileError, TrainConfig, ChoiceError, format_config_error, load_config
+from rollout_bridge.config import (ChoiceError, ConfigFileError, FlagError, TrainConfig, format_config_error,
+                                   load_config)
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.evaluation import evaluate_policy
 from rollout_bridge.job import build_job, start_servers
@@ -90,7 +91,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     check_renamed_flags(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
-    except (ConfigFileError, ChoiceError) as error:
+    except (ConfigFileError, ChoiceError, FlagError) as error:
         raise UserError(str(error), "config error") from None
     except ParsingError as error:
         message = format_config_error(error)

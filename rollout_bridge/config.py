@@ -16,6 +16,7 @@ The run config is the application layer: the learner package `spopp_jax` never r
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -38,6 +39,7 @@ __all__ = [
     "LossSection", "OptimSection", "RolloutSection",
     "NodeSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict", "ChoiceError",
+    "FlagError",
 ]
 
 
@@ -611,8 +613,9 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
 
     Raises ConfigFileError for a file that is not a YAML mapping (`read_config_file`),
     ChoiceError for a method, env kind or engine nobody registered or a field of another
-    engine than the chosen one, draccus.utils.ParsingError for bad values (see
-    `format_config_error`) and SystemExit(2) for unknown flags (argparse).
+    engine than the chosen one, FlagError for what argparse refuses (a flag no setting has,
+    a value outside a setting's choices) and draccus.utils.ParsingError for bad values (see
+    `format_config_error`).
     """
     import json
     import tempfile
@@ -633,14 +636,52 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
         return _parse(checked, args)
 
 
+class FlagError(ValueError):
+    """A command line argparse refuses, in one line instead of its usage: a flag no setting
+    has (with the closest flags), a value outside a setting's choices, a flag without its
+    value."""
+
+
+UNRECOGNIZED = "unrecognized arguments: "   # how draccus words argparse's leftover arguments
+CLOSEST_FLAGS = 2
+CLOSE_ENOUGH = 0.8   # difflib ratio: a typo of a flag, not another flag of the section
+
+
 def _parse(config_path: str | None, args: Sequence[str]) -> TrainConfig:
     """draccus' parse of ``args`` over the file ``config_path``; its --help lists settings
-    only (`_help_lists_settings_only`)."""
-    from draccus.argparsing import ArgumentParser
+    only (`_help_lists_settings_only`); what argparse refuses raises FlagError."""
+    import argparse
 
-    parser = ArgumentParser(TrainConfig, config_path=config_path)
+    from draccus.argparsing import ArgumentParser
+    from draccus.utils import DraccusException, ParsingError
+
+    parser = ArgumentParser(TrainConfig, config_path=config_path, exit_on_error=False)
     _help_lists_settings_only(parser.parser)
-    return parser.parse_args(args)
+    try:
+        return parser.parse_args(args)
+    except argparse.ArgumentError as error:
+        raise FlagError(str(error)) from None
+    except DraccusException as error:
+        if isinstance(error, ParsingError) or not str(error).startswith(UNRECOGNIZED):
+            raise
+        raise FlagError(_unknown_flags_line(str(error)[len(UNRECOGNIZED):].split(), parser.parser)) from None
+
+
+def _unknown_flags_line(tokens: Sequence[str], parser) -> str:
+    """'--a.b: no such setting (closest: --a.c)' for each flag in argparse's leftover
+    ``tokens`` (the values after them are left out), or the leftover words."""
+    import argparse
+
+    known = [option for action in parser._actions if action.help != argparse.SUPPRESS
+             for option in action.option_strings if option.startswith("--")]
+    flags = [token.split("=", 1)[0] for token in tokens if token.startswith("-")]
+    if not flags:
+        return f"unexpected arguments {' '.join(tokens)!r}: settings are given as --section.field value"
+    parts = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=CLOSEST_FLAGS, cutoff=CLOSE_ENOUGH)
+        parts.append(f"{flag}: no such setting" + (f" (closest: {' or '.join(close)})" if close else ""))
+    return "; ".join(parts) + " (python train.py --help lists them)"
 
 
 SECTION_FILE_HELP = "Config file for "   # how draccus' help starts for the flag it adds per section

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from draccus.utils import ParsingError
 
-from rollout_bridge.config import ChoiceError, EvaluationSection, TrainConfig, format_config_error, load_config
+from rollout_bridge.config import (ChoiceError, EvaluationSection, FlagError, TrainConfig, format_config_error,
+                                   load_config)
 from rollout_bridge.engine.choice import EngineConfig
 from rollout_bridge.envs.kinds.base import EnvConfig
 from rollout_bridge.methods.base import MethodConfig
@@ -139,10 +140,20 @@ def test_bad_values_name_the_field(args, field):
     assert message.startswith(field + " must"), message
 
 
-def test_an_unknown_flag_is_rejected():
-    with pytest.raises(SystemExit) as info:
-        load_config(["--no_such_field", "1"])
-    assert info.value.code == 2
+@pytest.mark.parametrize("args, message", [
+    (["--no_such_field", "1"], "--no_such_field: no such setting (python train.py --help lists them)"),
+    (["--rollout.batchsize", "32", "--tracker.roh=0.5"],
+     "--rollout.batchsize: no such setting (closest: --rollout.batch_size); --tracker.roh: no such setting "
+     "(closest: --tracker.rho) (python train.py --help lists them)"),
+    (["--stage", "later"], "argument --stage: invalid choice: 'later' (choose from 'all', 'warmstart', 'prior', 'rl')"),
+    (["--steps"], "argument --steps: expected one argument"),
+    (["stray"], "unexpected arguments 'stray': settings are given as --section.field value"),
+])
+def test_a_flag_argparse_refuses_is_one_line(args, message):
+    """Not argparse's usage (over a hundred lines) and exit: the flag, and the closest flags."""
+    with pytest.raises(FlagError) as info:
+        load_config(args)
+    assert str(info.value) == message
 
 
 def _registered(section: str) -> list[str]:
@@ -179,13 +190,15 @@ def test_an_unknown_choice_in_a_config_file_names_the_file(tmp_path, yaml_text, 
                                    "got 'nosuch'")
 
 
-def test_train_py_states_an_unknown_choice_in_one_line(tmp_path):
+def test_train_py_states_an_unknown_choice_or_flag_in_one_line(tmp_path):
     """No argparse usage, no draccus chain: one line, exit status 2, from the command line
     and from a config file."""
     path = tmp_path / "recipe.yaml"
     path.write_text("env: {type: nosuch}\n")
     for args, line in ((["--method", "nosuch"], f"config error: method must be one of {_registered('method')}, "
                                                 "got 'nosuch'"),
+                       (["--rollout.batchsize", "32"], "config error: --rollout.batchsize: no such setting (closest: "
+                                                       "--rollout.batch_size) (python train.py --help lists them)"),
                        (["--config_path", str(path)], f"config error: config file {path}: env must be one of "
                                                       f"{_registered('env')}, got 'nosuch'")):
         result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--output_dir", str(tmp_path / "run"), *args],
