@@ -36,8 +36,9 @@ the embedded JAX engine, vLLM in this process, or vLLM servers given by URL or l
 this script (docs/FLEET.md); every stage uses the same one. `--distributed`: the learner as several processes; process 0 runs the job and feeds the
 others each learner call (rollout_bridge/learner_processes.py, distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
-A user mistake (missing config file, unwritable output_dir, full disk, a setting this
-version lacks) ends in one line and exit status 2 (rollout_bridge.run_errors).
+A user mistake (missing config file, a flag, method, env kind or engine that does not exist,
+unwritable output_dir, full disk, a setting this version lacks) ends in one line and exit
+status 2 (rollout_bridge.run_errors); `--help` lists every setting.
 A crash loses at most the updates since the last checkpoint; `--resume` restores it exactly.
 """
 

@@ -557,7 +557,7 @@ def _file_section(settings: dict | None, dotted: str) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
-def _check_choice_names(args: Sequence[str], settings: dict | None, path) -> None:
+def _check_choice_names(args: Sequence[str], settings: dict | None, path: str | os.PathLike | None) -> None:
     """Every choice named on the command line (`--method X`, `--env.type X`) or in the file
     (`method: X`, `env: {type: X}`) is registered: else one line naming the value, the
     registered choices and the file (argparse would print its usage first, draccus a chain)."""
@@ -674,7 +674,7 @@ def _unknown_flags_line(tokens: Sequence[str], parser) -> str:
 
     known = [option for action in parser._actions if action.help != argparse.SUPPRESS
              for option in action.option_strings if option.startswith("--")]
-    flags = [token.split("=", 1)[0] for token in tokens if token.startswith("-")]
+    flags = [token.split("=", 1)[0] for token in tokens if token.startswith("--")]
     if not flags:
         return f"unexpected arguments {' '.join(tokens)!r}: settings are given as --section.field value"
     parts = []
