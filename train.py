@@ -36,8 +36,9 @@ the embedded JAX engine, vLLM in this process, or vLLM servers given by URL or l
 this script (docs/FLEET.md); every stage uses the same one. `--distributed`: the learner as several processes; process 0 runs the job and feeds the
 others each learner call (rollout_bridge/learner_processes.py, distributed_learner.py).
 verl knob names are accepted as aliases (`--actor.clip_ratio_low 0.2`, docs/CONVENTIONS.md).
-A user mistake (missing config file, unwritable output_dir, full disk, a setting this
-version lacks) ends in one line and exit status 2 (rollout_bridge.run_errors).
+A user mistake (missing config file, a flag, method, env kind or engine that does not exist,
+unwritable output_dir, full disk, a setting this version lacks) ends in one line and exit
+status 2 (rollout_bridge.run_errors); `--help` lists every setting.
 A crash loses at most the updates since the last checkpoint; `--resume` restores it exactly.
 """
 
@@ -65,7 +66,8 @@ import jax
 
 from rollout_bridge import components as build
 from rollout_bridge import distributed_learner as distributed
-from rollout_bridge.config import ConfigFileError, TrainConfig, ChoiceError, format_config_error, load_config
+from rollout_bridge.config import (ChoiceError, ConfigFileError, FlagError, TrainConfig, format_config_error,
+                                   load_config)
 from rollout_bridge.envs.kinds import build_env
 from rollout_bridge.evaluation import evaluate_policy
 from rollout_bridge.job import build_job, start_servers
@@ -90,7 +92,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     check_renamed_flags(argv)
     try:
         return load_config(build.preprocess_argv(list(argv)))
-    except (ConfigFileError, ChoiceError) as error:
+    except (ConfigFileError, ChoiceError, FlagError) as error:
         raise UserError(str(error), "config error") from None
     except ParsingError as error:
         message = format_config_error(error)

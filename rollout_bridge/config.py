@@ -16,6 +16,7 @@ The run config is the application layer: the learner package `spopp_jax` never r
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -38,6 +39,7 @@ __all__ = [
     "LossSection", "OptimSection", "RolloutSection",
     "NodeSection",
     "MeshSection", "TrainConfig", "load_config", "format_config_error", "config_to_dict", "ChoiceError",
+    "FlagError",
 ]
 
 
@@ -451,10 +453,10 @@ def config_to_dict(config: TrainConfig) -> dict:
 
 
 CONFIG_FLAG = "--config_path"
-METHOD_FLAG = "--method"
 ENGINE_FLAG = "--rollout.engine"
-ENV_FLAG = "--env"
-CHOICE_FLAGS = (METHOD_FLAG, ENV_FLAG, ENGINE_FLAG)   # `--<choice> X` selects X (`--<choice>.type X`)
+# the choice sections by dotted name, each with the registry of its choices
+CHOICE_SECTIONS = {"method": MethodConfig, "env": EnvConfig, "rollout.engine": EngineConfig}
+CHOICE_FLAGS = tuple(f"--{name}" for name in CHOICE_SECTIONS)   # `--<choice> X` selects X (`--<choice>.type X`)
 
 
 def _normalize_flags(args: Sequence[str]) -> list[str]:
@@ -537,8 +539,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
 
 
 class ChoiceError(ValueError):
-    """An engine no module registered (names the engines), or a setting of another engine
-    than the chosen one (names the engines that have it)."""
+    """A method, env kind or engine no module registered (names the registered ones), or a
+    setting of another engine than the chosen one (names the engines that have it)."""
 
 
 def _flag_values(args: Sequence[str], flag: str) -> list[str]:
@@ -547,19 +549,35 @@ def _flag_values(args: Sequence[str], flag: str) -> list[str]:
             if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")]
 
 
-def _check_engine_choice(args: Sequence[str], settings: dict | None) -> None:
-    """`rollout.engine` names a registered engine (argparse would print its usage first) and
-    every `rollout.engine.<field>` given is a field of the chosen engine: else one line."""
-    from rollout_bridge.engine.choice import EngineConfig, engine_names
+def _file_section(settings: dict | None, dotted: str) -> dict:
+    """The mapping at ``dotted`` ("rollout.engine") of a config file's settings ({} if none)."""
+    holder = settings
+    for part in dotted.split("."):
+        holder = holder.get(part) if isinstance(holder, dict) else None
+    return holder if isinstance(holder, dict) else {}
 
-    rollout = (settings or {}).get("rollout")
-    section = rollout.get("engine") if isinstance(rollout, dict) else None
-    section = section if isinstance(section, dict) else {}
-    names = [section["type"]] if "type" in section else []
-    names += _flag_values(args, f"{ENGINE_FLAG}.type")
-    for name in names:
-        if name not in engine_names():
-            raise ChoiceError(f"rollout.engine must be one of {list(engine_names())}, got {name!r}")
+
+def _check_choice_names(args: Sequence[str], settings: dict | None, path: str | os.PathLike | None) -> None:
+    """Every choice named on the command line (`--method X`, `--env.type X`) or in the file
+    (`method: X`, `env: {type: X}`) is registered: else one line naming the value, the
+    registered choices and the file (argparse would print its usage first, draccus a chain)."""
+    for dotted, registry in CHOICE_SECTIONS.items():
+        known = sorted(registry.get_known_choices())
+        section = _file_section(settings, dotted)
+        named = [(f"config file {path}: ", section["type"])] if "type" in section else []
+        named += [("", name) for name in _flag_values(args, f"--{dotted}.type")]
+        for source, name in named:
+            if name not in known:
+                raise ChoiceError(f"{source}{dotted} must be one of {known}, got {name!r}")
+
+
+def _check_engine_fields(args: Sequence[str], settings: dict | None) -> None:
+    """Every `rollout.engine.<field>` given is a field of the chosen engine: else one line
+    naming the engines that have it."""
+    from rollout_bridge.engine.choice import engine_names
+
+    section = _file_section(settings, "rollout.engine")
+    names = ([section["type"]] if "type" in section else []) + _flag_values(args, f"{ENGINE_FLAG}.type")
     chosen = names[-1] if names else EngineConfig.default_choice_name()
     given = [a[len(ENGINE_FLAG) + 1:].split("=", 1)[0] for a in args if a.startswith(ENGINE_FLAG + ".")]
     if section.get("type", EngineConfig.default_choice_name()) == chosen:   # else the file's section is replaced
@@ -594,29 +612,102 @@ def load_config(args: Sequence[str] = (), config_path: str | os.PathLike | None 
     """TrainConfig from an optional YAML file (or `--config_path` in args) plus overrides.
 
     Raises ConfigFileError for a file that is not a YAML mapping (`read_config_file`),
-    ChoiceError for an engine nobody registered or a field of another engine than the
-    chosen one, draccus.utils.ParsingError for bad
-    values (see `format_config_error`) and SystemExit(2) for unknown flags or invalid method
-    choices (argparse).
+    ChoiceError for a method, env kind or engine nobody registered or a field of another
+    engine than the chosen one, FlagError for what argparse refuses (a flag no setting has,
+    a value outside a setting's choices) and draccus.utils.ParsingError for bad values (see
+    `format_config_error`).
     """
     import json
     import tempfile
 
-    import draccus
-
     args, given = _split_config_path(_normalize_flags(args))
     path = given if config_path is None else config_path
     settings = None if path is None else read_config_file(path)
-    _check_engine_choice(args, settings)
+    _check_choice_names(args, settings, path)
+    _check_engine_fields(args, settings)
     if settings is not None:
         _choices_given_replace_the_files(args, settings)
     if settings is None:
-        return draccus.parse(TrainConfig, config_path=None, args=args)
+        return _parse(None, args)
     with tempfile.TemporaryDirectory(prefix="spopp-config-") as folder:
         checked = os.path.join(folder, "config.json")   # the checked settings, as draccus reads files
         with open(checked, "w") as f:
             json.dump(settings, f)
-        return draccus.parse(TrainConfig, config_path=checked, args=args)
+        return _parse(checked, args)
+
+
+class FlagError(ValueError):
+    """A command line argparse refuses, in one line instead of its usage: a flag no setting
+    has (with the closest flags), a value outside a setting's choices, a flag without its
+    value."""
+
+
+UNRECOGNIZED = "unrecognized arguments: "   # how draccus words argparse's leftover arguments
+CLOSEST_FLAGS = 2
+CLOSE_ENOUGH = 0.8   # difflib ratio: a typo of a flag, not another flag of the section
+
+
+def _parse(config_path: str | None, args: Sequence[str]) -> TrainConfig:
+    """draccus' parse of ``args`` over the file ``config_path``; its --help lists settings
+    only (`_help_lists_settings_only`); what argparse refuses raises FlagError."""
+    import argparse
+
+    from draccus.argparsing import ArgumentParser
+    from draccus.utils import DraccusException, ParsingError
+
+    parser = ArgumentParser(TrainConfig, config_path=config_path, exit_on_error=False)
+    _help_lists_settings_only(parser.parser)
+    try:
+        return parser.parse_args(args)
+    except argparse.ArgumentError as error:
+        raise FlagError(str(error)) from None
+    except DraccusException as error:
+        if isinstance(error, ParsingError) or not str(error).startswith(UNRECOGNIZED):
+            raise
+        raise FlagError(_unknown_flags_line(str(error)[len(UNRECOGNIZED):].split(), parser.parser)) from None
+
+
+def _unknown_flags_line(tokens: Sequence[str], parser) -> str:
+    """'--a.b: no such setting (closest: --a.c)' for each flag in argparse's leftover
+    ``tokens`` (the values after them are left out), or the leftover words."""
+    import argparse
+
+    known = [option for action in parser._actions if action.help != argparse.SUPPRESS
+             for option in action.option_strings if option.startswith("--")]
+    flags = [token.split("=", 1)[0] for token in tokens if token.startswith("--")]
+    if not flags:
+        return f"unexpected arguments {' '.join(tokens)!r}: settings are given as --section.field value"
+    parts = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=CLOSEST_FLAGS, cutoff=CLOSE_ENOUGH)
+        parts.append(f"{flag}: no such setting" + (f" (closest: {' or '.join(close)})" if close else ""))
+    return "; ".join(parts) + " (python train.py --help lists them)"
+
+
+SECTION_FILE_HELP = "Config file for "   # how draccus' help starts for the flag it adds per section
+
+
+def _help_lists_settings_only(parser) -> None:
+    """draccus adds a flag per section (``--rollout str  Config file for rollout``) that takes
+    no file (only ``"include <file>"``), listed twice for a top-level section, and for a
+    section nested deeper (rollout.engine's ``launch``) a second one under its bare name
+    (``--launch``), which names nothing: --help leaves them out. The choice sections' flags
+    select a choice (``--method spo``, `_normalize_flags`) and say so."""
+    import argparse
+
+    choices = {f"--{name}": name for name in CHOICE_SECTIONS}
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if not str(action.help or "").startswith(SECTION_FILE_HELP):
+                continue
+            flag = next((option for option in action.option_strings if option in choices), None)
+            if flag is None:
+                action.help = argparse.SUPPRESS
+                continue
+            registry = CHOICE_SECTIONS[choices[flag]]
+            action.help = (f"one of {sorted(registry.get_known_choices())} (default "
+                           f"{registry.default_choice_name()}); the same as {flag}.type")
+            action.default = argparse.SUPPRESS   # no "(default: None)" added to the help
 
 
 def format_config_error(error: BaseException) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout_bridge import evaluation_cache
 from rollout_bridge.agent import derived_seed
 from rollout_bridge.job_report import success_estimate
 from rollout_bridge.run_errors import UserError
@@ -230,9 +231,11 @@ def common_steps(runs: Sequence[Run], requested: Sequence[int] | None, start: bo
 # ------------------------------------------------------------------ evaluation
 def policy_digest(run: Run, step: int) -> str:
     """sha1 of what a step's policy is made of: the step's checksums file (every item's
-    SHA-256, written with it), else its files; step 0: the start folder's files."""
+    SHA-256, written with it), else its files; step 0: the start folder's files but its
+    notes and the records shipped beside it (``evaluation_cache.policy_digest``: an
+    evaluation record added to a shipped warm start leaves its step 0 as it was)."""
     if step == 0:
-        return folder_digest(run.start_folder)
+        return evaluation_cache.policy_digest(run.start_folder)
     from spopp_jax.checkpoint_integrity import CHECKSUM_FILE
 
     checksums = run.step_dir(step) / CHECKSUM_FILE

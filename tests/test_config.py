@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,11 @@ from pathlib import Path
 import pytest
 from draccus.utils import ParsingError
 
-from rollout_bridge.config import EvaluationSection, TrainConfig, format_config_error, load_config
+from rollout_bridge.config import (ChoiceError, EvaluationSection, FlagError, TrainConfig, format_config_error,
+                                   load_config)
+from rollout_bridge.engine.choice import EngineConfig
+from rollout_bridge.envs.kinds.base import EnvConfig
+from rollout_bridge.methods.base import MethodConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -135,14 +140,89 @@ def test_bad_values_name_the_field(args, field):
     assert message.startswith(field + " must"), message
 
 
-def test_unknown_measure_or_flag_is_rejected(capsys):
-    for args in (["--method", "ppo"],
-                 ["--no_such_field", "1"]):
-        with pytest.raises(SystemExit) as info:
-            load_config(args)
-        assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert "method.type" in err and "invalid choice" in err and "'ppo'" in err
+@pytest.mark.parametrize("args, message", [
+    (["--no_such_field", "1"], "--no_such_field: no such setting (python train.py --help lists them)"),
+    (["--rollout.batchsize", "32", "--tracker.roh=0.5"],
+     "--rollout.batchsize: no such setting (closest: --rollout.batch_size); --tracker.roh: no such setting "
+     "(closest: --tracker.rho) (python train.py --help lists them)"),
+    (["--stage", "later"], "argument --stage: invalid choice: 'later' (choose from 'all', 'warmstart', 'prior', 'rl')"),
+    (["--steps"], "argument --steps: expected one argument"),
+    (["stray"], "unexpected arguments 'stray': settings are given as --section.field value"),
+])
+def test_a_flag_argparse_refuses_is_one_line(args, message):
+    """Not argparse's usage (over a hundred lines) and exit: the flag, and the closest flags."""
+    with pytest.raises(FlagError) as info:
+        load_config(args)
+    assert str(info.value) == message
+
+
+def _registered(section: str) -> list[str]:
+    """The choices registered for a choice section, sorted."""
+    registry = {"method": MethodConfig, "env": EnvConfig, "rollout.engine": EngineConfig}[section]
+    return sorted(registry.get_known_choices())
+
+
+@pytest.mark.parametrize("args, section", [
+    (["--method", "nosuch"], "method"), (["--method=nosuch"], "method"), (["--method.type", "nosuch"], "method"),
+    (["--env", "nosuch"], "env"), (["--env.type=nosuch"], "env"),
+    (["--rollout.engine", "nosuch"], "rollout.engine"),
+])
+def test_an_unknown_choice_on_the_command_line_is_one_line_naming_the_choices(args, section):
+    with pytest.raises(ChoiceError) as info:
+        load_config(args)
+    assert str(info.value) == f"{section} must be one of {_registered(section)}, got 'nosuch'"
+    assert {"grpo", "rloo", "spo", "spopp"} <= set(_registered("method"))
+    assert {"textworld", "alfworld", "math_tir"} <= set(_registered("env"))
+
+
+@pytest.mark.parametrize("yaml_text, section", [
+    ("method: nosuch\n", "method"), ("method:\n  type: nosuch\n", "method"),
+    ("env: nosuch\n", "env"), ("env: {type: nosuch, num_games: 4}\n", "env"),
+    ("rollout:\n  engine: nosuch\n", "rollout.engine"),
+])
+def test_an_unknown_choice_in_a_config_file_names_the_file(tmp_path, yaml_text, section):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml_text)
+    for args in ([], ["--steps", "3"]):
+        with pytest.raises(ChoiceError) as info:
+            load_config(args, config_path=path)
+        assert str(info.value) == (f"config file {path}: {section} must be one of {_registered(section)}, "
+                                   "got 'nosuch'")
+
+
+def test_train_py_states_an_unknown_choice_or_flag_in_one_line(tmp_path):
+    """No argparse usage, no draccus chain: one line, exit status 2, from the command line
+    and from a config file."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("env: {type: nosuch}\n")
+    for args, line in ((["--method", "nosuch"], f"config error: method must be one of {_registered('method')}, "
+                                                "got 'nosuch'"),
+                       (["--rollout.batchsize", "32"], "config error: --rollout.batchsize: no such setting (closest: "
+                                                       "--rollout.batch_size) (python train.py --help lists them)"),
+                       (["--config_path", str(path)], f"config error: config file {path}: env must be one of "
+                                                      f"{_registered('env')}, got 'nosuch'")):
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--output_dir", str(tmp_path / "run"), *args],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        lines = [text for text in result.stderr.splitlines() if text.strip()]
+        assert result.returncode == 2 and lines == [line], result.stderr[-3000:]
+
+
+def test_help_lists_only_flags_that_set_something(capsys):
+    """No flag of a nested section's bare name (``--launch``, rollout.engine's server launch)
+    and no section-file flag (``--rollout str  Config file for rollout``, which takes no file):
+    every flag listed is a setting, the config file or a choice."""
+    with pytest.raises(SystemExit) as info:
+        load_config(["--help"])
+    text = capsys.readouterr().out
+    assert info.value.code == 0
+    listed = re.findall(r"^ +(--[\w.]+)", text, re.M)   # the option lines (the usage lines start with "[")
+    assert not re.search(r"(?<![\w.])--launch\b", text) and "Config file for" not in text
+    top = {f"--{f.name}" for f in dataclasses.fields(TrainConfig)}
+    assert {flag for flag in listed if "." not in flag} <= top | {"--help", "--config_path"}
+    assert {"--method", "--env", "--rollout.engine", "--rollout.engine.type", "--rollout.engine.launch.count",
+            "--rollout.engine.dtype", "--rollout.batch_size", "--env.num_games"} <= set(listed)
+    for name in ("method", "env", "rollout.engine"):   # a choice flag names its choices
+        assert re.search(rf"^  --{re.escape(name)} str +one of \[", text, re.M), name
 
 
 def test_bad_literal_in_yaml_names_the_field(tmp_path):

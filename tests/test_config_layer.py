@@ -16,6 +16,7 @@ from rollout_bridge.agent import AgentConfig
 from rollout_bridge.config import TrainConfig, load_config
 from rollout_bridge.engine.base import SamplingParams
 from rollout_bridge.engine.choice import EngineConfig
+from rollout_bridge.engine.vllm_inprocess import VllmInProcessConfig
 from rollout_bridge.engine.vllm_launcher import ServerLaunch, ServerLaunchConfig
 from rollout_bridge.engine.vllm_servers import RolloutServersConfig, ServerFleet
 from rollout_bridge.methods.base import MethodConfig, method_names, recipe
@@ -218,6 +219,7 @@ def _declared_twice(section: type, component: type) -> list[str]:
 # which component config each section configures (the sections a build reads into it)
 CONFIGURES = {"optim": (LearnerConfig,), "loss": (LearnerConfig,),
               "rollout": (OrchestratorConfig, AgentConfig, SamplingParams),
+              "rollout.engine[vllm]": (VllmInProcessConfig,),
               "rollout.engine[vllm_server]": (RolloutServersConfig,),
               "rollout.engine[vllm_server].launch": (ServerLaunchConfig,)}
 
@@ -225,8 +227,10 @@ CONFIGURES = {"optim": (LearnerConfig,), "loss": (LearnerConfig,),
 def test_no_knob_is_declared_twice_between_the_sections_and_the_component_configs():
     """Zero fields declared in two layers: e.g. the vLLM servers' settings are the fleet's
     `ServerFleet` and the launcher's `ServerLaunch` themselves (the vllm_server engine's
-    section extends the one and nests the other), so no section repeats a
-    `RolloutServersConfig` or `ServerLaunchConfig` knob with a default of its own."""
+    section extends the one and nests the other), and in-process vLLM's are `InProcessVllm`
+    (the vllm engine's section and `VllmInProcessConfig` both extend it), so no section
+    repeats a `RolloutServersConfig`, `ServerLaunchConfig` or `VllmInProcessConfig` knob
+    with a default of its own."""
     sections = _sections()
     twice = [pair for path, components_ in CONFIGURES.items() for component in components_
              for pair in _declared_twice(sections[path], component)]

@@ -51,9 +51,12 @@ def test_pin_threads_keeps_a_given_eigen_setting(monkeypatch, given, kept):
     assert sum("xla_cpu_multi_thread_eigen" in flag for flag in flags) == 1
 
 
+@pytest.mark.slow
 def test_a_flag_set_reaches_its_worker():
     """The worker `--xla-flag-sets` starts (learner_ab's) runs XLA under the set's flags
-    and says so in its first reply, with a finite first step."""
+    and says so in its first reply, with a finite first step. Slow at any model size: the
+    worker imports torch to build its random model and compiles the train step twice (the
+    second step's state is committed to the device, the first one's was not)."""
     import argparse
 
     import learner_ab

@@ -51,7 +51,9 @@ LAUNCH = "--rollout.engine.launch."
     (["--rollout.engine", "jax", "--rollout.engine.steps_per_call", "4",
       "--rollout.engine.prefix_reuse_across_publish", "true"], "jax",
      {"steps_per_call": 4, "prefix_reuse_across_publish": True}),
-    (["--rollout.engine=vllm"], "vllm", {}),
+    (["--rollout.engine=vllm"], "vllm", {"dtype": "auto", "gpu_memory_utilization": 0.5}),
+    (["--rollout.engine", "vllm", "--rollout.engine.gpu_memory_utilization", "0.8", "--rollout.engine.dtype",
+      "bfloat16"], "vllm", {"dtype": "bfloat16", "gpu_memory_utilization": 0.8}),
     (VLLM_SERVER + [SERVERS, "http://a:1", "--rollout.engine.capacity", "4"], "vllm_server",
      {"server_urls": "http://a:1", "capacity": 4}),
     (VLLM_SERVER + [LAUNCH + "count", "2", LAUNCH + "first_gpu", "1", LAUNCH + "extra_args", "--dtype float32"],
@@ -196,6 +198,46 @@ def test_an_engine_added_in_one_file_is_selectable(monkeypatch, tmp_path):
 def test_bad_server_settings_name_the_field(args, field):
     message = config_error(args)
     assert message.startswith(field + " must"), message
+
+
+VLLM = ["--rollout.engine", "vllm"]
+GPU_SHARE = "--rollout.engine.gpu_memory_utilization"
+
+
+@pytest.mark.parametrize("args, line", [
+    (VLLM + [GPU_SHARE, "0"], "rollout.engine.gpu_memory_utilization must be in (0, 1], got 0.0"),
+    (VLLM + [GPU_SHARE + "=1.5"], "rollout.engine.gpu_memory_utilization must be in (0, 1], got 1.5"),
+    (VLLM + ["--rollout.engine.dtype", "fp8"], "rollout.engine.dtype must be one of ['auto', 'half', 'float16', "
+                                                "'bfloat16', 'float', 'float32'], got 'fp8'"),
+])
+def test_bad_vllm_settings_are_one_line_naming_the_field(args, line):
+    import train
+
+    with pytest.raises(UserError) as info:
+        train.parse_config(args)
+    assert str(info.value) == line
+
+
+def test_vllms_own_settings_reach_its_engine_and_leave_the_records_valid():
+    """``rollout.engine.dtype`` / ``gpu_memory_utilization`` reach the in-process engine's
+    arguments (the rest of them are the job's); they are not part of the record key."""
+    from rollout_bridge.engine.vllm_inprocess import VllmInProcessConfig
+    from rollout_bridge.run_folder import checkpoint_key
+
+    set_up = load_config(VLLM + [GPU_SHARE, "0.8", "--rollout.engine.dtype", "float32", "--rollout.drain", "abort"])
+    agent = c.build_agent_config(set_up, max_turns=2)
+    orchestrator = c.build_orchestrator_config(set_up, agent, seed=0)
+    config = set_up.rollout.engine.inprocess_config("root/policy-3", "root", "tokenizer", 3, agent, orchestrator)
+    assert isinstance(config, VllmInProcessConfig)
+    assert (config.dtype, config.gpu_memory_utilization) == ("float32", 0.8)
+    assert (config.model, config.weights_root, config.tokenizer_dir, config.initial_policy_event) == (
+        "root/policy-3", "root", "tokenizer", 3)
+    assert (config.max_model_len, config.max_num_seqs, config.drain) == (
+        set_up.rollout.max_total_tokens, set_up.rollout.max_in_flight, "abort")
+    default = load_config(VLLM + ["--rollout.drain", "abort"])
+    assert (default.rollout.engine.dtype, default.rollout.engine.gpu_memory_utilization) == (
+        VllmInProcessConfig.dtype, VllmInProcessConfig.gpu_memory_utilization)
+    assert checkpoint_key(set_up) == checkpoint_key(default)
 
 
 def test_engine_checks_name_the_field(tmp_path, monkeypatch):
@@ -379,7 +421,8 @@ def test_vllm_engine_is_created_in_its_loop_on_first_use(tmp_path, tiny_policy):
     from rollout_bridge.engine.vllm_inprocess import DeferredInProcessEngine
 
     model, folder = tiny_policy
-    cfg = load_config(["--rollout.engine", "vllm", "--rollout.drain", "abort"])
+    cfg = load_config(["--rollout.engine", "vllm", "--rollout.drain", "abort",
+                       "--rollout.engine.gpu_memory_utilization", "0.3"])
     agent = c.build_agent_config(cfg, max_turns=2)
     orchestrator = c.build_orchestrator_config(cfg, agent, seed=0)
     engine = c.build_engine(cfg, model, agent, orchestrator, 4, seed=0, policy_folder=folder, run_dir=tmp_path)
@@ -387,6 +430,7 @@ def test_vllm_engine_is_created_in_its_loop_on_first_use(tmp_path, tiny_policy):
     config = engine.config
     assert (config.initial_policy_event, config.drain, config.max_model_len, config.max_num_seqs) == (
         4, "abort", cfg.rollout.max_total_tokens, cfg.rollout.max_in_flight)
+    assert config.gpu_memory_utilization == 0.3
     assert Path(config.model).name == "policy-00000004" and (Path(config.model) / "tokenizer.json").exists()
 
     created = []

@@ -94,6 +94,28 @@ def test_arms_are_compared_with_the_reference_arm():
         ys.arm_order(arms, "rloo")
 
 
+def test_the_start_policy_digest_is_the_policy_not_what_is_shipped_beside_it(tmp_path):
+    """Step 0's digest (part of every cached yardstick record's key) covers the start
+    folder's policy files only: an evaluation record, a README or the warm start's record
+    added to a shipped warm start keep it (the cached records stay valid); a changed weight
+    file changes it."""
+    from rollout_bridge.run_folder import WARMSTART_RECORD_NAME
+
+    start = tmp_path / "warmstart_model"
+    start.mkdir()
+    (start / "config.json").write_text('{"hidden_size": 16}')
+    (start / "model.safetensors").write_bytes(bytes(64))
+    run = ys.Run(tmp_path, "spopp", 0, (2,), {}, start)
+    before = ys.policy_digest(run, 0)
+    (start / "evaluations").mkdir()
+    (start / "evaluations" / "prior-0123abcd.json").write_text('{"key": {}, "record": {}}')
+    (start / "README.md").write_text("A shipped warm start.")
+    (start / WARMSTART_RECORD_NAME).write_text("{}")
+    assert ys.policy_digest(run, 0) == before
+    (start / "model.safetensors").write_bytes(bytes([1]) + bytes(63))
+    assert ys.policy_digest(run, 0) != before
+
+
 # ------------------------------------------------------------------ tiny runs
 ARGS = ["--rollout.max_in_flight", "4", "--progress", "false", "--tensorboard", "false"]
 

@@ -11,16 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_bridge.engine.choice import EngineConfig, check_vllm_temperature
-from rollout_bridge.engine.vllm_inprocess import DeferredInProcessEngine, VllmInProcessConfig
+from rollout_bridge.engine.vllm_inprocess import DeferredInProcessEngine, InProcessVllm, VllmInProcessConfig
 
 
 @EngineConfig.register_subclass("vllm")
 @dataclass(frozen=True)
-class VllmEngineConfig(EngineConfig):
+class VllmEngineConfig(InProcessVllm, EngineConfig):
     """``rollout.engine: vllm``: vLLM's AsyncLLM in this process (``DeferredInProcessEngine``).
-    No fields of its own: its model folder, context length, concurrency and drain are the
-    job's (the stage's policy written as a weight folder, rollout.max_total_tokens,
-    rollout.max_in_flight, rollout.drain)."""
+    Its fields are vLLM's own settings (`InProcessVllm`: ``dtype``, ``gpu_memory_utilization``,
+    checked there); its model folder, context length, concurrency and drain are the job's
+    (the stage's policy written as a weight folder, rollout.max_total_tokens,
+    rollout.max_in_flight, rollout.drain). The record key is the engine's name only: as for
+    ``vllm_server``'s ``launch.extra_args``, how vLLM is set up is not keyed."""
 
     def check_runnable(self, rollout) -> None:
         """Temperature 1 (raw log-probs) and vllm importable here."""
@@ -32,6 +34,17 @@ class VllmEngineConfig(EngineConfig):
             raise ValueError("rollout.engine=vllm runs vLLM inside this process, but vllm is not importable here "
                              f"({sys.executable}); on a CPU host use rollout.engine=vllm_server with "
                              "rollout.engine.launch.python <repo>/.venv-vllm/bin/python (scripts/setup_vllm_cpu.sh)")
+
+    def inprocess_config(self, folder: str, root: str, tokenizer: str | None, policy_event: int, agent,
+                         orchestrator) -> VllmInProcessConfig:
+        """The engine's arguments: vLLM's settings of this section, the policy folder
+        ``folder`` under ``root`` (its ``tokenizer`` folder), the job's context length (the
+        agent's), concurrency and drain (the orchestrator's)."""
+        return VllmInProcessConfig(dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+                                   model=folder, weights_root=root, tokenizer_dir=tokenizer,
+                                   initial_policy_event=int(policy_event),
+                                   max_model_len=agent.max_total_tokens, max_num_seqs=orchestrator.max_in_flight,
+                                   drain="abort" if orchestrator.drain == "abort" else "finish")
 
     def build(self, model, agent, orchestrator, policy_event: int, seed: int, servers=None,
               policy_folder=None, run_dir=None) -> DeferredInProcessEngine:
@@ -49,11 +62,8 @@ class VllmEngineConfig(EngineConfig):
         root = tempfile.mkdtemp(prefix="engine-", dir=parent)
         tokenizer = None if policy_folder is None else str(policy_folder)
         folder = write_policy_folder(model, root, int(policy_event), tokenizer)
-        config = VllmInProcessConfig(model=folder, weights_root=root, tokenizer_dir=tokenizer,
-                                     initial_policy_event=int(policy_event), max_model_len=agent.max_total_tokens,
-                                     max_num_seqs=orchestrator.max_in_flight,
-                                     drain="abort" if orchestrator.drain == "abort" else "finish")
-        return DeferredInProcessEngine(config)
+        return DeferredInProcessEngine(self.inprocess_config(folder, root, tokenizer, policy_event, agent,
+                                                             orchestrator))
 
 
 __all__ = ["VllmEngineConfig"]

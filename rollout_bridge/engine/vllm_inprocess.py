@@ -39,8 +39,10 @@ from typing import Any, Sequence
 
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
 from rollout_bridge.engine.vllm_worker_ext import UNKNOWN_POLICY_EVENT
+from rollout_bridge.run_errors import check_setting as check
 
 WORKER_EXTENSION_CLS = "rollout_bridge.engine.vllm_worker_ext.SpoppWorkerExtension"
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")   # AsyncEngineArgs' dtype choices
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +132,27 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict] | None) 
 
 
 @dataclass(frozen=True)
-class VllmInProcessConfig:
-    """Arguments of the in-process engine (a subset of vLLM's ``AsyncEngineArgs``).
+class InProcessVllm:
+    """vLLM's own settings of ``rollout.engine: vllm``, declared once: the run config's section
+    (``vllm_choice.VllmEngineConfig``) and the engine's arguments (`VllmInProcessConfig`)
+    both extend this class. ``dtype``: vLLM's compute dtype, one of
+    ``VLLM_DTYPES`` (auto: vLLM's pick for the weight folder's dtype).
+    ``gpu_memory_utilization``: the share of the GPU's memory vLLM takes for the weights and
+    the KV cache, in (0, 1]."""
+
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.5
+
+    def __post_init__(self):
+        check(self.dtype in VLLM_DTYPES, "rollout.engine.dtype", f"one of {list(VLLM_DTYPES)}", self.dtype)
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "rollout.engine.gpu_memory_utilization", "in (0, 1]",
+              self.gpu_memory_utilization)
+
+
+@dataclass(frozen=True)
+class VllmInProcessConfig(InProcessVllm):
+    """Arguments of the in-process engine (a subset of vLLM's ``AsyncEngineArgs``): vLLM's
+    settings (`InProcessVllm`) and what the job sets.
 
     model: HF folder to start from (ideally a published ``policy-<k>`` folder, whose
       marker then gives the initial policy event). engine_kwargs: any other
@@ -140,14 +161,12 @@ class VllmInProcessConfig:
       NCCL / CUDA IPC instead of through the filesystem (UNTESTED here).
     """
 
-    model: str
+    model: str = field(kw_only=True)   # keyword-only: InProcessVllm's fields with defaults come first
     weights_root: str | None = None
     tokenizer_dir: str | None = None
     initial_policy_event: int | None = None
-    dtype: str = "auto"
     max_model_len: int = 4096
     max_num_seqs: int = 64
-    gpu_memory_utilization: float = 0.5
     logprobs_mode: str = "raw_logprobs"
     drain: str = "finish"
     keep_policies: int = 3
@@ -155,6 +174,7 @@ class VllmInProcessConfig:
     engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.drain not in ("finish", "abort"):
             raise ValueError(f"drain must be 'finish' or 'abort', got {self.drain!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):

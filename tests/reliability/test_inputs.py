@@ -103,10 +103,13 @@ CONFIG_CASES = [
          cli("--rollout.batch_size", "abc"), SystemExit, "2"),
     Case(_row("`--tracker.rho 1.5` (out of range)", "exit 2: 'tracker.rho must be in (0, 1)...'"),
          cli("--tracker.rho", "1.5"), SystemExit, "2"),
-    Case(_row("`--method ppo` (unknown choice)", "exit 2, argparse 'invalid choice' naming --method"),
-         cli("--method", "ppo"), SystemExit, "2"),
-    Case(_row("misspelt flag `--optim.learnin_rate 1e-3`", "exit 2: unrecognized arguments"),
-         cli("--optim.learnin_rate", "1e-3"), SystemExit, "2"),
+    Case(_row("`--method ppo` (unknown choice)", "exit 2: one line 'config error: method must be one of [...], "
+              "got 'ppo'' (before: argparse's usage)"),
+         cli("--method", "ppo"), SystemExit, "2", "config error: method must be one of ['event_trajectory', "),
+    Case(_row("misspelt flag `--optim.learnin_rate 1e-3`", "exit 2: one line 'config error: --optim.learnin_rate: "
+              "no such setting (closest: --optim.learning_rate)' (before: argparse's usage)"),
+         cli("--optim.learnin_rate", "1e-3"), SystemExit, "2",
+         "config error: --optim.learnin_rate: no such setting (closest: --optim.learning_rate)"),
     Case(_row("`--config_path` to a missing file", "exit 2: 'config error: ... No such file' naming it"),
          cli("--config_path", "/nonexistent/recipe.yaml"), SystemExit, "2"),
     Case(_row("YAML recipe with a syntax error", "exit 2: 'config error:' with the YAML line"),
