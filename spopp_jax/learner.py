@@ -49,6 +49,7 @@ __all__ = [
     "ModelDef",
     "split_model",
     "make_optimizer",
+    "commit_to_one_device",
     "init_train_state",
     "token_logprobs",
     "chunked_token_logprobs",
@@ -360,7 +361,25 @@ def init_train_state(
         step=jnp.zeros((), jnp.int32),
         policy_event=jnp.asarray(policy_event, jnp.int32),
     )
-    return model_def, state
+    return model_def, commit_to_one_device(state)
+
+
+def commit_to_one_device(tree: Any) -> Any:
+    """``tree`` with every leaf committed to one device, when its committed leaves (if any)
+    are all on that one device; otherwise (leaves laid out over a mesh) ``tree`` unchanged.
+
+    A jitted step returns committed arrays, and jit compiles anew for an input whose
+    committed-ness differs: a state of uncommitted leaves (the optimizer's zeros, the step
+    counters) beside committed ones (weights loaded onto a device) compiled the train step a
+    second time on its second call.
+    """
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+    devices = {device for leaf in leaves if leaf.committed for device in leaf.sharding.device_set}
+    if len(devices) > 1:
+        return tree
+    device = devices.pop() if devices else jax.devices()[0]
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, device)
+                        if isinstance(leaf, jax.Array) and not leaf.committed else leaf, tree)
 
 
 # ----------------------------------------------------------------------------- log-probs

@@ -353,7 +353,23 @@ def test_train_step_donates_state_and_keeps_training(tiny):
         losses.append(float(metrics["loss"]))
     assert first_leaf.is_deleted()  # the input buffers were donated
     assert int(state.step) == 3
+    assert step._cache_size() == 1  # compiled once: the first state is placed as the step's outputs are
     assert losses[2] < losses[0]  # minimising the surrogate on a fixed batch
+
+
+def test_a_state_from_loaded_weights_compiles_the_step_once(tmp_path):
+    """Weights loaded onto a device (committed) beside the optimizer's fresh zeros and the
+    step counters: the first state is committed to that device, as the step's outputs are,
+    so the second call reuses the first compilation."""
+    random_hf_model(tiny_hf_config(**TINY), seed=0).save_pretrained(tmp_path)
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None)
+    model_def, state = learner.init_train_state(from_pretrained(str(tmp_path), dtype="float32"), config)
+    assert all(leaf.committed for leaf in jax.tree.leaves(state))
+    step = learner.make_train_step(model_def, config)
+    batch, _ = make_batch()
+    for _ in range(2):
+        state, _ = step(state, batch)
+    assert step._cache_size() == 1
 
 
 # ----------------------------------------------------------------------------- SFT
