@@ -365,8 +365,8 @@ def init_train_state(
 
 
 def commit_to_one_device(tree: Any) -> Any:
-    """``tree`` with every leaf committed to one device, when its committed leaves (if any)
-    are all on that one device; otherwise (leaves laid out over a mesh) ``tree`` unchanged.
+    """``tree`` with every leaf committed to one device (this process's first, or the one its
+    committed leaves are on); ``tree`` unchanged when its leaves are laid out over several.
 
     A jitted step returns committed arrays, and jit compiles anew for an input whose
     committed-ness differs: a state of uncommitted leaves (the optimizer's zeros, the step
@@ -377,7 +377,7 @@ def commit_to_one_device(tree: Any) -> Any:
     devices = {device for leaf in leaves if leaf.committed for device in leaf.sharding.device_set}
     if len(devices) > 1:
         return tree
-    device = devices.pop() if devices else jax.devices()[0]
+    device = devices.pop() if devices else jax.local_devices()[0]   # this process's: each process commits its own copy
     return jax.tree.map(lambda leaf: jax.device_put(leaf, device)
                         if isinstance(leaf, jax.Array) and not leaf.committed else leaf, tree)
 
