@@ -7,7 +7,9 @@ Reads `<root>/<arm>/seed<k>/{metrics.jsonl,summary.json}` and prints markdown:
     seed; Figure-1-style plot. Collapsed runs, final policies below the warm start, and
     turns per episode (Math-TIR: 1 + tool calls).
  2. The tracker x measure 2x2 (retention 0.875 and dual-clip 2 fixed): C10 per cell, the
-    paired effects, and the paper's Table-2 comparisons against SPO.
+    paired effects, and the paper's Table-2 comparisons against SPO; without all four cells,
+    the paper's measure screen alone (SPO++ against its trajectory-measure arm, C10 and the
+    AUC of the first 10 plotted steps).
  3. Per-batch Cov_n(L, A), the loss-weighted centre trajectory whitening leaves
     (sum L A~ / sum L), length quantiles, and whether the centre's size predicts the
     token-measure gain (paired by tracker and seed).
@@ -321,10 +323,45 @@ def two_by_two(g: dict, score: str) -> list[str]:
                     {s: 0.0 for s in interaction})]
 
 
+SCREEN_STEPS = 10  # plotted steps the paper's measure screen reads (C10's)
+
+
+def measure_screen(runs, ups: int) -> list[str]:
+    """The paper's measure screen (its Table 2 row token vs trajectory measure, SPEC 7): SPO++
+    (event-time tracker, token measure) against the same tracker with the trajectory measure,
+    paired by seed, on C10 = (AUC(r_1..r_10) + mean(r_6..r_10))/2 and on the AUC of the same
+    first 10 plotted steps. The arms may have run different numbers of updates: only the first
+    10 plotted steps of each run are read. Empty without a seed both arms ran that far."""
+    token, traj = CELLS[("event-time", "token")], CELLS[("event-time", "trajectory")]
+    c10 = c10_by_arm(runs, ups)
+    seeds = sorted(set(c10.get(token, {})) & set(c10.get(traj, {})))
+    if not seeds:
+        return []
+    arms = (token, traj)
+    scores = {"C10": {a: {s: c10[a][s] for s in seeds} for a in arms},
+              f"AUC (T = {SCREEN_STEPS})": {a: {s: area_under_curve(runs[a][s].curve(ups)[:SCREEN_STEPS])
+                                                for s in seeds} for a in arms}}
+    batch = trajectories_per_update(runs)
+    lines = [f"The measure screen (the paper's Table 2: token vs trajectory measure under SPO++'s event-time "
+             f"tracker, retention 0.875 and dual clip c = 2 in both arms): C10 and the AUC over the first "
+             f"{SCREEN_STEPS} plotted steps ({SCREEN_STEPS * ups} updates, {SCREEN_STEPS * ups * batch} "
+             f"trajectories) of each run, whatever its length; the seeds both arms ran, {seeds}, paired; "
+             "mean ± sample std over seeds.", "",
+             f"| arm | runs | updates per run | C10 | AUC (T = {SCREEN_STEPS}) |", "|---|---|---|---|---|"]
+    for a in arms:
+        updates = " / ".join(str(n) for n in sorted({len(runs[a][s].rows) for s in seeds}))
+        lines.append(f"| {LABELS[a]} | {len(seeds)} | {updates} | "
+                     + " | ".join(pm(list(values[a].values())) for values in scores.values()) + " |")
+    return [*lines, "", *PAIRED_HEADER,
+            *(paired_line(f"{score}: token − trajectory, event-time tracker", values[token], values[traj])
+              for score, values in scores.items())]
+
+
 def ablation_section(runs, ups: int) -> list[str]:
     c10 = c10_by_arm(runs, ups)
     if not all(arm in c10 for arm in CELLS.values()):
-        return [f"(2x2 incomplete: have {sorted(c10)})"]
+        screen = measure_screen(runs, ups)
+        return [f"(2x2 incomplete: have {sorted(c10)})", *(["", *screen] if screen else [])]
     auc, t = auc_by_arm(runs, ups, [*CELLS.values(), "spo"])
     lines = [f"C10 = (AUC(r_1..r_10) + mean(r_6..r_10))/2 over the first 10 plotted steps "
              f"({10 * ups} updates, {10 * ups * 16} trajectories: the paper's short ablation); AUC over "

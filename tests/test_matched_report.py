@@ -76,6 +76,34 @@ def test_ablation_and_centre_prediction(tmp_path):
     assert "| trajectory-measure run, first 20 updates | 0.100 to 0.300 | +1.00 |" in text
 
 
+def test_measure_screen_reads_the_first_10_plotted_steps_of_runs_of_any_length(tmp_path):
+    """Without the full 2x2, SPO++ against its trajectory-measure arm alone (the paper's
+    screen): paired by seed on C10 and the AUC of the first 10 plotted steps, though SPO++
+    ran 30 updates (15 plotted steps of 2) and the trajectory arm 20."""
+    root = tmp_path / "runs"
+    # trajectory arm, plotted [0]*5 + [0.25]*5: AUC = (0.125 + 4 * 0.25) / 9 = 0.125,
+    # mean(r_6..r_10) = 0.25, C10 = 0.1875; SPO++ constant c over its first 10 steps, then 0
+    for seed, c in enumerate((0.5, 0.5625, 0.625)):
+        write_run(root, "spopp", seed, [c] * 20 + [0.0] * 10)
+        write_run(root, "event_traj", seed, [0.0] * 10 + [0.25] * 10)
+    write_run(root, "spopp", 3, [1.0] * 30)  # no trajectory-arm partner: not paired
+    text = matched_report.report(args_for(root, tmp_path))
+    assert "2x2 incomplete" in text
+    assert "| SPO++ | 3 | 30 | 0.562 ± 0.062 | 0.562 ± 0.062 |" in text
+    assert "| event x trajectory | 3 | 20 | 0.188 ± 0.000 | 0.125 ± 0.000 |" in text
+    # C10: c - 0.1875 = 31.25, 37.5, 43.75 points; AUC (T = 10): c - 0.125 = 37.5, 43.75, 50
+    assert "| C10: token − trajectory, event-time tracker | +37.50 ± 6.25 | +++ (3+/0-) |" in text
+    assert "| AUC (T = 10): token − trajectory, event-time tracker | +43.75 ± 6.25 | +++ (3+/0-) |" in text
+
+
+def test_no_measure_screen_without_a_trajectory_arm_that_ran_10_plotted_steps(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "spopp", 0, [0.5] * 20)
+    write_run(root, "event_traj", 0, [0.25] * 18)  # 9 plotted steps: no C10
+    text = matched_report.report(args_for(root, tmp_path))
+    assert "2x2 incomplete" in text and "measure screen" not in text
+
+
 def test_collapse_is_counted_with_its_onset(tmp_path):
     root = tmp_path / "runs"
     # plotted steps (2 updates each): 0.25 x 4, then 0 x 6, final policy 0 -> collapsed from update 9
