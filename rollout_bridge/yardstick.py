@@ -390,6 +390,18 @@ def comparisons(summaries: Sequence[dict], arms: Sequence[str]) -> list[dict]:
     return out
 
 
+def read_record(path: str | Path) -> dict:
+    """An earlier yardstick record (its yardstick.json); UserError when the file is missing,
+    not JSON, or not a yardstick record."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"--carry {path}: not a readable yardstick.json ({error})") from None
+    if not isinstance(record, dict) or not {"mix", "steps", "runs", "settings"} <= record.keys():
+        raise UserError(f"--carry {path}: not a yardstick record (a yardstick.json holds mix, steps, runs, settings)")
+    return record
+
+
 def carried_runs(earlier: dict, mix: TaskMix, steps: Sequence[int], played: Sequence[str]) -> list[dict]:
     """The run summaries of an ``earlier`` yardstick record (its yardstick.json) but those
     labelled in ``played`` (the runs evaluated now): a record grows by new runs without

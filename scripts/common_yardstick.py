@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     runs = [ys.read_run(folder) for folder in args.runs]
     ys.check_runs(cfg, runs)
     steps = ys.common_steps(runs, args.eval_steps, args.start)
-    earlier = None if args.carry is None else json.loads(Path(args.carry).read_text())
+    earlier = None if args.carry is None else ys.read_record(args.carry)
     machine = machine_text()
     log(f"yardstick: {len(runs)} runs ({', '.join(run.label for run in runs)}), steps {steps}; {machine}")
     env = build_env(cfg, False, log, cfg.progress)

@@ -385,6 +385,13 @@ def test_carry_keeps_an_earlier_records_runs_and_plays_only_the_new_ones(setup, 
             common_yardstick.main(["--runs", str(runs["c"]), "--out", str(tmp_path / "refused"), "--carry",
                                    str(earlier), *flags, *other])
         assert not (tmp_path / "refused" / "evaluations").exists()
+    (tmp_path / "not_a_record.json").write_text("[1, 2]")
+    for bad, match in ((tmp_path / "missing.json", "not a readable yardstick.json"),
+                       (tmp_path / "not_a_record.json", "not a yardstick record")):
+        with pytest.raises(UserError, match=match):
+            common_yardstick.main(["--runs", str(runs["c"]), "--out", str(tmp_path / "refused"), "--carry", str(bad),
+                                   *flags])
+        assert not (tmp_path / "refused" / "evaluations").exists()
 
 
 @pytest.mark.slow
