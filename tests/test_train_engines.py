@@ -220,9 +220,11 @@ def test_bad_vllm_settings_are_one_line_naming_the_field(args, line):
 
 def test_vllms_own_settings_reach_its_engine_and_leave_the_records_valid():
     """``rollout.engine.dtype`` / ``gpu_memory_utilization`` reach the in-process engine's
-    arguments (the rest of them are the job's); they are not part of the record key."""
+    arguments (the rest of them are the job's). The memory share is not part of the record
+    key; the compute dtype is, when set (a prior or evaluation made at float32 is not reused at
+    bfloat16), and ``auto`` keys as records written before the field existed."""
     from rollout_bridge.engine.vllm_inprocess import VllmInProcessConfig
-    from rollout_bridge.run_folder import checkpoint_key
+    from rollout_bridge.run_folder import checkpoint_key, stage_key
 
     set_up = load_config(VLLM + [GPU_SHARE, "0.8", "--rollout.engine.dtype", "float32", "--rollout.drain", "abort"])
     agent = c.build_agent_config(set_up, max_turns=2)
@@ -237,7 +239,12 @@ def test_vllms_own_settings_reach_its_engine_and_leave_the_records_valid():
     default = load_config(VLLM + ["--rollout.drain", "abort"])
     assert (default.rollout.engine.dtype, default.rollout.engine.gpu_memory_utilization) == (
         VllmInProcessConfig.dtype, VllmInProcessConfig.gpu_memory_utilization)
-    assert checkpoint_key(set_up) == checkpoint_key(default)
+    assert checkpoint_key(set_up) != checkpoint_key(default)
+    share_only = load_config(VLLM + [GPU_SHARE, "0.8", "--rollout.drain", "abort"])
+    assert checkpoint_key(share_only) == checkpoint_key(default)
+    auto = load_config(VLLM + ["--rollout.engine.dtype", "auto", "--rollout.drain", "abort"])
+    assert stage_key(auto, "rollout")["rollout"]["engine"] == "vllm" and "dtype" not in stage_key(auto, "rollout")["rollout"]
+    assert stage_key(set_up, "rollout")["rollout"]["dtype"] == "float32"
 
 
 def test_engine_checks_name_the_field(tmp_path, monkeypatch):

@@ -21,8 +21,16 @@ class VllmEngineConfig(InProcessVllm, EngineConfig):
     Its fields are vLLM's own settings (`InProcessVllm`: ``dtype``, ``gpu_memory_utilization``,
     checked there); its model folder, context length, concurrency and drain are the job's
     (the stage's policy written as a weight folder, rollout.max_total_tokens,
-    rollout.max_in_flight, rollout.drain). The record key is the engine's name only: as for
-    ``vllm_server``'s ``launch.extra_args``, how vLLM is set up is not keyed."""
+    rollout.max_in_flight, rollout.drain). The record key is the engine's name and, when it is
+    not ``auto``, ``dtype`` (the compute dtype changes what the policy samples, so a prior or an
+    evaluation made at one dtype is not reused at another); ``gpu_memory_utilization`` is not
+    keyed (how much memory vLLM takes, not what it computes)."""
+
+    def record_key(self) -> dict:
+        """The engine in a stage key: ``dtype`` only when set (records made at ``auto``, the
+        default, were written before it existed and stay valid)."""
+        key = super().record_key()
+        return key if self.dtype == "auto" else {**key, "dtype": self.dtype}
 
     def check_runnable(self, rollout) -> None:
         """Temperature 1 (raw log-probs) and vllm importable here."""
