@@ -571,6 +571,20 @@ def _check_choice_names(args: Sequence[str], settings: dict | None, path: str | 
                 raise ChoiceError(f"{source}{dotted} must be one of {known}, got {name!r}")
 
 
+def _has_setting(section: type, dotted: str) -> bool:
+    """Whether the config dataclass `section` has the (nested) field `dotted`."""
+    import typing
+
+    for part in dotted.split("."):
+        if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+            return False
+        hints = typing.get_type_hints(section)
+        if part not in {f.name for f in dataclasses.fields(section)}:
+            return False
+        section = hints[part]
+    return True
+
+
 def _check_engine_fields(args: Sequence[str], settings: dict | None) -> None:
     """Every `rollout.engine.<field>` given is a field of the chosen engine: else one line
     naming the engines that have it."""
@@ -582,11 +596,10 @@ def _check_engine_fields(args: Sequence[str], settings: dict | None) -> None:
     given = [a[len(ENGINE_FLAG) + 1:].split("=", 1)[0] for a in args if a.startswith(ENGINE_FLAG + ".")]
     if section.get("type", EngineConfig.default_choice_name()) == chosen:   # else the file's section is replaced
         given += list(section)
-    fields = {name: {f.name for f in dataclasses.fields(EngineConfig.get_choice_class(name))} for name in engine_names()}
+    engines = {name: EngineConfig.get_choice_class(name) for name in engine_names()}
     for dotted in given:
-        field_name = dotted.split(".")[0]
-        if field_name != "type" and field_name not in fields[chosen]:
-            owners = [name for name, names_ in fields.items() if field_name in names_]
+        if dotted.split(".")[0] != "type" and not _has_setting(engines[chosen], dotted):
+            owners = [name for name, engine in engines.items() if _has_setting(engine, dotted)]
             if owners:
                 raise ChoiceError(f"rollout.engine.{dotted} is a setting of rollout.engine "
                                   f"{' / '.join(owners)}, not of the chosen rollout.engine {chosen} "

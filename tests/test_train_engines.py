@@ -119,6 +119,17 @@ def test_a_field_of_another_engine_is_refused_naming_its_engine(args, message):
     assert str(info.value).startswith(message), str(info.value)
 
 
+@pytest.mark.parametrize("engine", [[], ["--rollout.engine", "vllm"], VLLM_SERVER])
+def test_a_nested_setting_no_engine_has_is_not_credited_to_one(engine):
+    """``launch.bogus`` is not vllm_server's because vllm_server has ``launch``: whatever the
+    chosen engine, it is an unknown setting (the closest names), not "a setting of vllm_server"."""
+    from rollout_bridge.config import FlagError
+
+    with pytest.raises(FlagError) as info:
+        load_config(engine + [LAUNCH + "bogus=2"])
+    assert str(info.value).startswith("--rollout.engine.launch.bogus: no such setting"), str(info.value)
+
+
 def test_a_field_of_another_engine_in_yaml_is_refused(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rollout:\n  engine:\n    type: jax\n    server_urls: http://a:1\n")
