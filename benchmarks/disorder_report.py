@@ -272,7 +272,7 @@ def report(args) -> str:
         shown = root.relative_to(REPO) if root.is_relative_to(REPO) else root
         lines.append(f"- D = {delay_text(level.delay)}: `{shown}`, recipe "
                      f"{', '.join(recipes(level.root)) or 'not recorded'}; hardware "
-                     f"{hardware_text(level.root, num_runs[level.root])}")
+                     f"{hardware_text(level.root, num_runs[level.root], ARMS)}")
     lines += [f"- report made on {cpu_model()}; python {platform.python_version()}", "",
               "### Disorder and held-out success per arm", "", *arm_lines(levels)]
     table, results = paired_lines(levels, ups, t)

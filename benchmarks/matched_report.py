@@ -82,10 +82,11 @@ def load_runs(root: Path) -> dict[str, dict[int, Run]]:
     return runs
 
 
-def run_records(root: Path, name: str) -> list:
-    """Each finished run's ``name`` JSON file (command.json, host.json), where present."""
+def run_records(root: Path, name: str, arms=None) -> list:
+    """Each finished run's ``name`` JSON file (command.json, host.json), where present; of the
+    runs of ``arms`` only when given."""
     return [json.loads(path.read_text()) for path in sorted(root.glob(f"*/seed*/{name}"))
-            if (path.parent / "summary.json").is_file()]
+            if (path.parent / "summary.json").is_file() and (arms is None or path.parent.parent.name in arms)]
 
 
 def recipes(root: Path) -> list[str]:
@@ -95,12 +96,12 @@ def recipes(root: Path) -> list[str]:
     return sorted(names)
 
 
-def hardware_text(root: Path, num_runs: int) -> str:
-    """The machines the runs ran on (their host.json), with counts; runs without one are
-    counted as not recorded (runs made before host.json existed)."""
+def hardware_text(root: Path, num_runs: int, arms=None) -> str:
+    """The machines the `num_runs` runs (of ``arms`` when given) ran on (their host.json), with
+    counts; runs without one are counted as not recorded (runs made before host.json existed)."""
     from collections import Counter
 
-    cpus = Counter(record.get("cpu", "?") for record in run_records(root, "host.json"))
+    cpus = Counter(record.get("cpu", "?") for record in run_records(root, "host.json", arms))
     parts = [f"{cpu} ({count} run{'s' if count > 1 else ''})" for cpu, count in sorted(cpus.items())]
     missing = num_runs - sum(cpus.values())
     if missing:

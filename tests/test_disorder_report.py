@@ -109,6 +109,21 @@ def test_report_tables_and_figure(campaign, tmp_path, capsys):
     assert "](figures/disorder_dose_response.png)" in (tmp_path / "r.md").read_text()
 
 
+def test_hardware_counts_only_the_two_arms_runs(campaign, tmp_path):
+    """A level whose root also holds other arms' runs (a matched campaign's root used as the
+    D = 0 level) names the hardware of the compared runs only, not a negative 'not recorded'."""
+    a, _ = campaign
+    for arm in ("spopp", "receipt_token", "grpo"):
+        for seed in range(3 if arm != "grpo" else 1):
+            folder = a / arm / f"seed{seed}"
+            folder.mkdir(parents=True, exist_ok=True)
+            if arm == "grpo":
+                (folder / "summary.json").write_text("{}")
+            (folder / "host.json").write_text(json.dumps({"cpu": "AMD EPYC"}))
+    text = disorder_report.report(args_for([a], tmp_path))
+    assert "hardware AMD EPYC (6 runs)\n" in text, text
+
+
 def test_delay_from_commands(tmp_path):
     write_run(tmp_path / "x", "spopp", 0, [0.3] * 4, 0.2, 0.1)
     assert disorder_report.campaign_delay(tmp_path / "x") is None  # no run sets it: the recipe's
