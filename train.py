@@ -27,9 +27,10 @@ order; each reuses its output in `output_dir` when it was made with the same set
     method's state incl. SPO's previous responses, sampler RNG, counters, buffered
     trajectories); export of the final policy as a HF folder in `hf_model` (with
     `export_every` also `exports/step_<k>`), then the evaluation of the final policy
-    (success AFTER RL; `evaluation.train_rollouts` per training task and
-    `evaluation.heldout_rollouts` per held-out task, each defaulting to
-    `prior.rollouts_per_task`); with `--wandb true` the metrics also in Weights & Biases.
+    (success AFTER RL; `evaluation.train_rollouts` per training task of the first
+    `evaluation.train_games` (default `prior.rollouts_per_task` on 256) and
+    `evaluation.heldout_rollouts` (default 4) per held-out task); with `--wandb true` the
+    metrics also in Weights & Biases.
  6. report (`job_report`): `summary.json`, `learning_curve.png` and the report lines.
 Rollout engines (`rollout.engine`, a choice like `method`, each engine with its own fields):
 the embedded JAX engine, vLLM in this process, or vLLM servers given by URL or launched by

@@ -155,7 +155,9 @@ class ModelSection:
 @dataclass
 class WarmStartSection:
     """Cold-start SFT on teacher demonstrations (walkthroughs of the warm-start games, never
-    the training games), loss on the action tokens only. `epochs` passes over the data.
+    the training games); `loss_on`: the tokens in the loss (every token but the first by
+    default; `all_assistant` = every reply, `final_message` = the last reply; warmstart.py).
+    `epochs` passes over the data.
     `group_by_length`: batches of demonstrations of similar length, each padded to its own
     longest (rounded up to 128 tokens), instead of random batches padded to the longest
     demonstration of the data set; same number of steps and loss, far fewer pad tokens."""
@@ -203,10 +205,10 @@ class EvaluationSection:
     episodes' seeds). `train_rollouts`: rollouts of every training task with the final
     policy, compared with the prior's rollouts of the initial policy;
     `heldout_rollouts`: rollouts of every task of the env kind's evaluation sets (held-out
-    games, Math-TIR without its tool) before and after RL. None: `prior.rollouts_per_task`
-    (one rollout per task on 1,024 training games leaves 4 per held-out game, say).
+    games, Math-TIR without its tool) before and after RL. Either None:
+    `prior.rollouts_per_task` (the default of `train_rollouts`; `heldout_rollouts` defaults to 4).
     `train_games`: only the training tasks 0..train_games-1 are evaluated after RL (paired
-    with the prior's rollouts of the same tasks); None: every training task."""
+    with the prior's rollouts of the same tasks; default 256); None: every training task."""
 
     train_rollouts: Optional[int] = None
     heldout_rollouts: Optional[int] = 4
@@ -373,10 +375,10 @@ class TrainConfig:
     `export_every` (a multiple of checkpoint_every) also `output_dir/exports/step_<k>`.
     `wandb`: also log the metrics to Weights & Biases (`wandb_mode` offline = on disk under
     `output_dir/wandb`, no account needed; the `wandb` extra).
-    `compilation_cache_dir`: JAX's persistent compilation cache (XLA executables that took
-    >= 1 s to compile are stored there and read back by later runs of the same programs: a
-    rerun, `--resume`, another seed of a matched run); None: none. A
-    `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
+    `compilation_cache_dir`: JAX's persistent compilation cache (every XLA executable is
+    stored there, unless `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` sets a minimum, and read
+    back by later runs of the same programs: a rerun, `--resume`, another seed of a matched
+    run); None: none. A `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
     """
 
     method: MethodConfig = field(default_factory=lambda: recipe(MethodConfig.default_choice_name()))
