@@ -37,10 +37,12 @@ prior, the others start from the same one):
       python benchmarks/matched_runs.py archive --root runs/disorder/d$D --to docs/results/disorder/d$D
     done
 
-3 levels x 2 arms x 6 seeds = 36 runs; at docs/RESULTS.md's ~10 min per cached run of the
-default recipe (RL and its evaluations, alone on an idle 2-core AMD EPYC) that is ~6 h, plus
-the time the delay itself adds to each update (results held up to D s) and one prior
-(~4 min); seeds run seed-major, so a partial campaign is still paired.
+3 levels x 2 arms x 6 seeds = 36 runs (their time per run on a 2-core CPU: docs/RESULTS.md,
+"The clock under designed disorder"; a delay lengthens each update, and a level whose delay is
+keyed anew plays the warm start's evaluation before RL once); seeds run seed-major, so a
+partial campaign is still paired. The two arms of a seed may run at once (one
+`matched_runs.py run --arms <arm>` per arm on the same root): a pair then shares its
+machine state.
 
 `report` takes one campaign root per level (its runs under `<root>/<arm>/seed<k>/`, as
 `matched_runs.py` writes them). A level's delay D is read from its runs' command.json
