@@ -4,6 +4,7 @@ prints exactly one VERDICT line; what needs a GPU (cuDNN, vLLM) says SKIP, never
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,12 @@ FAST_CHECKS = ["mixed_precision_step", "cudnn_attention", "engine_decode", "memo
 
 
 def run_check(*args, env=None, timeout=900):
+    """The script under the interpreter running the tests (``PYTHON``; the script's default is
+    ``python3`` from PATH, which need not be this environment's)."""
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "SPOPP_GPU_CHECK_TIMEOUT_S": str(timeout), **(env or {})})
+                          env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable),
+                               "SPOPP_GPU_CHECK_TIMEOUT_S": str(timeout), **(env or {})})
     verdicts = dict(re.findall(r"^VERDICT (\w+): (PASS|FAIL|SKIP)", done.stdout, flags=re.M))
     return done, verdicts
 
