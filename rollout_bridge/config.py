@@ -575,15 +575,11 @@ def _check_choice_names(args: Sequence[str], settings: dict | None, path: str | 
 
 def _has_setting(section: type, dotted: str) -> bool:
     """Whether the config dataclass `section` has the (nested) field `dotted`."""
-    import typing
-
     for part in dotted.split("."):
-        if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+        if not (isinstance(section, type) and dataclasses.is_dataclass(section)
+                and part in {f.name for f in dataclasses.fields(section)}):
             return False
-        hints = typing.get_type_hints(section)
-        if part not in {f.name for f in dataclasses.fields(section)}:
-            return False
-        section = hints[part]
+        section = typing.get_type_hints(section)[part]
     return True
 
 
