@@ -14,7 +14,7 @@ from rollout_bridge.components import load_policy
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, find_record, policy_digest, tasks_digest, write_cached
 from rollout_bridge.prior import rollout_successes
 from rollout_bridge.progress_lines import TenthLines, show_bar
-from rollout_bridge.run_folder import log, stage_key
+from rollout_bridge.run_folder import fixed_policy_key, log
 
 EXTRA_EVAL_SEED_OFFSET = 17  # the extra evaluations' engine seed (apart from the prior's and RL's)
 
@@ -69,7 +69,7 @@ def evaluation_key(cfg, policy: Path, rollouts: int, sets: dict[str, str | None]
     which renames training episodes only), the seed, the policy's content, ``rollouts``
     per task, the episode scheme and ``sets``: each evaluated set's name -> its content
     (``tasks_digest``)."""
-    key = stage_key(cfg, "model", "env", "warmstart", "rollout")
+    key = fixed_policy_key(cfg, "model", "env", "warmstart", "rollout")
     key.update(seed=cfg.seed, policy=policy_digest(policy), rollouts=rollouts, sets=sorted(sets),
                episodes=EVALUATION_SCHEME, tasks=dict(sorted(sets.items())))
     key["env"].pop("rename_episodes", None)

@@ -18,7 +18,7 @@ from rollout_bridge.evaluation import evaluation_seed, success_rollouts
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, find_record, policy_digest, tasks_digest, write_cached
 from rollout_bridge.prior import prior_record, read_prior_file, write_json_atomic
 from rollout_bridge.run_errors import UserError
-from rollout_bridge.run_folder import RunPaths, log, stage_key
+from rollout_bridge.run_folder import RunPaths, fixed_policy_key, log
 from rollout_bridge.run_report import prior_text
 
 PRIOR_SEED_OFFSET = 1_000_003  # the prior's engine seed = job seed + this (apart from RL's)
@@ -28,7 +28,7 @@ def prior_key(cfg, policy: Path, rho: float, tasks: str | None) -> dict:
     """What the prior's episodes depend on: the settings, ``rho`` (its mass), the seed, the
     policy's content (not its path), the episode scheme and the training tasks' content
     ``tasks`` (``tasks_digest``)."""
-    key = stage_key(cfg, "model", "env", "warmstart", "prior", "rollout")
+    key = fixed_policy_key(cfg, "model", "env", "warmstart", "prior", "rollout")
     key.update(rho=rho, seed=cfg.seed, policy=policy_digest(policy), episodes=EVALUATION_SCHEME, tasks=tasks)
     return key
 

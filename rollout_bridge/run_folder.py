@@ -71,6 +71,10 @@ UNKEYED_FIELDS = {"rollout": ("pack_rows",), "prior": ("cache_dir",),
 # records (priors, evaluation caches, checkpoints) written before the rename stay valid.
 KEYED_AS = {"rollout": {"max_in_flight": "max_inflight", "max_total_tokens": "max_seq_len"},
             "advantage": {"whiten_eps": "eps"}}
+# How the RL loop receives results: a fixed policy's episodes (the prior, the evaluations,
+# the yardstick, all played by `success_rollouts`, not the orchestrator) do not depend on it,
+# so their records key these fields at their defaults and runs at any value share them.
+RECEIPT_FIELDS = {"rollout": {"result_delay_s": 0.0}}
 
 
 def stage_key(cfg, *sections: str) -> dict:
@@ -96,6 +100,16 @@ def stage_key(cfg, *sections: str) -> dict:
                 key[name][first_name] = key[name].pop(field)
     if "warmstart" in key and not (cfg.warmstart.enabled and cfg.warmstart.group_by_length):
         key["warmstart"].pop("group_by_length", None)
+    return key
+
+
+def fixed_policy_key(cfg, *sections: str) -> dict:
+    """``stage_key`` for records of a fixed policy's episodes: the ``RECEIPT_FIELDS`` at
+    their defaults (records written before this rule held those defaults, so they stay valid)."""
+    key = stage_key(cfg, *sections)
+    for name, fields in RECEIPT_FIELDS.items():
+        if name in key:
+            key[name].update({field: value for field, value in fields.items() if field in key[name]})
     return key
 
 

@@ -41,7 +41,7 @@ from rollout_bridge import evaluation_cache
 from rollout_bridge.agent import derived_seed
 from rollout_bridge.job_report import success_estimate
 from rollout_bridge.run_errors import UserError
-from rollout_bridge.run_folder import folder_digest, log, stage_key
+from rollout_bridge.run_folder import fixed_policy_key, folder_digest, log, stage_key
 
 TRAIN_SET = "train"
 ENGINE_SEED = 0          # every engine's own seed: the episode seeds decide every sample anyway
@@ -277,7 +277,7 @@ async def evaluate_on_mix(job, model, chat, mix: TaskMix, what: str = "yardstick
 
 def evaluation_key(job, mix: TaskMix, run: Run, step: int) -> dict:
     """What an evaluation record depends on: the mix, the tasks and decoding, the policy's bytes."""
-    key = stage_key(job.cfg, "env", "rollout", "model")
+    key = fixed_policy_key(job.cfg, "env", "rollout", "model")
     return {**key, "mix": mix.record(), "policy": policy_digest(run, step), "seed": job.cfg.seed}
 
 

@@ -77,3 +77,26 @@ def test_unkeyed_fields_change_no_key(field, value, keyed, keyed_value):
     assert stage_key(changed, section) == stage_key(plain, section)
     assert checkpoint_key(changed) == checkpoint_key(plain)
     assert stage_key(load_config([f"--{keyed}", keyed_value]), section) != stage_key(plain, section)
+
+
+def test_the_receipt_delay_is_keyed_by_runs_not_by_fixed_policy_records(tmp_path):
+    """`rollout.result_delay_s` holds results before the orchestrator receives them; the
+    prior and the evaluations play a fixed policy without it, so a record made at one delay
+    serves every delay (and records written at the default stay valid), while a checkpoint
+    is resumed only at its own delay."""
+    from rollout_bridge.config import load_config
+    from rollout_bridge.evaluation import evaluation_key
+    from rollout_bridge.prior_stage import prior_key
+    from rollout_bridge.run_folder import checkpoint_key, stage_key
+
+    plain, delayed = load_config([]), load_config(["--rollout.result_delay_s", "12"])
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text("{}")
+    assert stage_key(delayed, "rollout") != stage_key(plain, "rollout")          # the control
+    assert checkpoint_key(delayed) != checkpoint_key(plain)
+    assert evaluation_key(delayed, policy, 4, {"heldout": "d"}) == evaluation_key(plain, policy, 4, {"heldout": "d"})
+    assert evaluation_key(plain, policy, 4, {"heldout": "d"})["rollout"]["result_delay_s"] == 0.0
+    assert prior_key(delayed, policy, 0.9, "t") == prior_key(plain, policy, 0.9, "t")
+    assert prior_key(delayed, policy, 0.9, "t") != prior_key(load_config(["--rollout.temperature", "0.5"]), policy,
+                                                             0.9, "t")
