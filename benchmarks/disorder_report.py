@@ -38,8 +38,9 @@ prior, the others start from the same one):
     done
 
 3 levels x 2 arms x 6 seeds = 36 runs (their time per run on a 2-core CPU: docs/RESULTS.md,
-"The clock under designed disorder"; a delay lengthens each update, and a level whose delay is
-keyed anew plays the warm start's evaluation before RL once); seeds run seed-major, so a
+"The clock under designed disorder"; a delay lengthens each update; a seed's evaluation before
+RL is played once and reused at every level, since fixed-policy records do not key the delay);
+seeds run seed-major, so a
 partial campaign is still paired. The two arms of a seed may run at once (one
 `matched_runs.py run --arms <arm>` per arm on the same root): a pair then shares its
 machine state.
