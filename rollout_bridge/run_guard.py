@@ -10,8 +10,10 @@ cannot finish: one line saying what is kept and how to continue.
    one line) or ``--resume_step``; and compares the settings the run was made with (that
    checkpoint's config, else ``run_config.json`` of the first start) with the settings
    given now. A difference is refused with one line listing it, and the warm start, the
-   prior and the checkpoints stay as they are. Steps newer than the chosen one are moved
-   to ``<output_dir>/checkpoints_set_aside/`` (kept, out of orbax's way);
+   prior and the checkpoints stay as they are. So is a ``--keep_checkpoints`` smaller than
+   the number of steps the folder keeps (orbax would delete the oldest at the next save).
+   Steps newer than the chosen one are moved to ``<output_dir>/checkpoints_set_aside/``
+   (kept, out of orbax's way);
 3. without ``--resume`` on a folder without checkpoints, records the settings in
    ``run_config.json`` for a later ``--resume`` to check;
 4. removes half-written HF export folders a stopped job left (``.hf_model.partial-*``).
@@ -118,6 +120,17 @@ def _saved_settings(paths, step: int | None) -> tuple[dict | None, str]:
     return None, ""
 
 
+def _refuse_pruning(cfg, paths, kept: list[int]) -> None:
+    """Orbax keeps the newest ``keep_checkpoints`` steps of the folder at every save, the
+    ones already there included: a resume with fewer than the folder holds (a run made with
+    ``--keep_checkpoints 21`` continued with the default 2) would delete the others."""
+    if len(kept) > cfg.keep_checkpoints:
+        lost = kept[:len(kept) - cfg.keep_checkpoints]
+        raise UserError(f"--resume: {paths.checkpoints} holds {len(kept)} checkpoints (steps {kept}); with "
+                        f"--keep_checkpoints {cfg.keep_checkpoints} the next save would delete steps {lost}. "
+                        f"Nothing was changed; resume with --keep_checkpoints {len(kept)} (or more) to keep them")
+
+
 def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
     """The checkpoint step ``--resume`` continues from (None: none, RL starts afresh)."""
     from rollout_bridge.run_folder import checkpoint_key
@@ -165,6 +178,7 @@ def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
                             f"({source}): {'; '.join(shown)}. Nothing was changed; resume with "
                             "that run's settings, or choose a new --output_dir")
     newer = [s for s in steps if chosen is not None and s > chosen]
+    _refuse_pruning(cfg, paths, [s for s in steps if s not in newer])
     if newer:
         aside = Path(paths.root) / SET_ASIDE_FOLDER
         aside.mkdir(exist_ok=True)
