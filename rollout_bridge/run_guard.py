@@ -10,8 +10,9 @@ cannot finish: one line saying what is kept and how to continue.
    one line) or ``--resume_step``; and compares the settings the run was made with (that
    checkpoint's config, else ``run_config.json`` of the first start) with the settings
    given now. A difference is refused with one line listing it, and the warm start, the
-   prior and the checkpoints stay as they are. So is a ``--keep_checkpoints`` smaller than
-   the number of steps the folder keeps (orbax would delete the oldest at the next save).
+   prior and the checkpoints stay as they are. So is a ``--keep_checkpoints`` that orbax's
+   next save would delete kept steps by (the folder holds more than it + 1: a run made with
+   more kept checkpoints).
    Steps newer than the chosen one are moved to ``<output_dir>/checkpoints_set_aside/``
    (kept, out of orbax's way);
 3. without ``--resume`` on a folder without checkpoints, records the settings in
@@ -123,8 +124,10 @@ def _saved_settings(paths, step: int | None) -> tuple[dict | None, str]:
 def _refuse_pruning(cfg, paths, kept: list[int]) -> None:
     """Orbax keeps the newest ``keep_checkpoints`` steps of the folder at every save, the
     ones already there included: a resume with fewer than the folder holds (a run made with
-    ``--keep_checkpoints 21`` continued with the default 2) would delete the others."""
-    if len(kept) > cfg.keep_checkpoints:
+    ``--keep_checkpoints 21`` continued with the default 2) would delete the others. One
+    step more than ``keep_checkpoints`` is what a job killed between a save and orbax's
+    deletion of the oldest leaves, so that is resumed as the run would have gone on."""
+    if len(kept) > cfg.keep_checkpoints + 1:
         lost = kept[:len(kept) - cfg.keep_checkpoints]
         raise UserError(f"--resume: {paths.checkpoints} holds {len(kept)} checkpoints (steps {kept}); with "
                         f"--keep_checkpoints {cfg.keep_checkpoints} the next save would delete steps {lost}. "

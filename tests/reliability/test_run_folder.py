@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -176,12 +177,12 @@ def test_resume_with_other_settings_changes_nothing(tmp_path, with_checkpoint):
     assert folder_digest(paths.root) == before
 
 
-@covers(Row("run folder", "`--resume` of a run that keeps more checkpoints (`--keep_checkpoints 3`) "
+@covers(Row("run folder", "`--resume` of a run that keeps more checkpoints (`--keep_checkpoints 4`) "
             "with fewer (the default 2)",
-            "refused before anything is written: '--resume: R/checkpoints holds 3 checkpoints (steps [1, 2, 3]); "
-            "with --keep_checkpoints 2 the next save would delete steps [1]. Nothing was changed; ...'",
-            "every checkpoint kept (folder digest equal); the same resume with --keep_checkpoints 3 starts "
-            "from step 3"))
+            "refused before anything is written: '--resume: R/checkpoints holds 4 checkpoints (steps [1, 2, 3, 4]); "
+            "with --keep_checkpoints 2 the next save would delete steps [1, 2]. Nothing was changed; ...'",
+            "every checkpoint kept (folder digest equal); the same resume with --keep_checkpoints 4 starts "
+            "from step 4; 3 steps with 2 kept (a kill between a save and orbax's deletion) resume"))
 def test_resume_with_fewer_kept_checkpoints_deletes_none(tmp_path):
     from rollout_bridge import components as build
     from rollout_bridge.config import load_config
@@ -190,17 +191,19 @@ def test_resume_with_fewer_kept_checkpoints_deletes_none(tmp_path):
     from rollout_bridge.run_guard import check_resume
     from spopp_jax.checkpoint import Checkpointer
 
-    args = tiny_train_args(tmp_path, 3) + ["--keep_checkpoints", "3"]
+    args = tiny_train_args(tmp_path, 4) + ["--keep_checkpoints", "4"]
     made = load_config(build.preprocess_argv(list(args)))
     paths = RunPaths(Path(made.output_dir))
     paths.root.mkdir(parents=True)
-    with Checkpointer(paths.checkpoints, max_to_keep=3) as checkpointer:
-        for step in (1, 2, 3):
+    with Checkpointer(paths.checkpoints, max_to_keep=4) as checkpointer:
+        for step in (1, 2, 3, 4):
             checkpointer.save(step, {"params": np.full(3, step, np.float32)}, config=checkpoint_key(made))
     before = folder_digest(paths.root)
-    fewer = load_config(build.preprocess_argv(tiny_train_args(tmp_path, 3) + ["--resume"]))
-    with pytest.raises(UserError, match=r"holds 3 checkpoints \(steps \[1, 2, 3\]\); with --keep_checkpoints 2 "
-                                        r"the next save would delete steps \[1\]"):
+    fewer = load_config(build.preprocess_argv(tiny_train_args(tmp_path, 4) + ["--resume"]))
+    with pytest.raises(UserError, match=r"holds 4 checkpoints \(steps \[1, 2, 3, 4\]\); with --keep_checkpoints 2 "
+                                        r"the next save would delete steps \[1, 2\]"):
         check_resume(fewer, paths, log=lambda _: None)
     assert folder_digest(paths.root) == before
-    assert check_resume(dataclasses.replace(made, resume=True), paths, log=lambda _: None) == 3
+    assert check_resume(dataclasses.replace(made, resume=True), paths, log=lambda _: None) == 4
+    shutil.rmtree(paths.checkpoints / "1")                                   # an interrupted rotation: kept + 1
+    assert check_resume(fewer, paths, log=lambda _: None) == 4
