@@ -14,8 +14,10 @@ The prior file is JSON: {"num_tasks", "rollouts_per_task", "mass", "successes",
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -101,11 +103,23 @@ def prior_record(successes: Sequence[int], trials: Sequence[int], mass: float) -
 
 
 def write_json_atomic(path: str | os.PathLike, record: dict) -> Path:
+    """Write ``record`` to ``path`` whole or not at all: a temporary file of its own in the
+    same folder (two jobs writing one shared cache record at once never share it), flushed
+    to disk, then renamed over ``path``; a reader sees the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask's mode, as open() gives
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 

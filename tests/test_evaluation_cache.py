@@ -100,3 +100,36 @@ def test_the_receipt_delay_is_keyed_by_runs_not_by_fixed_policy_records(tmp_path
     assert prior_key(delayed, policy, 0.9, "t") == prior_key(plain, policy, 0.9, "t")
     assert prior_key(delayed, policy, 0.9, "t") != prior_key(load_config(["--rollout.temperature", "0.5"]), policy,
                                                              0.9, "t")
+
+
+def test_two_jobs_writing_one_cache_record_at_once_both_succeed(tmp_path, monkeypatch):
+    """The two arms of a seed run at once write the same evaluation record (the method is not
+    in its key): the second writer, starting while the first is between its write and its
+    rename, must neither fail nor leave a torn file or a temporary behind."""
+    import os
+
+    from rollout_bridge import prior as prior_module
+
+    path = tmp_path / "cache" / "evaluation-x.json"
+    real_replace = os.replace
+    raced = []
+
+    def replace_after_a_second_writer(src, dst):
+        if not raced:
+            raced.append(src)
+            prior_module.write_json_atomic(path, {"writer": 2})   # the other job, mid-way through ours
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prior_module.os, "replace", replace_after_a_second_writer)
+    prior_module.write_json_atomic(path, {"writer": 1})
+    assert json.loads(path.read_text()) in ({"writer": 1}, {"writer": 2})
+    assert [p.name for p in path.parent.iterdir()] == [path.name]                 # no temporary left
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())            # as open() would make it
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
