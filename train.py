@@ -120,8 +120,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         # before any work: local inputs and the engine choice; never silently restart a run
         build.check_inputs(cfg)
         prepare_run(cfg, paths)  # the run lock; --resume: settings checked, the intact step chosen
-        if cfg.stage in ("all", "rl"):
-            refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)
+        refuse_overwrite(cfg.resume, latest_checkpoint_step(paths), paths)  # every stage: its outputs are the run's
 
         env = build_env(cfg, cfg.warmstart.enabled, log, cfg.progress)                       # 1. tasks
         at_exit.callback(env.close)  # e.g. Math-TIR's sandbox workers and verifier processes

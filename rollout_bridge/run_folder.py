@@ -130,6 +130,10 @@ def latest_checkpoint_step(paths: RunPaths) -> int | None:
 
 
 def refuse_overwrite(resume: bool, latest: int | None, paths: RunPaths) -> None:
+    """A folder with checkpoints is a run's: any stage started there without ``--resume``
+    (whose settings check keeps its warm start, prior and checkpoints consistent) is refused,
+    a ``--stage warmstart`` or ``--stage prior`` with other settings included (it would
+    replace the warm start or prior that run's checkpoints and exports were made from)."""
     if latest is not None and not resume:
         raise UserError(f"{paths.checkpoints} holds checkpoints up to step {latest}: pass "
                          "--resume to continue that run, or choose a new --output_dir")

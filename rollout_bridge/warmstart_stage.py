@@ -162,6 +162,7 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
         saved.close()
     folder = paths.warmstart_model
     folder.mkdir(parents=True, exist_ok=True)
+    paths.warmstart_record.unlink(missing_ok=True)  # a kill mid-save must not leave new weights under the old key
     save_pretrained(model_def.merge(state.params), str(folder))  # in model.compute_dtype
     chat.tokenizer.save_pretrained(str(folder))
     write_json_atomic(paths.warmstart_record, {"key": key, "losses": losses, "examples": len(examples),

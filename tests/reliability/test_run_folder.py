@@ -207,3 +207,20 @@ def test_resume_with_fewer_kept_checkpoints_deletes_none(tmp_path):
     assert check_resume(dataclasses.replace(made, resume=True), paths, log=lambda _: None) == 4
     shutil.rmtree(paths.checkpoints / "1")                                   # an interrupted rotation: kept + 1
     assert check_resume(fewer, paths, log=lambda _: None) == 4
+
+
+@covers(Row("run folder", "`--stage prior` / `--stage warmstart` with other settings (`--prior.rollouts_per_task 2`, "
+            "`--warmstart.epochs 1`) on a run's folder (it holds checkpoints), without `--resume`",
+            "exit 2 before any stage: 'R/checkpoints holds checkpoints up to step 2: pass --resume to continue "
+            "that run, or choose a new --output_dir'",
+            "the run's warm start, prior and checkpoints untouched (digest equal)"))
+@pytest.mark.parametrize("stage_flags", [["--stage", "prior", "--prior.rollouts_per_task", "2"],
+                                         ["--stage", "warmstart", "--warmstart.epochs", "1"]])
+def test_a_stage_on_a_runs_folder_changes_nothing(tmp_path, stage_flags):
+    args, paths = _run_with_checkpoint(tmp_path, with_checkpoint=True)
+    before = folder_digest(paths.root)
+    result = train(args + stage_flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds checkpoints up to step 2: pass --resume" in lines[0], result.stderr
+    assert folder_digest(paths.root) == before
