@@ -190,3 +190,12 @@ def test_command_differences_name_each_flag_that_changes_the_run():
         base[base.index("--method") + 2:]
     assert matched_runs.command_differences(old_event_traj, base) == [
         "--method: archived event_trajectory, asked spopp"]
+
+
+def test_a_resume_train_py_refuses_says_how_to_redo_the_run(tmp_path, monkeypatch):
+    out = tmp_path / "spopp" / "seed0"
+    interrupted_run(out, command_for(tmp_path))
+    monkeypatch.setattr(matched_runs.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 2))
+    with pytest.raises(SystemExit, match=f"exit 2.*continued with --resume: remove {out} to redo it from scratch"):
+        run_one(tmp_path)
+    assert (out / "checkpoints" / "2").is_dir()
