@@ -35,9 +35,19 @@ the published v1 runs; `--drain config` keeps the recipe's own (in-flight publis
 train.py call as `--config_path`.
 
 `run` is resumable: a finished run (`summary.json` and a non-empty `metrics.jsonl`) is
-skipped, any other run folder is redone from scratch (removed first). Runs go in the order seed-major
-(seed 0 of every arm, then seed 1, ...), so a partial campaign is still paired.
-Each run's stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
+skipped when its `command.json` is the command this call would run (or it has none: runs made
+before it was recorded), and refused otherwise, before any work, with the flags that differ,
+so one report never mixes settings. The comparison (`command_differences`) leaves out the
+interpreter, reads paths relative to the repo and to the campaign's root (an archive made on
+another checkout compares equal), reads the arms' recipe flags of commands made before each
+method owned its recipe as `--method <name>`, and ignores the flags in NOT_SETTINGS (where a
+run's files lie, and checkpoint retention); it compares commands, not the recipe files they
+name. A run folder whose run lock (train.py's `.spopp-run.lock`) a live process holds is
+refused and left as it is; an interrupted run with a complete checkpoint step and the same
+command is continued with train.py's `--resume` (its train.log appended); any other run
+folder is redone from scratch (removed first). Runs go in the order seed-major (seed 0 of
+every arm, then seed 1, ...), so a partial campaign is still paired. Each run's
+stdout/stderr is in `<root>/<arm>/seed<k>/train.log`.
 
 `report` (see `matched_report.py`) reads the runs' `metrics.jsonl` and prints markdown.
 
@@ -56,6 +66,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -65,6 +76,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+
+from rollout_bridge.run_guard import complete_steps  # noqa: E402  (no JAX: this script stays light)
+from rollout_bridge.run_lock import LOCK_FILE, Holder, is_stale, read_holder  # noqa: E402
 
 # the published matched runs (docs/RESULTS.md) drained before each publish; the train
 # default became in-flight publishing ("none") later, so reproductions pin the drain
@@ -81,6 +95,26 @@ ARMS: dict[str, str] = {
     "receipt_token": "receipt_token",
     "receipt_traj": "receipt_trajectory",
 }
+# Each arm's recipe as the flags that commands made before each method owned its recipe
+# spelled it (on the TrainConfig defaults of that version; tests/test_methods.py checks that
+# `--method ARMS[arm]` alone gives the same settings field by field). An archived command
+# holding one of these lists compares as `--method ARMS[arm]`.
+_FIXED_RECEIPT = ["--method", "spo", "--tracker.spo_rho_min", "0.875", "--tracker.spo_rho_max", "0.875",
+                  "--loss.dual_clip", "2.0"]
+RECIPE_FLAGS_BEFORE_METHODS: dict[str, list[str]] = {
+    "spopp": ["--method", "spopp", "--advantage.measure", "token", "--loss.dual_clip", "2.0"],
+    "spo": ["--method", "spo", "--advantage.measure", "trajectory", "--loss.dual_clip", "10.0"],
+    "grpo": ["--method", "grpo", "--rollout.group_size", "8", "--advantage.measure", "token",
+             "--loss.dual_clip", "2.0"],
+    "event_traj": ["--method", "spopp", "--advantage.measure", "trajectory", "--loss.dual_clip", "2.0"],
+    "receipt_token": _FIXED_RECEIPT + ["--advantage.measure", "token"],
+    "receipt_traj": _FIXED_RECEIPT + ["--advantage.measure", "trajectory"],
+}
+# Flags two commands of one run may differ in: where the run's folder and the shared stage's
+# outputs lie (the warm start's weights are pinned by their sha256, `check_archived_warm_start`
+# and `shared_stage`; the prior is the root's own or the archive's, `use_archived_prior`), and
+# which checkpoints stay on disk (`--keep_checkpoints`: retention, not what is trained).
+NOT_SETTINGS = ("--output_dir", "--model.path", "--prior.path", "--keep_checkpoints")
 
 
 def parse_args(argv=None):
@@ -124,16 +158,23 @@ def python() -> str:
     return sys.executable
 
 
+def shared_paths(root: Path, warm_start: Path | None = None) -> tuple[Path, Path]:
+    """(model folder, prior.json) of the shared stage: the given warm start or the one built
+    in ``root``/shared, and the prior there."""
+    shared = root / "shared"
+    model = shared / "warmstart_model" if warm_start is None else warm_start.resolve()
+    return model, shared / "prior.json"
+
+
 def shared_stage(root: Path, extra: list[str], warm_start: Path | None = None) -> tuple[Path, Path]:
     """Warm start + offline prior, once: (model folder, prior.json) every run starts from.
     With ``warm_start`` (a finished warm-start model folder) only the prior is computed."""
     shared = root / "shared"
-    model, prior = shared / "warmstart_model", shared / "prior.json"
+    model, prior = shared_paths(root, warm_start)
     given: list[str] = []
     if warm_start is not None:
         if not (warm_start / "config.json").is_file():
             raise SystemExit(f"--warm-start {warm_start}: not a model folder (no config.json)")
-        model = warm_start.resolve()
         given = ["--model.path", str(model), "--warmstart.enabled", "false"]
         recorded = shared / "warm_start.txt"
         first = recorded.read_text().splitlines()[0] if recorded.is_file() else None
@@ -232,32 +273,166 @@ def host_record() -> dict:
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Path,
-            extra: list[str], drain: list[str] = MEASURED_DRAIN, archived: Path | None = None,
-            eval_rollouts: int | None = None) -> float | None:
-    """Train one run unless it is done (here or in the archive); returns its wall time
-    (None when skipped). ``eval_rollouts``: episodes per task of its evaluations."""
-    out = root / arm / f"seed{seed}"
-    if finished(out) or (archived is not None and finished(archived / arm / f"seed{seed}")):
-        return None
-    if out.exists():
-        shutil.rmtree(out)  # an interrupted run: redo it from scratch (no partial curves)
-    out.mkdir(parents=True)
+def train_command(arm: str, seed: int, steps: int, out: Path, model: Path, prior: Path,
+                  extra: list[str], drain: list[str] = MEASURED_DRAIN,
+                  eval_rollouts: int | None = None) -> list[str]:
+    """The train.py command of one run (``eval_rollouts``: episodes per task of its evaluations)."""
     command = [python(), str(REPO / "train.py"), "--stage", "rl", "--output_dir", str(out),
                "--model.path", str(model), "--warmstart.enabled", "false",
                "--prior.path", str(prior), "--seed", str(seed), "--steps", str(steps),
                "--progress", "false", "--tensorboard", "false", *drain, "--method", ARMS[arm], *extra]
     if eval_rollouts is not None:
         command += ["--prior.rollouts_per_task", str(eval_rollouts)]
-    (out / "command.json").write_text(json.dumps(command, indent=1))
-    (out / "host.json").write_text(json.dumps(host_record(), indent=1))  # a campaign can span machines
+    return command
+
+
+def _normal_path(value: str, repo: Path | None, root: Path | None) -> str:
+    """A path argument as it compares between checkouts: under the campaign's root as
+    ``<root>/...``, under the repo relative to it (train.py runs in the repo), else as given."""
+    path = Path(value) if repo is None else repo / value   # an absolute value stays itself
+    path = Path(os.path.normpath(path))
+    for base, name in ((root, "<root>"), (repo, None)):
+        if base is not None and path.is_relative_to(base):
+            relative = path.relative_to(base).as_posix()
+            return relative if name is None else f"{name}/{relative}"
+    return value
+
+
+def command_settings(command: list[str]) -> dict[str, tuple[str, ...]]:
+    """A train.py command as ``flag -> values``, the form in which two commands of one run
+    compare: the interpreter left out (all before ``train.py``); paths under the campaign's
+    root (``--output_dir``'s grandparent) as ``<root>/...`` and under the repo (``train.py``'s
+    folder) relative to it; an arm's RECIPE_FLAGS_BEFORE_METHODS as ``--method ARMS[arm]``;
+    the NOT_SETTINGS left out. A repeated flag keeps its last values (as train.py reads it).
+    The command is compared, not the files it names: a recipe file edited since compares equal."""
+    at = next((i for i, token in enumerate(command) if Path(token).name == "train.py"), None)
+    repo = None if at is None else Path(os.path.normpath(command[at])).parent
+    args = list(command[at + 1:] if at is not None else command)
+    for arm, flags in RECIPE_FLAGS_BEFORE_METHODS.items():
+        for i in range(len(args) - len(flags) + 1):
+            if args[i:i + len(flags)] == flags:
+                args[i:i + len(flags)] = ["--method", ARMS[arm]]
+                break
+    settings: dict[str, tuple[str, ...]] = {}
+    flag = None
+    for token in args:
+        if token.startswith("--"):
+            flag, _, value = token.partition("=")
+            settings[flag] = (value,) if value else ()
+        elif flag is not None:
+            settings[flag] += (token,)
+    root = None
+    if settings.get("--output_dir"):
+        out = Path(settings["--output_dir"][-1])
+        root = Path(os.path.normpath(out if repo is None else repo / out)).parent.parent
+    return {flag: tuple(_normal_path(v, repo, root) if "/" in v and "://" not in v else v for v in values)
+            for flag, values in settings.items() if flag not in NOT_SETTINGS}
+
+
+def command_differences(stored: list[str], asked: list[str], stored_as: str = "archived") -> list[str]:
+    """The flags in which the run ``stored`` (its command.json) differs from ``asked``, one
+    ``--flag: <stored_as> a, asked b`` each (``command_settings`` form); [] when they are one run."""
+    before, now = command_settings(stored), command_settings(asked)
+
+    def shown(values: tuple[str, ...] | None) -> str:
+        return "(not given)" if values is None else " ".join(values) or "(given)"
+
+    order = [*now, *(flag for flag in before if flag not in now)]
+    return [f"{flag}: {stored_as} {shown(before.get(flag))}, asked {shown(now.get(flag))}"
+            for flag in order if before.get(flag) != now.get(flag)]
+
+
+def stored_command(folder: Path) -> list[str] | None:
+    """The run's command.json (None when it has none)."""
+    path = folder / "command.json"
+    if not path.is_file():
+        return None
+    try:
+        command = json.loads(path.read_text())
+    except ValueError:
+        command = None
+    if not (isinstance(command, list) and all(isinstance(token, str) for token in command)):
+        raise SystemExit(f"{path}: not a JSON list of train.py arguments; fix or remove it")
+    return command
+
+
+def done_already(arm: str, seed: int, root: Path, command: list[str], archived: Path | None = None) -> bool:
+    """Whether the run is finished here or in the archive; refused (SystemExit listing the
+    differing flags) when it was made with another command than ``command``."""
+    for folder, stored_as in ((root / arm / f"seed{seed}", "made with"),
+                              (None if archived is None else archived / arm / f"seed{seed}", "archived")):
+        if folder is None or not finished(folder):
+            continue
+        stored = stored_command(folder)
+        differences = [] if stored is None else command_differences(stored, command, stored_as)
+        if differences:
+            raise SystemExit(f"{folder} was made with another command than this call's: "
+                             + "; ".join(differences)
+                             + " (run with its settings, or use another --root / --archive)")
+        return True
+    return False
+
+
+def live_holder(folder: Path) -> Holder | None:
+    """Who holds the folder's run lock (train.py's), when that process is alive or cannot be
+    seen (another host); None when there is no lock or its holder is gone."""
+    path = folder / LOCK_FILE
+    holder = read_holder(path)
+    if holder is None and path.exists():   # being written this instant: read it once more
+        time.sleep(0.2)
+        holder = read_holder(path)
+    return holder if holder is not None and not is_stale(holder) else None
+
+
+def prepare_folder(out: Path, command: list[str]) -> bool:
+    """Ready the run folder ``out`` for ``command``; True when it continues the interrupted
+    run there (train.py ``--resume``: a complete checkpoint step and the same command.json).
+    A folder a live process holds is refused untouched; any other is removed and made anew."""
+    if not out.exists():
+        out.mkdir(parents=True)
+        return False
+    holder = live_holder(out)
+    if holder is not None:
+        raise SystemExit(f"{out} is in use by pid {holder.pid} ({holder.describe()}): left as it is; "
+                         "wait for that run to end or use another --root")
+    steps = complete_steps(out / "checkpoints")
+    stored = stored_command(out) if steps else None
+    differences = None if stored is None else command_differences(stored, command, "made with")
+    if differences == []:
+        print(f"{out}: an interrupted run, continued from its checkpoint step {steps[-1]} with --resume "
+              "(train.log appended)", flush=True)
+        return True
+    why = ("no complete checkpoint step" if not steps else "no command.json" if stored is None
+           else "its command differs: " + "; ".join(differences))
+    print(f"{out}: an interrupted run, redone from scratch ({why}); its folder removed", flush=True)
+    shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return False
+
+
+def run_one(arm: str, seed: int, steps: int, root: Path, model: Path, prior: Path,
+            extra: list[str], drain: list[str] = MEASURED_DRAIN, archived: Path | None = None,
+            eval_rollouts: int | None = None) -> float | None:
+    """Train one run unless it is done (here or in the archive, with this command; see
+    `done_already`), continuing an interrupted one where it can (`prepare_folder`); returns
+    its wall time (None when skipped). ``eval_rollouts``: episodes per task of its evaluations."""
+    out = root / arm / f"seed{seed}"
+    command = train_command(arm, seed, steps, out, model, prior, extra, drain, eval_rollouts)
+    if done_already(arm, seed, root, command, archived):
+        return None
+    resume = prepare_folder(out, command)
+    if not resume:   # a resumed run keeps the record of how it was started
+        (out / "command.json").write_text(json.dumps(command, indent=1))
+        (out / "host.json").write_text(json.dumps(host_record(), indent=1))  # a campaign can span machines
     start = time.time()
     print(f"{arm} seed {seed}: started {time.strftime('%H:%M:%S')}; its progress: {out / 'train.log'}", flush=True)
-    with open(out / "train.log", "w") as log:
-        result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
+    with open(out / "train.log", "a" if resume else "w") as log:
+        result = subprocess.run([*command, "--resume"] if resume else command, cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, check=False)
     wall = time.time() - start
     if result.returncode != 0:
-        raise SystemExit(f"{arm} seed {seed} failed (exit {result.returncode}): see {out / 'train.log'}")
+        again = f"; it was continued with --resume: remove {out} to redo it from scratch" if resume else ""
+        raise SystemExit(f"{arm} seed {seed} failed (exit {result.returncode}): see {out / 'train.log'}{again}")
     return wall
 
 
@@ -270,13 +445,18 @@ def run(args) -> None:
     if args.eval_rollouts is not None and args.eval_rollouts < 1:
         raise SystemExit(f"--eval-rollouts must be >= 1, got {args.eval_rollouts}")
     extra = ["--config_path", str(args.config.resolve()), *args.extra]
+    drain = MEASURED_DRAIN if args.drain == "finish" else []
+    todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    planned_model, planned_prior = shared_paths(args.root, args.warm_start)
+    for arm, seed in todo:   # a finished run made with other settings is refused before any work
+        done_already(arm, seed, args.root, train_command(arm, seed, args.steps, args.root / arm / f"seed{seed}",
+                                                         planned_model, planned_prior, extra, drain,
+                                                         args.eval_rollouts), args.archive)
     if args.archive is not None:
         use_archived_prior(args.archive, args.root)
     model, prior = shared_stage(args.root, extra, args.warm_start)
     if args.archive is not None:
         check_archived_warm_start(args.archive, model)
-    drain = MEASURED_DRAIN if args.drain == "finish" else []
-    todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
     for i, (arm, seed) in enumerate(todo, 1):
         wall = run_one(arm, seed, args.steps, args.root, model, prior, extra, drain, args.archive,
                        args.eval_rollouts)
