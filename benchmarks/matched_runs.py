@@ -58,7 +58,11 @@ under docs/results, so that a campaign spread over several sessions keeps its fi
 runs (`report --root D`); `run --root R --archive D` skips the runs D already holds and
 refuses a warm start whose weights differ from the archived one (sha256 of its
 safetensors) and starts from the archived prior when its root has none, so runs added later
-stay matched.
+stay matched. One D holds one campaign: `archive` and `run --archive` refuse, before any work,
+an R whose shared prior or warm-start record is another than D's (`shared_differences`: the
+prior's alpha0/beta0, the warm start's sha256). `archive` adds the runs D lacks, skips those
+it holds with the same `summary.json`, and refuses a run D holds with another one unless
+`--replace` is given (then it is replaced, and said so).
 """
 
 from __future__ import annotations
@@ -141,6 +145,8 @@ def parse_args(argv=None):
     keep = sub.add_parser("archive", help="copy the finished runs' report inputs elsewhere")
     keep.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
     keep.add_argument("--to", type=Path, required=True)
+    keep.add_argument("--replace", action="store_true",
+                      help="replace a run --to holds whose summary.json differs from --root's (else refused)")
     report = sub.add_parser("report", help="tables and figures from the finished runs")
     report.add_argument("--root", type=Path, default=REPO / "runs" / "matched")
     report.add_argument("--updates-per-step", type=int, default=8,
@@ -215,35 +221,106 @@ def weights_digest(model: Path) -> str:
     return digest.hexdigest()
 
 
-def archive(root: Path, to: Path) -> int:
+def warm_start_digest(record: Path) -> str | None:
+    """The sha256 of the weights a warm-start record (``shared/warm_start.txt``: the model
+    folder, then ``sha256 <hex>``) names; None when it records none."""
+    fields = dict(line.split(" ", 1) for line in record.read_text().splitlines()[1:] if " " in line)
+    return fields.get("sha256") or None
+
+
+def prior_values(path: Path) -> tuple[list, list] | None:
+    """(alpha0, beta0) of a prior.json, what a run reads of it (`prior_stage.read_prior_file`);
+    None when the file holds no such lists."""
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if not (isinstance(record, dict) and isinstance(record.get("alpha0"), list)
+            and isinstance(record.get("beta0"), list)):
+        return None
+    return record["alpha0"], record["beta0"]
+
+
+def same_prior(a: Path, b: Path) -> bool:
+    """Whether two prior.json files give runs one prior: the same bytes, or the same alpha0 and
+    beta0 (a record written again, e.g. with another wall time, is still the same prior)."""
+    if a.read_bytes() == b.read_bytes():
+        return True
+    values = prior_values(a)
+    return values is not None and values == prior_values(b)
+
+
+def shared_differences(root: Path, other: Path) -> list[str]:
+    """The shared records both ``root``/shared and ``other``/shared hold that name another
+    campaign's shared stage, one phrase each (both files named): the prior (`same_prior`) and
+    the warm start (the sha256 its record gives, `warm_start_digest`). [] when none differs;
+    a record only one side holds compares with nothing."""
+    ours, theirs = root / "shared", other / "shared"
+    differences = []
+    prior, archived = ours / "prior.json", theirs / "prior.json"
+    if prior.is_file() and archived.is_file() and not same_prior(prior, archived):
+        differences.append(f"the priors {prior} and {archived} differ (alpha0/beta0)")
+    record, archived = ours / "warm_start.txt", theirs / "warm_start.txt"
+    if record.is_file() and archived.is_file():
+        mine, kept = warm_start_digest(record), warm_start_digest(archived)
+        if mine != kept:
+            shown = [f"sha256 {d[:12]}..." if d else "no sha256" for d in (mine, kept)]
+            differences.append(f"the warm starts {record} ({shown[0]}) and {archived} ({shown[1]}) differ")
+    return differences
+
+
+def archive(root: Path, to: Path, replace: bool = False) -> int:
     """Copy the finished runs' report inputs (and the shared prior, the warm-start record and
-    a warm start the shared stage built) from root to `to`; returns the number of runs copied."""
-    copied = 0
+    a warm start the shared stage built) from root to `to`; returns the number of runs copied.
+    Refused (SystemExit, `to` unchanged) when `to` holds another campaign's shared stage
+    (`shared_differences`), or a run of the same arm and seed with another summary.json
+    unless ``replace`` (then that run's files are replaced). A run `to` holds with the same
+    summary.json is left as it is, and so is a shared record `to` holds: archiving twice
+    changes nothing, and new seeds or arms of the same campaign are added."""
+    differences = shared_differences(root, to)
+    if differences:
+        raise SystemExit(f"{to} holds another campaign than {root}: " + "; ".join(differences)
+                         + " (archive it elsewhere)")
+    new, other = [], []
     for summary in sorted(root.glob("*/seed*/summary.json")):
         folder = summary.parent
         if not finished(folder):
             print(f"not archived: {folder} has a summary.json but no metrics (metrics.jsonl missing or empty): run it again", flush=True)
             continue
         target = to / folder.parent.name / folder.name
+        if not finished(target):
+            new.append((folder, target))
+        elif (target / "summary.json").read_bytes() != summary.read_bytes():
+            other.append((folder, target))
+    if other and not replace:
+        raise SystemExit(f"{to} holds other runs of the same arm and seed (summary.json differs) than {root}: "
+                         + ", ".join(str(target) for _, target in other)
+                         + " (pass --replace to replace them, or archive elsewhere)")
+    for folder, target in other:
+        print(f"replaced: {target} (its summary.json differed) by {folder}", flush=True)
+        for name in RUN_FILES:
+            (target / name).unlink(missing_ok=True)
+    for folder, target in new + other:
         target.mkdir(parents=True, exist_ok=True)
         for name in RUN_FILES:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, target / name)
-        copied += 1
     shared = root / "shared"
-    for name in ("prior.json", "warm_start.txt"):
-        if (shared / name).is_file():
+    for name in ("prior.json", "warm_start.txt"):   # one `to` holds is the same (checked above): kept
+        if (shared / name).is_file() and not (to / "shared" / name).exists():
             (to / "shared").mkdir(parents=True, exist_ok=True)
             shutil.copy2(shared / name, to / "shared" / name)
-    if (shared / "warmstart_model").is_dir():  # built here (not a given --warm-start): keep it to continue from
-        shutil.copytree(shared / "warmstart_model", to / "shared" / "warmstart_model", dirs_exist_ok=True)
-    return copied
+    built, kept = shared / "warmstart_model", to / "shared" / "warmstart_model"
+    if built.is_dir() and not kept.exists():   # built here (not a given --warm-start): keep it to continue from
+        shutil.copytree(built, kept)
+    return len(new) + len(other)
 
 
 def use_archived_prior(archive_root: Path, root: Path) -> bool:
     """A campaign continued on a fresh checkout starts from the archive's offline prior, the
     very one its archived runs used, instead of computing it again (returns whether it did).
-    A prior already in ``root`` is kept."""
+    A prior already in ``root`` is kept (`run` has refused one that is not the archive's,
+    `shared_differences`)."""
     archived, prior = archive_root / "shared" / "prior.json", root / "shared" / "prior.json"
     if prior.is_file() or not archived.is_file():
         return False
@@ -258,8 +335,7 @@ def check_archived_warm_start(archive_root: Path, model: Path) -> None:
     record = archive_root / "shared" / "warm_start.txt"
     if not record.is_file():
         return
-    fields = dict(line.split(" ", 1) for line in record.read_text().splitlines()[1:] if " " in line)
-    archived = fields.get("sha256")
+    archived = warm_start_digest(record)
     if archived and archived != weights_digest(model):
         raise SystemExit(f"the warm start {model} is not the one the runs in {archive_root} started from "
                          f"(sha256 {archived[:12]}...): rebuild it with the same recipe or use another archive")
@@ -447,6 +523,10 @@ def run(args) -> None:
     extra = ["--config_path", str(args.config.resolve()), *args.extra]
     drain = MEASURED_DRAIN if args.drain == "finish" else []
     todo = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    differences = [] if args.archive is None else shared_differences(args.root, args.archive)
+    if differences:   # the new runs would train on another prior or warm start than the archived ones
+        raise SystemExit(f"--root {args.root} and --archive {args.archive} are two campaigns: "
+                         + "; ".join(differences) + " (use another --root or --archive)")
     planned_model, planned_prior = shared_paths(args.root, args.warm_start)
     for arm, seed in todo:   # a finished run made with other settings is refused before any work
         done_already(arm, seed, args.root, train_command(arm, seed, args.steps, args.root / arm / f"seed{seed}",
@@ -474,7 +554,7 @@ def main(argv=None) -> None:
     if args.command == "run":
         run(args)
     elif args.command == "archive":
-        print(f"archived {archive(args.root, args.to)} runs from {args.root} in {args.to}")
+        print(f"archived {archive(args.root, args.to, args.replace)} runs from {args.root} in {args.to}")
     else:
         from matched_report import report
 

@@ -199,3 +199,115 @@ def test_a_resume_train_py_refuses_says_how_to_redo_the_run(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match=f"exit 2.*continued with --resume: remove {out} to redo it from scratch"):
         run_one(tmp_path)
     assert (out / "checkpoints" / "2").is_dir()
+
+
+def shared_stage_record(root, alpha0=(1.0, 2.0), digest="ab" * 32, wall_s=1.0, model="/checkout/assets/warmstart"):
+    """What a shared stage leaves in ``root``/shared: the prior and the warm-start record."""
+    shared = root / "shared"
+    shared.mkdir(parents=True, exist_ok=True)
+    (shared / "prior.json").write_text(json.dumps({"alpha0": list(alpha0), "beta0": [1.0, 1.0], "wall_s": wall_s}))
+    (shared / "warm_start.txt").write_text(f"{model}\nsha256 {digest}\n")
+
+
+def finished_runs(root, summaries):
+    """Finished runs in ``root``: {(arm, seed): success_after_rl}."""
+    for (arm, seed), success in summaries.items():
+        finished_run(root / arm / f"seed{seed}", command_for(root, arm, seed))
+        (root / arm / f"seed{seed}" / "summary.json").write_text(json.dumps({"success_after_rl": success}))
+
+
+@pytest.mark.parametrize("other", [{"alpha0": (3.0, 2.0)}, {"digest": "cd" * 32}], ids=["prior", "warm_start"])
+def test_archive_refuses_another_campaign_and_leaves_the_archive_as_it_was(tmp_path, other):
+    archive, root = tmp_path / "kept", tmp_path / "runs"
+    shared_stage_record(archive)
+    finished_runs(archive, {("spopp", 0): 0.5, ("spo", 0): 0.4})
+    shared_stage_record(root, **other)
+    finished_runs(root, {("spopp", 0): 0.7, ("spopp", 1): 0.6})
+    before = tree(archive)
+    what = "priors" if "alpha0" in other else "warm starts"
+    with pytest.raises(SystemExit, match=f"holds another campaign.*the {what} {root / 'shared'}") as refused:
+        matched_runs.archive(root, archive)
+    assert str(archive / "shared") in str(refused.value) and "\n" not in str(refused.value)
+    assert tree(archive) == before
+
+
+def test_archiving_the_same_root_twice_changes_nothing(tmp_path, capsys):
+    archive, root = tmp_path / "kept", tmp_path / "runs"
+    shared_stage_record(root)
+    finished_runs(root, {("spopp", 0): 0.5, ("spo", 0): 0.4})
+    assert matched_runs.archive(root, archive) == 2
+    before = tree(archive)
+    assert matched_runs.archive(root, archive) == 0
+    assert tree(archive) == before and "replaced" not in capsys.readouterr().out
+
+
+def test_a_new_seed_of_the_same_campaign_is_added_to_the_archive(tmp_path):
+    """Seed 1 made later on another checkout: its prior written again (another wall time, the
+    same alpha0/beta0), its warm start at another path (the same sha256)."""
+    archive, root = tmp_path / "kept", tmp_path / "runs"
+    shared_stage_record(archive)
+    finished_runs(archive, {("spopp", 0): 0.5})
+    shared_stage_record(root, wall_s=7.0, model="/elsewhere/assets/warmstart")
+    finished_runs(root, {("spopp", 1): 0.6})
+    kept = tree(archive)
+    assert matched_runs.archive(root, archive) == 1
+    assert json.loads((archive / "spopp" / "seed1" / "summary.json").read_text()) == {"success_after_rl": 0.6}
+    now = tree(archive)
+    assert {name: now[name] for name, (_, data) in kept.items() if data is not None} == \
+        {name: was for name, was in kept.items() if was[1] is not None}   # seed 0's and the shared files: as they were
+
+
+def test_an_archived_run_with_another_summary_is_replaced_only_when_asked(tmp_path, capsys):
+    archive, root = tmp_path / "kept", tmp_path / "runs"
+    shared_stage_record(archive)
+    finished_runs(archive, {("spopp", 0): 0.5})
+    shared_stage_record(root)
+    finished_runs(root, {("spopp", 0): 0.9, ("spopp", 1): 0.6})
+    before = tree(archive)
+    seed0 = archive / "spopp" / "seed0"
+    with pytest.raises(SystemExit, match=f"other runs of the same arm and seed.*{seed0} \\(pass --replace"):
+        matched_runs.archive(root, archive)
+    assert tree(archive) == before                        # seed 1 not added either: nothing is copied
+    matched_runs.main(["archive", "--root", str(root), "--to", str(archive), "--replace"])
+    assert json.loads((seed0 / "summary.json").read_text()) == {"success_after_rl": 0.9}
+    assert (archive / "spopp" / "seed1" / "summary.json").is_file()
+    said = capsys.readouterr().out
+    assert f"replaced: {seed0} (its summary.json differed) by {root / 'spopp' / 'seed0'}" in said
+    assert "archived 2 runs" in said
+
+
+def campaign_args(root, archive, warm_start):
+    return matched_runs.parse_args(["run", "--root", str(root), "--archive", str(archive), "--arms", "spopp",
+                                    "--seeds", "0", "1", "--steps", str(STEPS), "--warm-start", str(warm_start),
+                                    "--config", str(matched_runs.REPO / "configs" / "smoke.yaml")])
+
+
+def warm_start_folder(folder):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    return matched_runs.weights_digest(folder)
+
+
+def test_run_refuses_a_root_prior_other_than_the_archives_before_any_work(tmp_path, train):
+    archive, root = tmp_path / "kept", tmp_path / "runs"
+    digest = warm_start_folder(tmp_path / "warmstart")
+    shared_stage_record(archive, digest=digest)
+    shared_stage_record(root, alpha0=(3.0, 2.0), digest=digest, model=str((tmp_path / "warmstart").resolve()))
+    before = tree(root)
+    with pytest.raises(SystemExit, match="are two campaigns: the priors") as refused:
+        matched_runs.run(campaign_args(root, archive, tmp_path / "warmstart"))
+    assert str(root / "shared" / "prior.json") in str(refused.value)
+    assert str(archive / "shared" / "prior.json") in str(refused.value)
+    assert train == [] and tree(root) == before
+
+
+def test_run_continues_an_archive_from_a_root_with_the_same_prior(tmp_path, train):
+    """The root's prior written again (another wall time): the same alpha0/beta0, the same prior."""
+    archive, root = tmp_path / "kept", tmp_path / "runs"
+    digest = warm_start_folder(tmp_path / "warmstart")
+    shared_stage_record(archive, digest=digest)
+    finished_run(archive / "spopp" / "seed0", None)
+    shared_stage_record(root, digest=digest, wall_s=7.0, model=str((tmp_path / "warmstart").resolve()))
+    matched_runs.run(campaign_args(root, archive, tmp_path / "warmstart"))
+    assert [command[command.index("--seed") + 1] for command in train] == ["1"]
