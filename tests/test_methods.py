@@ -25,6 +25,9 @@ from spopp_jax import sampling, tracker
 from test_orchestrator import FakeLearner, World, chat, jeffreys, reward_table, run_orchestrator, uneven_latency  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import matched_runs  # noqa: E402  (benchmarks/matched_runs.py: the matched runs' arms and their old recipes)
 
 
 def _traj(task_id, reward, n_actions, group_id=-1, request_id=0, logp=-1.0, error=None):
@@ -60,20 +63,10 @@ def test_no_module_branches_on_a_method_name():
     assert [hit for p in outside for hit in _method_name_branches(p, names)] == []
 
 
-# The matched runs' arms as benchmarks/matched_runs.py held them, flag lists on top of the
-# TrainConfig defaults of that version (tracker.spo_d_half 0.06, spo_rho_min 0.875,
-# spo_rho_max 0.96, rollout.group_size 8, advantage.measure token, loss.dual_clip 2.0).
-_FIXED_RECEIPT = ["--method", "spo", "--tracker.spo_rho_min", "0.875", "--tracker.spo_rho_max", "0.875",
-                  "--loss.dual_clip", "2.0"]
-_MATCHED_ARMS = {
-    "spopp": ["--method", "spopp", "--advantage.measure", "token", "--loss.dual_clip", "2.0"],
-    "spo": ["--method", "spo", "--advantage.measure", "trajectory", "--loss.dual_clip", "10.0"],
-    "grpo": ["--method", "grpo", "--rollout.group_size", "8", "--advantage.measure", "token",
-             "--loss.dual_clip", "2.0"],
-    "event_traj": ["--method", "spopp", "--advantage.measure", "trajectory", "--loss.dual_clip", "2.0"],
-    "receipt_token": _FIXED_RECEIPT + ["--advantage.measure", "token"],
-    "receipt_traj": _FIXED_RECEIPT + ["--advantage.measure", "trajectory"],
-}
+# matched_runs.RECIPE_FLAGS_BEFORE_METHODS: each matched arm's recipe as the flag list commands
+# made before each method owned its recipe spelled it, on the TrainConfig defaults of that
+# version (tracker.spo_d_half 0.06, spo_rho_min 0.875, spo_rho_max 0.96, rollout.group_size 8,
+# advantage.measure token, loss.dual_clip 2.0).
 _OLD_DEFAULTS = {"--tracker.spo_d_half": "0.06", "--tracker.spo_rho_min": "0.875", "--tracker.spo_rho_max": "0.96",
                  "--rollout.group_size": "8", "--advantage.measure": "token", "--loss.dual_clip": "2.0"}
 # where each old flag now arrives (the orchestrator's or the learner's field)
@@ -82,19 +75,14 @@ _RECEIVER = {"--tracker.spo_d_half": "spo_d_half", "--tracker.spo_rho_min": "spo
              "--advantage.measure": "measure", "--loss.dual_clip": "dual_clip"}
 
 
-@pytest.mark.parametrize("arm", sorted(_MATCHED_ARMS))
+@pytest.mark.parametrize("arm", sorted(matched_runs.RECIPE_FLAGS_BEFORE_METHODS))
 def test_method_flag_resolves_to_the_matched_runs_recipe(arm):
     """``--method <name>`` alone gives, field by field, what the matched run's flag list
     gave: the same Method class, tracker retention, measure, dual clip and group size."""
-    import importlib.util
-
     from rollout_bridge.components import build_agent_config, build_learner_config, build_orchestrator_config
     from rollout_bridge.config import load_config
 
-    spec = importlib.util.spec_from_file_location("matched_runs", ROOT / "benchmarks" / "matched_runs.py")
-    matched_runs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(matched_runs)
-    old = list(_MATCHED_ARMS[arm])
+    old = list(matched_runs.RECIPE_FLAGS_BEFORE_METHODS[arm])
     flags = {**_OLD_DEFAULTS, **dict(zip(old[2::2], old[3::2]))}
     cfg = load_config(["--method", matched_runs.ARMS[arm]])
     orch = build_orchestrator_config(cfg, build_agent_config(cfg, max_turns=2), seed=0)
