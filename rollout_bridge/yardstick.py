@@ -460,14 +460,21 @@ def settings_key(cfg, mix: TaskMix) -> dict:
 
 
 def unchecked_runs(earlier: dict, carried: Sequence[dict]) -> list[str]:
-    """The labels of ``carried`` whose settings were never compared with a key: all of them
-    when ``earlier`` holds no ``key`` (written before records held it), else those it
-    carried unchecked itself (its ``settings.carried.unchecked``)."""
+    """The labels of ``carried`` not checked against a key: all of them when ``earlier``
+    holds no ``key`` (written before records held it), else those it lists as unchecked
+    itself (``settings.unchecked``: runs it carried unchecked or played from step records
+    written before they held the tasks' digest)."""
     labels = [run["label"] for run in carried]
     if "key" not in earlier:
         return labels
-    before = set(((earlier.get("settings") or {}).get("carried") or {}).get("unchecked") or ())
+    before = set((earlier.get("settings") or {}).get("unchecked") or ())
     return [label for label in labels if label in before]
+
+
+def unchecked_steps(records: Sequence[dict]) -> list[int]:
+    """The steps of a run's records (``evaluate_run``) reused from files written before
+    step records held the tasks' digest (their tasks' content not checked)."""
+    return [record["step"] for record in records if "tasks" not in record["key"]]
 
 
 def carried_runs(earlier: dict, mix: TaskMix, steps: Sequence[int], played: Sequence[str],
@@ -495,8 +502,8 @@ def carried_runs(earlier: dict, mix: TaskMix, steps: Sequence[int], played: Sequ
     carried = [run for run in earlier["runs"] if run["label"] not in set(played)]
     unchecked = unchecked_runs(earlier, carried)
     if unchecked:
-        log(f"yardstick: warning: --carry: {len(unchecked)} carried runs were evaluated before yardstick records "
-            f"held their settings; their env, decoding and tasks are not checked: {', '.join(unchecked)}")
+        log(f"yardstick: warning: --carry: {len(unchecked)} carried runs were recorded before yardstick records held "
+            f"their settings; their env, decoding or tasks are not checked: {', '.join(unchecked)}")
     return carried
 
 

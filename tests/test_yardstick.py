@@ -162,8 +162,7 @@ def _mix(tasks_digest: str | None = "d1") -> ys.TaskMix:
 
 def _earlier(key: dict | None, unchecked=None) -> dict:
     """A yardstick.json's fields as carried_runs reads them: two runs at steps 0 and 2."""
-    settings = {"argv": []} if unchecked is None else {"argv": [], "carried": {"runs": unchecked,
-                                                                              "unchecked": unchecked}}
+    settings = {"argv": []} if unchecked is None else {"argv": [], "unchecked": unchecked}
     record = {"mix": _mix().record(), "steps": [0, 2], "settings": settings,
               "runs": [{"label": "spopp_seed0"}, {"label": "spo_seed0"}]}
     return record if key is None else {**record, "key": key}
@@ -173,8 +172,8 @@ def test_carry_refuses_a_record_made_with_other_settings_or_tasks(tmp_path, caps
     """--carry compares the earlier record's settings key (env, decoding, model and the tasks'
     digest) with ours: another max_new_tokens or other task content is refused naming the
     field; the same key carries silently; a record written before records held a key is
-    carried with a warning line naming its runs, and so are runs a keyed record carried
-    unchecked itself."""
+    carried with a warning line naming its runs, and so are the runs a keyed record lists
+    as unchecked (its ``settings.unchecked``)."""
     import train
 
     flags = tiny_train_args(tmp_path)
@@ -421,7 +420,7 @@ def test_step_records_are_played_again_when_the_games_at_their_path_change(setup
 
     path = tmp_path / "ev" / "spopp_seed0" / "step_2.json"
     first = play(True)
-    assert first["key"]["tasks"] is not None and sum(first["trials"]) == 2
+    assert first["key"]["tasks"] is not None and sum(first["trials"]) == 2 and ys.unchecked_steps([first]) == []
     play(False)                                              # the same games: reused
     source = Path(copied.game_files[3]).with_suffix(".ni")
     source.write_text(source.read_text() + "\n")            # a game the mix does not play
@@ -434,7 +433,7 @@ def test_step_records_are_played_again_when_the_games_at_their_path_change(setup
     del archived["key"]["tasks"]                             # the form written before the digest
     path.write_text(json.dumps(archived))
     capsys.readouterr()
-    play(False)
+    assert ys.unchecked_steps([play(False)]) == [2]
     assert "content not checked" in capsys.readouterr().out
     path.write_text(json.dumps({**archived, "key": {**archived["key"], "tasks": "0" * 40}}))
     play(True)
@@ -523,7 +522,7 @@ def test_carry_keeps_an_earlier_records_runs_and_plays_only_the_new_ones(setup, 
                                    str(out / "yardstick.json"), *flags])
     assert sorted(r["label"] for r in again["runs"]) == ["spo_seed0", "spopp_seed0", "spopp_seed1"]
     assert again["settings"]["carried"]["runs"] == ["spo_seed0", "spopp_seed1"]
-    assert record["settings"]["carried"]["unchecked"] == []
+    assert record["settings"]["unchecked"] == []
     # made with other settings (here: its key says 8 new tokens): refused, naming the field
     made = json.loads(earlier.read_text())
     made["key"]["rollout"]["max_new_tokens"] = 8
@@ -539,7 +538,12 @@ def test_carry_keeps_an_earlier_records_runs_and_plays_only_the_new_ones(setup, 
     older = common_yardstick.main(["--runs", str(runs["c"]), "--out", str(out), "--carry",
                                    str(tmp_path / "older.json"), *flags])
     assert "warning: --carry: 2 carried runs" in capsys.readouterr().out
-    assert older["settings"]["carried"]["unchecked"] == ["spopp_seed0", "spo_seed0"] and "key" in older
+    assert older["settings"]["unchecked"] == ["spopp_seed0", "spo_seed0"] and "key" in older
+    # carried on from there: the runs it holds unchecked are named again, the one it played is not
+    chained = common_yardstick.main(["--runs", str(runs["a"]), "--out", str(tmp_path / "third"), "--carry",
+                                     str(out / "yardstick.json"), *flags])
+    assert "not checked: spo_seed0\n" in capsys.readouterr().out
+    assert chained["settings"]["unchecked"] == ["spo_seed0"]
     for other, match in ((["--rollouts", "3"], "task mix"), (["--eval_steps", "2"], "steps")):
         with pytest.raises(UserError, match=match):
             common_yardstick.main(["--runs", str(runs["c"]), "--out", str(tmp_path / "refused"), "--carry",
