@@ -24,6 +24,12 @@ Scores over the evaluated steps s_1 < ... < s_T with success rates r_t (SPEC 7):
 - two arms paired by seed (the runs of one seed share warm start and prior):
   d_i = score_A,i − score_B,i, mean, sample std (n − 1), SE = std / √n, the 95% interval
   mean ± t_{0.975, n−1} SE, and how many seeds improve (d_i > 0).
+
+Records: a run's step is played once and its record (``evaluate_run``) reused while its key
+holds: the env, decoding and model settings, the played tasks' content (``mix_tasks_digest``:
+games or problems changed at the same ``env.game_dir`` / ``env.data_dir`` are played again),
+the mix, the policy's digest and the seed. A yardstick.json holds the ``settings_key`` it was
+made with; ``--carry`` refuses an earlier one made with other settings.
 """
 
 from __future__ import annotations
@@ -105,12 +111,14 @@ def paired_by_seed(a: Mapping[int, float], b: Mapping[int, float], level: float 
 @dataclasses.dataclass(frozen=True)
 class TaskMix:
     """``rollouts`` episodes of each task in ``task_ids`` of the set ``task_set``, episode r
-    of task t seeded ``derived_seed(crn_seed, t, r)``."""
+    of task t seeded ``derived_seed(crn_seed, t, r)``; ``tasks_digest``: those tasks'
+    content (``mix_tasks_digest``), in the records' keys, not in ``record()``."""
 
     task_set: str
     task_ids: tuple[int, ...]
     rollouts: int
     crn_seed: int
+    tasks_digest: str | None = None   # the content of the tasks played (``mix_tasks_digest``)
 
     @classmethod
     def build(cls, env, task_set: str, tasks: int | None, rollouts: int, seed: int) -> "TaskMix":
@@ -120,11 +128,33 @@ class TaskMix:
         if tasks is not None and tasks < 1:
             raise UserError(f"--tasks must be >= 1, got {tasks}")
         count = view.num_tasks if tasks is None else min(tasks, view.num_tasks)
-        return cls(task_set, tuple(range(count)), rollouts, derived_seed(seed, "yardstick", task_set))
+        ids = tuple(range(count))
+        crn_seed = derived_seed(seed, "yardstick", task_set)
+        return cls(task_set, ids, rollouts, crn_seed, mix_tasks_digest(view.train, ids))
 
     def record(self) -> dict:
         return {"task_set": self.task_set, "tasks": len(self.task_ids), "task_ids": list(self.task_ids),
                 "rollouts": self.rollouts, "crn_seed": self.crn_seed}
+
+
+def mix_tasks_digest(tasks, task_ids: Sequence[int]) -> str | None:
+    """sha1 of the content of the tasks ``task_ids`` of a task set, in that order: their
+    games (each task's name and game, ``game_files_digest``, as ``evaluation_cache.tasks_digest``
+    digests a whole set: the same seeds give the same digest on every machine), or the
+    problems a set holds in memory (Math-TIR: each one's prompt, ground truth and key, read
+    from ``env.data_dir`` or drawn from seeds); None for a set of neither kind (its tasks are
+    made by code from the keyed settings)."""
+    ids = list(task_ids)
+    files = getattr(tasks, "game_files", None)
+    if files is not None:
+        from rollout_bridge.envs.textworld_games import game_files_digest
+
+        return game_files_digest([tasks.task_names[i] for i in ids], [files[i] for i in ids])
+    problems = getattr(tasks, "tasks", None)
+    if isinstance(problems, Sequence) and all(dataclasses.is_dataclass(problems[i]) for i in ids):
+        text = json.dumps([dataclasses.asdict(problems[i]) for i in ids], sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()
+    return None
 
 
 def task_view(env, task_set: str):
@@ -276,15 +306,29 @@ async def evaluate_on_mix(job, model, chat, mix: TaskMix, what: str = "yardstick
 
 
 def evaluation_key(job, mix: TaskMix, run: Run, step: int) -> dict:
-    """What an evaluation record depends on: the mix, the tasks and decoding, the policy's bytes."""
+    """What an evaluation record depends on: the mix, the env, decoding and model settings,
+    the played tasks' content (``tasks``: ``mix.tasks_digest``), the policy's bytes."""
     key = fixed_policy_key(job.cfg, "env", "rollout", "model")
-    return {**key, "mix": mix.record(), "policy": policy_digest(run, step), "seed": job.cfg.seed}
+    return {**key, "tasks": mix.tasks_digest, "mix": mix.record(), "policy": policy_digest(run, step),
+            "seed": job.cfg.seed}
+
+
+def reusable(record: Mapping, key: Mapping) -> bool:
+    """Whether a step record answers ``key``: its key is ``key``; or it is a record written
+    before keys held the tasks' content (no ``tasks`` field) and equals ``key`` but that
+    field (the settings, mix, policy and seed pin everything else; a record that holds a
+    digest must hold this one)."""
+    saved = record.get("key")
+    if saved == key:
+        return True
+    archived = {field: value for field, value in key.items() if field != "tasks"}
+    return isinstance(saved, Mapping) and "tasks" not in saved and saved == archived
 
 
 async def evaluate_run(job, run: Run, steps: Sequence[int], mix: TaskMix, records: Path) -> list[dict]:
     """One record per step ({step, successes, trials, wall_s}), each written to
     ``records/<label>/step_<k>.json`` as it finishes and reused from there when its key is
-    unchanged (a stopped yardstick loses at most the step it was on)."""
+    unchanged (``reusable``; a stopped yardstick loses at most the step it was on)."""
     from rollout_bridge.components import load_chat
     from rollout_bridge.prior import write_json_atomic
 
@@ -295,8 +339,11 @@ async def evaluate_run(job, run: Run, steps: Sequence[int], mix: TaskMix, record
         key = evaluation_key(job, mix, run, step)
         if path.is_file():
             record = json.loads(path.read_text())
-            if record.get("key") == key:
-                log(f"yardstick: {run.label} step {step}: reusing {path}")
+            if reusable(record, key):
+                unchecked = "tasks" not in record["key"]
+                log(f"yardstick: {run.label} step {step}: reusing {path}"
+                    + (" (written before records held the tasks' digest: their content not checked)"
+                       if unchecked else ""))
                 out.append(record)
                 continue
         start = time.time()
@@ -402,23 +449,68 @@ def read_record(path: str | Path) -> dict:
     return record
 
 
-def carried_runs(earlier: dict, mix: TaskMix, steps: Sequence[int], played: Sequence[str]) -> list[dict]:
+def settings_key(cfg, mix: TaskMix) -> dict:
+    """The settings a yardstick record's episodes were played with: the env, decoding and
+    model sections (``fixed_policy_key``, without the ``TRAINING_ONLY_ENV_FIELDS``) and the
+    played tasks' content (``tasks``: ``mix.tasks_digest``). ``--carry`` compares them."""
+    key = fixed_policy_key(cfg, "env", "rollout", "model")
+    for field in TRAINING_ONLY_ENV_FIELDS:
+        key["env"].pop(field, None)
+    return {**key, "tasks": mix.tasks_digest}
+
+
+def unchecked_runs(earlier: dict, carried: Sequence[dict]) -> list[str]:
+    """The labels of ``carried`` not checked against a key: all of them when ``earlier``
+    holds no ``key`` (written before records held it), else those it lists as unchecked
+    itself (``settings.unchecked``: runs it carried unchecked or played from step records
+    written before they held the tasks' digest)."""
+    labels = [run["label"] for run in carried]
+    if "key" not in earlier:
+        return labels
+    before = set((earlier.get("settings") or {}).get("unchecked") or ())
+    return [label for label in labels if label in before]
+
+
+def unchecked_steps(records: Sequence[dict]) -> list[int]:
+    """The steps of a run's records (``evaluate_run``) reused from files written before
+    step records held the tasks' digest (their tasks' content not checked)."""
+    return [record["step"] for record in records if "tasks" not in record["key"]]
+
+
+def carried_runs(earlier: dict, mix: TaskMix, steps: Sequence[int], played: Sequence[str],
+                 key: dict) -> list[dict]:
     """The run summaries of an ``earlier`` yardstick record (its yardstick.json) but those
     labelled in ``played`` (the runs evaluated now): a record grows by new runs without
     playing the ones it holds again (their folders may be gone, or older than the
-    settings' current key). UserError unless it was made on this mix at these steps."""
+    settings' current key). UserError unless it was made on this mix at these steps and,
+    when it holds the ``key`` of its settings, with these ones (``key``, ``settings_key``);
+    a record written before records held it is carried with a warning line."""
+    from spopp_jax.checkpoint import config_differences
+
     if earlier.get("mix") != mix.record():
         raise UserError(f"--carry: its task mix {earlier.get('mix')} is not this one {mix.record()} "
                         "(pass the --set, --tasks, --rollouts and --seed it was made with)")
     if list(earlier.get("steps", [])) != list(steps):
         raise UserError(f"--carry: its steps {earlier.get('steps')} are not these {list(steps)} "
                         "(pass the --eval_steps and --start it was made with)")
-    return [run for run in earlier["runs"] if run["label"] not in set(played)]
+    if "key" in earlier:
+        differences = config_differences(earlier["key"], key)
+        if differences:
+            raise UserError("--carry: its runs were evaluated with other settings or tasks; pass the flags it was "
+                            f"made with (--env.x ...): {'; '.join(differences[:6])}"
+                            + (f" and {len(differences) - 6} more" if len(differences) > 6 else ""))
+    carried = [run for run in earlier["runs"] if run["label"] not in set(played)]
+    unchecked = unchecked_runs(earlier, carried)
+    if unchecked:
+        log(f"yardstick: warning: --carry: {len(unchecked)} carried runs were recorded before yardstick records held "
+            f"their settings; their env, decoding or tasks are not checked: {', '.join(unchecked)}")
+    return carried
 
 
 def yardstick_record(summaries: Sequence[dict], mix: TaskMix, steps: Sequence[int], arms: Sequence[str],
-                     settings: dict) -> dict:
-    return {"mix": mix.record(), "steps": list(steps), "arms": list(arms), "settings": settings,
+                     settings: dict, key: dict) -> dict:
+    """The yardstick.json record; ``key``: the settings it was made with (``settings_key``)."""
+    return {"mix": mix.record(), "steps": list(steps), "arms": list(arms), "settings": settings, "key": key,
             "runs": list(summaries), "comparisons": comparisons(summaries, arms)}
 
 

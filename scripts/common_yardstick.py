@@ -15,8 +15,12 @@ agent and the engine; each run's saved env settings and decoding must equal them
 command names every difference). Writes `<out>/yardstick.json` (the record),
 `<out>/yardstick.md` (the tables), `<out>/yardstick.png` (the curves) and one file per run
 and step under `<out>/evaluations/` (reused when run again with the same settings).
-`--carry` keeps the runs of an earlier record (made on the same mix and steps) that
-`--runs` does not name, as they were recorded: runs added later are played alone.
+`--carry` keeps the runs of an earlier record (made on the same mix and steps, with the
+same env, decoding and model settings on the same task content: its `key`) that `--runs`
+does not name, as they were recorded: runs added later are played alone. A record written
+before records held their key is carried with a warning line; `settings.unchecked` lists the
+runs not checked against `key` (carried so, or played from step files written before they
+held the tasks' digest).
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ def parse_args(argv=None):
     parser.add_argument("--reference", default=None, help="the arm the others are compared with (default spopp)")
     parser.add_argument("--figure", type=_bool, default=True)
     parser.add_argument("--carry", default=None,
-                        help="an earlier yardstick.json of the same mix and steps: its runs that --runs does not "
-                             "name are kept as recorded (not played)")
+                        help="an earlier yardstick.json of the same mix, steps and settings: its runs that --runs "
+                             "does not name are kept as recorded (not played)")
     return parser.parse_known_args(argv)
 
 
@@ -101,23 +105,27 @@ def main(argv=None) -> dict:
     try:
         job = build_job(cfg, RunPaths(out), env)
         mix = ys.TaskMix.build(env, args.task_set, args.tasks, args.rollouts, cfg.seed)
-        carried = [] if earlier is None else ys.carried_runs(earlier, mix, steps, [run.label for run in runs])
+        key = ys.settings_key(cfg, mix)
+        carried = [] if earlier is None else ys.carried_runs(earlier, mix, steps, [run.label for run in runs], key)
+        unchecked = [] if earlier is None else ys.unchecked_runs(earlier, carried)
         start = time.time()
         summaries = []
         for run in runs:   # one at a time: each step a fresh engine
             records = asyncio.run(ys.evaluate_run(job, run, steps, mix, out / "evaluations"))
             summaries.append(ys.run_summary(run, records))
+            if ys.unchecked_steps(records):
+                unchecked.append(run.label)
     finally:
         env.close()
     summaries = [*carried, *summaries]
     arms = ys.arm_order([summary["arm"] for summary in summaries], args.reference)
     settings = {"argv": list(sys.argv[1:] if argv is None else argv), "env_kind": cfg.env.kind, "seed": cfg.seed,
                 "engine": cfg.rollout.engine.name, "machine": machine, "wall_s": time.time() - start,
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "unchecked": unchecked}
     if carried:
         settings["carried"] = {"from": args.carry, "runs": [summary["label"] for summary in carried],
                                "settings": earlier["settings"]}
-    record = ys.yardstick_record(summaries, mix, steps, arms, settings)
+    record = ys.yardstick_record(summaries, mix, steps, arms, settings, key)
     tmp = out / "yardstick.json.tmp"   # one line: the per-task records of every run and step are long
     tmp.write_text(json.dumps(record, separators=(",", ":")) + "\n")
     os.replace(tmp, out / "yardstick.json")

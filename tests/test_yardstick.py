@@ -116,6 +116,89 @@ def test_the_start_policy_digest_is_the_policy_not_what_is_shipped_beside_it(tmp
     assert ys.policy_digest(run, 0) != before
 
 
+def test_the_mix_digest_is_the_content_of_the_tasks_played(tmp_path):
+    """mix_tasks_digest: a set's games (name and content, in task order) or its problems in
+    memory (Math-TIR), of the mix's tasks only; None for a set of neither kind."""
+    from rollout_bridge.envs.math_tir.tasks import MathTask, MathTaskSet
+
+    problems = MathTaskSet((MathTask("1+1?", "2", "a"), MathTask("2+2?", "4", "b"), MathTask("3+3?", "6", "c")))
+    before = ys.mix_tasks_digest(problems, (0, 1))
+    assert before is not None and ys.mix_tasks_digest(problems, (0, 1)) == before
+    edited = MathTaskSet((problems[0], MathTask("2+2?", "5", "b"), problems[2]))   # one ground truth
+    assert ys.mix_tasks_digest(edited, (0, 1)) != before
+    assert ys.mix_tasks_digest(edited, (0,)) == ys.mix_tasks_digest(problems, (0,))   # task 1 is not played
+    games = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        games.append(tmp_path / name / "game.ulx")
+        games[-1].write_bytes(name.encode())
+    from rollout_bridge.envs.textworld_env import TextWorldTasks
+
+    tasks = TextWorldTasks(games, tmp_path)
+    first = ys.mix_tasks_digest(tasks, (0, 1))
+    games[1].write_bytes(b"changed")                     # another game at the same path
+    assert ys.mix_tasks_digest(tasks, (0, 1)) != first
+    assert ys.mix_tasks_digest(tasks, (0,)) == ys.mix_tasks_digest(TextWorldTasks(games[:1], tmp_path), (0,))
+    assert ys.mix_tasks_digest(object(), (0,)) is None
+
+
+def test_a_step_record_is_reused_only_for_the_tasks_it_was_played_on():
+    """A record whose key is ours is reused; one holding another task digest (or None where
+    the tasks now have one) is played again; a record written before keys held the tasks'
+    digest (no ``tasks`` field, the archived form) is reused when the rest of its key matches."""
+    key = {"env": {"max_turns": 2}, "tasks": "d1", "mix": {"tasks": 2}, "policy": "p", "seed": 0}
+    archived = {k: v for k, v in key.items() if k != "tasks"}
+    assert ys.reusable({"key": dict(key)}, key)
+    assert not ys.reusable({"key": {**key, "tasks": "d2"}}, key)
+    assert not ys.reusable({"key": {**key, "tasks": None}}, key)
+    assert ys.reusable({"key": archived}, key)
+    assert not ys.reusable({"key": {**archived, "policy": "q"}}, key)
+    assert not ys.reusable({}, key) and not ys.reusable({"key": None}, key)
+
+
+def _mix(tasks_digest: str | None = "d1") -> ys.TaskMix:
+    return ys.TaskMix("train", (0, 1), 2, 7, tasks_digest)
+
+
+def _earlier(key: dict | None, unchecked=None) -> dict:
+    """A yardstick.json's fields as carried_runs reads them: two runs at steps 0 and 2."""
+    settings = {"argv": []} if unchecked is None else {"argv": [], "unchecked": unchecked}
+    record = {"mix": _mix().record(), "steps": [0, 2], "settings": settings,
+              "runs": [{"label": "spopp_seed0"}, {"label": "spo_seed0"}]}
+    return record if key is None else {**record, "key": key}
+
+
+def test_carry_refuses_a_record_made_with_other_settings_or_tasks(tmp_path, capsys):
+    """--carry compares the earlier record's settings key (env, decoding, model and the tasks'
+    digest) with ours: another max_new_tokens or other task content is refused naming the
+    field; the same key carries silently; a record written before records held a key is
+    carried with a warning line naming its runs, and so are the runs a keyed record lists
+    as unchecked (its ``settings.unchecked``)."""
+    import train
+
+    flags = tiny_train_args(tmp_path)
+    ours = ys.settings_key(train.parse_config(flags), _mix())
+    assert ours["tasks"] == "d1" and ours["rollout"]["max_new_tokens"] == 4
+    longer = ys.settings_key(train.parse_config(flags + ["--rollout.max_new_tokens", "8"]), _mix())
+    with pytest.raises(UserError, match=r"rollout.max_new_tokens: saved 8, expected 4"):
+        ys.carried_runs(_earlier(longer), _mix(), [0, 2], [], ours)
+    other_tasks = ys.settings_key(train.parse_config(flags), _mix("d2"))
+    with pytest.raises(UserError, match=r"tasks: saved 'd2', expected 'd1'"):
+        ys.carried_runs(_earlier(other_tasks), _mix(), [0, 2], [], ours)
+    capsys.readouterr()
+    same = ys.carried_runs(_earlier(dict(ours)), _mix(), [0, 2], ["spo_seed0"], ours)
+    assert [r["label"] for r in same] == ["spopp_seed0"] and "warning" not in capsys.readouterr().out
+    old = ys.carried_runs(_earlier(None), _mix(), [0, 2], [], ours)
+    assert [r["label"] for r in old] == ["spopp_seed0", "spo_seed0"]
+    line = capsys.readouterr().out
+    assert "warning: --carry: 2 carried runs" in line and "not checked: spopp_seed0, spo_seed0" in line
+    assert ys.unchecked_runs(_earlier(None), old) == ["spopp_seed0", "spo_seed0"]
+    chained = _earlier(dict(ours), unchecked=["spo_seed0"])
+    ys.carried_runs(chained, _mix(), [0, 2], [], ours)
+    assert "not checked: spo_seed0\n" in capsys.readouterr().out
+    assert ys.unchecked_runs(chained, old) == ["spo_seed0"]
+
+
 # ------------------------------------------------------------------ tiny runs
 ARGS = ["--rollout.max_in_flight", "4", "--progress", "false", "--tensorboard", "false"]
 
@@ -301,6 +384,61 @@ def test_the_same_episode_seeds_for_every_arm_and_step(setup, runs, tmp_path):
     assert again == records["a"] and len(seen) == 9
 
 
+def test_step_records_are_played_again_when_the_games_at_their_path_change(setup, runs, tmp_path, capsys):
+    """evaluate_run's step records hold the played tasks' digest: the same games reuse
+    them; a game of the mix changed at the same path plays the step again (a game outside
+    the mix does not); a record without the digest (written before records held it) is
+    reused with a line saying so; a record holding another digest is played again."""
+    from rollout_bridge.components import load_chat
+    from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
+    from rollout_bridge.envs.textworld_env import TextWorldTasks
+
+    chat = load_chat(setup.base)
+    requests = []
+
+    def engine(model, seed):
+        def script(request):
+            requests.append(request)
+            return ScriptedReply(tuple(chat.encode("xyzzy")) + (chat.turn_close_ids[0],))
+        return FakeEngine(script)
+
+    job = _job(setup, tmp_path)
+    job.engine = engine
+    train = setup.env.train
+    games = tmp_path / "games"   # a copy of the games, as a game folder keyed by its path only
+    shutil.copytree(train.root, games)
+    copied = TextWorldTasks.from_folder(games, train.max_turns)
+    assert copied.task_names == train.task_names
+
+    def play(expect_played: bool) -> dict:
+        mix = ys.TaskMix.build(dataclasses.replace(setup.env, train=copied), "train", 2, 1, seed=0)
+        before = len(requests)
+        (record,) = asyncio.run(ys.evaluate_run(job, ys.read_run(runs["a"]), [2], mix, tmp_path / "ev"))
+        assert (len(requests) > before) == expect_played
+        assert record["key"].get("tasks", mix.tasks_digest) == mix.tasks_digest   # absent: reused, archived
+        return record
+
+    path = tmp_path / "ev" / "spopp_seed0" / "step_2.json"
+    first = play(True)
+    assert first["key"]["tasks"] is not None and sum(first["trials"]) == 2 and ys.unchecked_steps([first]) == []
+    play(False)                                              # the same games: reused
+    source = Path(copied.game_files[3]).with_suffix(".ni")
+    source.write_text(source.read_text() + "\n")            # a game the mix does not play
+    play(False)
+    source = Path(copied.game_files[1]).with_suffix(".ni")
+    source.write_text(source.read_text() + "\n")            # a played game, at the same path
+    second = play(True)
+    assert second["key"]["tasks"] != first["key"]["tasks"]
+    archived = json.loads(path.read_text())
+    del archived["key"]["tasks"]                             # the form written before the digest
+    path.write_text(json.dumps(archived))
+    capsys.readouterr()
+    assert ys.unchecked_steps([play(False)]) == [2]
+    assert "content not checked" in capsys.readouterr().out
+    path.write_text(json.dumps({**archived, "key": {**archived["key"], "tasks": "0" * 40}}))
+    play(True)
+
+
 def test_a_run_named_by_a_relative_path_loads_its_checkpoints(setup, runs, monkeypatch):
     """``--runs runs/<arm>/seed<k>`` as a user types it: checkpoints restore by absolute path."""
     monkeypatch.chdir(runs["a"].parent)
@@ -351,16 +489,20 @@ def test_the_command_writes_curves_auc_and_paired_differences(setup, runs, tmp_p
     assert by_label["spopp_seed0"]["training_curve"] == [0.75, 0.75]
     assert row["training_auc"]["mean"] == pytest.approx(0.5)
     assert json.loads((out / "yardstick.json").read_text())["steps"] == [0, 2, 4]
+    # the settings it was made with: env, decoding and model, and the played games' content
+    mix = ys.TaskMix.build(setup.env, "train", 2, 2, setup.cfg.seed)
+    assert record["key"] == ys.settings_key(setup.cfg, mix) and record["key"]["tasks"] is not None
     table = (out / "yardstick.md").read_text()
     assert "| spopp − spo | AUC | 1 |" in table and "| spopp_seed1 |" in table
     assert (out / "yardstick.png").stat().st_size > 0
     assert "Common yardstick" in capsys.readouterr().out
 
 
-def test_carry_keeps_an_earlier_records_runs_and_plays_only_the_new_ones(setup, runs, tmp_path):
+def test_carry_keeps_an_earlier_records_runs_and_plays_only_the_new_ones(setup, runs, tmp_path, capsys):
     """--carry: a run added later is played alone; the earlier record's runs enter the new
     record as recorded, in its tables and paired differences; an earlier record of another
-    mix or other steps is refused before anything is played."""
+    mix, other steps or other settings is refused before anything is played; one written
+    before records held their settings is carried with a warning."""
     flags = ["--rollouts", "2", "--tasks", "2", *setup.flags]
     first = common_yardstick.main(["--runs", str(runs["a"]), str(runs["b"]), "--out", str(tmp_path / "first"), *flags])
     earlier = tmp_path / "first" / "yardstick.json"
@@ -380,6 +522,28 @@ def test_carry_keeps_an_earlier_records_runs_and_plays_only_the_new_ones(setup, 
                                    str(out / "yardstick.json"), *flags])
     assert sorted(r["label"] for r in again["runs"]) == ["spo_seed0", "spopp_seed0", "spopp_seed1"]
     assert again["settings"]["carried"]["runs"] == ["spo_seed0", "spopp_seed1"]
+    assert record["settings"]["unchecked"] == []
+    # made with other settings (here: its key says 8 new tokens): refused, naming the field
+    made = json.loads(earlier.read_text())
+    made["key"]["rollout"]["max_new_tokens"] = 8
+    (tmp_path / "other_settings.json").write_text(json.dumps(made))
+    with pytest.raises(UserError, match=r"other settings or tasks.*rollout.max_new_tokens: saved 8, expected 4"):
+        common_yardstick.main(["--runs", str(runs["c"]), "--out", str(tmp_path / "refused"), "--carry",
+                               str(tmp_path / "other_settings.json"), *flags])
+    assert not (tmp_path / "refused" / "evaluations").exists()
+    # written before records held their settings: carried, with a warning (spopp_seed1's steps reused)
+    del made["key"]
+    (tmp_path / "older.json").write_text(json.dumps(made))
+    capsys.readouterr()
+    older = common_yardstick.main(["--runs", str(runs["c"]), "--out", str(out), "--carry",
+                                   str(tmp_path / "older.json"), *flags])
+    assert "warning: --carry: 2 carried runs" in capsys.readouterr().out
+    assert older["settings"]["unchecked"] == ["spopp_seed0", "spo_seed0"] and "key" in older
+    # carried on from there: the runs it holds unchecked are named again, the one it played is not
+    chained = common_yardstick.main(["--runs", str(runs["a"]), "--out", str(tmp_path / "third"), "--carry",
+                                     str(out / "yardstick.json"), *flags])
+    assert "not checked: spo_seed0\n" in capsys.readouterr().out
+    assert chained["settings"]["unchecked"] == ["spo_seed0"]
     for other, match in ((["--rollouts", "3"], "task mix"), (["--eval_steps", "2"], "steps")):
         with pytest.raises(UserError, match=match):
             common_yardstick.main(["--runs", str(runs["c"]), "--out", str(tmp_path / "refused"), "--carry",
