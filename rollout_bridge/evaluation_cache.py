@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rollout_bridge.prior import write_json_atomic
 from rollout_bridge.run_folder import WARMSTART_RECORD_NAME, folder_digest
@@ -68,15 +68,27 @@ def policy_digest(policy: str | os.PathLike) -> str:
     return folder_digest(Path(policy), skip=(WARMSTART_RECORD_NAME, "README.md", SHIPPED_RECORDS))
 
 
-def tasks_digest(tasks: Any) -> str | None:
-    """The content of a task set with game files (``game_files_digest``: the same seeds give
-    the same digest on every machine); None for other task sets (problems in memory)."""
+def tasks_digest(tasks: Any, task_ids: Sequence[int] | None = None) -> str | None:
+    """The content of a task set's tasks ``task_ids`` (None: all, in task order): its games
+    (each task's name and game, ``game_files_digest``: the same seeds give the same digest on
+    every machine), or the problems it holds in memory (Math-TIR: each one's prompt, ground
+    truth and key, read from ``env.data_dir`` or drawn from seeds); None for a set of neither
+    kind (its tasks are made by code from the keyed settings)."""
     files = getattr(tasks, "game_files", None)
-    if files is None:
-        return None
-    from rollout_bridge.envs.textworld_games import game_files_digest
+    if files is not None:
+        from rollout_bridge.envs.textworld_games import game_files_digest
 
-    return game_files_digest(tasks.task_names, files)
+        if task_ids is None:
+            return game_files_digest(tasks.task_names, files)
+        return game_files_digest([tasks.task_names[i] for i in task_ids], [files[i] for i in task_ids])
+    problems = getattr(tasks, "tasks", None)
+    if not isinstance(problems, Sequence):
+        return None
+    ids = range(len(problems)) if task_ids is None else task_ids
+    if not all(dataclasses.is_dataclass(problems[i]) for i in ids):
+        return None
+    text = json.dumps([dataclasses.asdict(problems[i]) for i in ids], sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()
 
 
 def key_differences(key: Any, other: Any, prefix: str = "") -> list[str]:

@@ -26,7 +26,7 @@ Scores over the evaluated steps s_1 < ... < s_T with success rates r_t (SPEC 7):
   mean ± t_{0.975, n−1} SE, and how many seeds improve (d_i > 0).
 
 Records: a run's step is played once and its record (``evaluate_run``) reused while its key
-holds: the env, decoding and model settings, the played tasks' content (``mix_tasks_digest``:
+holds: the env, decoding and model settings, the played tasks' content (``evaluation_cache.tasks_digest``:
 games or problems changed at the same ``env.game_dir`` / ``env.data_dir`` are played again),
 the mix, the policy's digest and the seed. A yardstick.json holds the ``settings_key`` it was
 made with; ``--carry`` refuses an earlier one made with other settings.
@@ -112,13 +112,13 @@ def paired_by_seed(a: Mapping[int, float], b: Mapping[int, float], level: float 
 class TaskMix:
     """``rollouts`` episodes of each task in ``task_ids`` of the set ``task_set``, episode r
     of task t seeded ``derived_seed(crn_seed, t, r)``; ``tasks_digest``: those tasks'
-    content (``mix_tasks_digest``), in the records' keys, not in ``record()``."""
+    content (``evaluation_cache.tasks_digest``), in the records' keys, not in ``record()``."""
 
     task_set: str
     task_ids: tuple[int, ...]
     rollouts: int
     crn_seed: int
-    tasks_digest: str | None = None   # the content of the tasks played (``mix_tasks_digest``)
+    tasks_digest: str | None = None   # the content of the tasks played (``evaluation_cache.tasks_digest``)
 
     @classmethod
     def build(cls, env, task_set: str, tasks: int | None, rollouts: int, seed: int) -> "TaskMix":
@@ -130,31 +130,11 @@ class TaskMix:
         count = view.num_tasks if tasks is None else min(tasks, view.num_tasks)
         ids = tuple(range(count))
         crn_seed = derived_seed(seed, "yardstick", task_set)
-        return cls(task_set, ids, rollouts, crn_seed, mix_tasks_digest(view.train, ids))
+        return cls(task_set, ids, rollouts, crn_seed, evaluation_cache.tasks_digest(view.train, ids))
 
     def record(self) -> dict:
         return {"task_set": self.task_set, "tasks": len(self.task_ids), "task_ids": list(self.task_ids),
                 "rollouts": self.rollouts, "crn_seed": self.crn_seed}
-
-
-def mix_tasks_digest(tasks, task_ids: Sequence[int]) -> str | None:
-    """sha1 of the content of the tasks ``task_ids`` of a task set, in that order: their
-    games (each task's name and game, ``game_files_digest``, as ``evaluation_cache.tasks_digest``
-    digests a whole set: the same seeds give the same digest on every machine), or the
-    problems a set holds in memory (Math-TIR: each one's prompt, ground truth and key, read
-    from ``env.data_dir`` or drawn from seeds); None for a set of neither kind (its tasks are
-    made by code from the keyed settings)."""
-    ids = list(task_ids)
-    files = getattr(tasks, "game_files", None)
-    if files is not None:
-        from rollout_bridge.envs.textworld_games import game_files_digest
-
-        return game_files_digest([tasks.task_names[i] for i in ids], [files[i] for i in ids])
-    problems = getattr(tasks, "tasks", None)
-    if isinstance(problems, Sequence) and all(dataclasses.is_dataclass(problems[i]) for i in ids):
-        text = json.dumps([dataclasses.asdict(problems[i]) for i in ids], sort_keys=True)
-        return hashlib.sha1(text.encode()).hexdigest()
-    return None
 
 
 def task_view(env, task_set: str):

@@ -117,16 +117,17 @@ def test_the_start_policy_digest_is_the_policy_not_what_is_shipped_beside_it(tmp
 
 
 def test_the_mix_digest_is_the_content_of_the_tasks_played(tmp_path):
-    """mix_tasks_digest: a set's games (name and content, in task order) or its problems in
+    """tasks_digest: a set's games (name and content, in task order) or its problems in
     memory (Math-TIR), of the mix's tasks only; None for a set of neither kind."""
     from rollout_bridge.envs.math_tir.tasks import MathTask, MathTaskSet
+    from rollout_bridge.evaluation_cache import tasks_digest
 
     problems = MathTaskSet((MathTask("1+1?", "2", "a"), MathTask("2+2?", "4", "b"), MathTask("3+3?", "6", "c")))
-    before = ys.mix_tasks_digest(problems, (0, 1))
-    assert before is not None and ys.mix_tasks_digest(problems, (0, 1)) == before
+    before = tasks_digest(problems, (0, 1))
+    assert before is not None and tasks_digest(problems, (0, 1)) == before
     edited = MathTaskSet((problems[0], MathTask("2+2?", "5", "b"), problems[2]))   # one ground truth
-    assert ys.mix_tasks_digest(edited, (0, 1)) != before
-    assert ys.mix_tasks_digest(edited, (0,)) == ys.mix_tasks_digest(problems, (0,))   # task 1 is not played
+    assert tasks_digest(edited, (0, 1)) != before
+    assert tasks_digest(edited, (0,)) == tasks_digest(problems, (0,))   # task 1 is not played
     games = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -135,11 +136,14 @@ def test_the_mix_digest_is_the_content_of_the_tasks_played(tmp_path):
     from rollout_bridge.envs.textworld_env import TextWorldTasks
 
     tasks = TextWorldTasks(games, tmp_path)
-    first = ys.mix_tasks_digest(tasks, (0, 1))
+    first = tasks_digest(tasks, (0, 1))
     games[1].write_bytes(b"changed")                     # another game at the same path
-    assert ys.mix_tasks_digest(tasks, (0, 1)) != first
-    assert ys.mix_tasks_digest(tasks, (0,)) == ys.mix_tasks_digest(TextWorldTasks(games[:1], tmp_path), (0,))
-    assert ys.mix_tasks_digest(object(), (0,)) is None
+    assert tasks_digest(tasks, (0, 1)) != first
+    assert tasks_digest(tasks, (0,)) == tasks_digest(TextWorldTasks(games[:1], tmp_path), (0,))
+    assert tasks_digest(object(), (0,)) is None
+    # the whole set (the prior's and the evaluations' keys): all tasks in order
+    assert tasks_digest(problems) == tasks_digest(problems, (0, 1, 2)) != tasks_digest(edited)
+    assert tasks_digest(tasks) == tasks_digest(tasks, (0, 1))
 
 
 def test_a_step_record_is_reused_only_for_the_tasks_it_was_played_on():
