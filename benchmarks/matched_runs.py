@@ -82,7 +82,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from rollout_bridge.run_guard import complete_steps  # noqa: E402  (no JAX: this script stays light)
-from rollout_bridge.run_lock import LOCK_FILE, Holder, is_stale, read_holder  # noqa: E402
+from rollout_bridge.run_lock import live_holder  # noqa: E402
 
 # the published matched runs (docs/RESULTS.md) drained before each publish; the train
 # default became in-flight publishing ("none") later, so reproductions pin the drain
@@ -447,17 +447,6 @@ def done_already(arm: str, seed: int, root: Path, command: list[str], archived: 
                              + " (run with its settings, or use another --root / --archive)")
         return True
     return False
-
-
-def live_holder(folder: Path) -> Holder | None:
-    """Who holds the folder's run lock (train.py's), when that process is alive or cannot be
-    seen (another host); None when there is no lock or its holder is gone."""
-    path = folder / LOCK_FILE
-    holder = read_holder(path)
-    if holder is None and path.exists():   # being written this instant: read it once more
-        time.sleep(0.2)
-        holder = read_holder(path)
-    return holder if holder is not None and not is_stale(holder) else None
 
 
 def prepare_folder(out: Path, command: list[str]) -> bool:

@@ -108,6 +108,23 @@ def read_holder(path: Path) -> Holder | None:
         return None
 
 
+def settled_holder(path: Path) -> Holder | None:
+    """``read_holder``, read once more after a moment when the file exists but does not
+    parse (a writer mid-way); None then means it is gone or torn (left by a crash)."""
+    holder = read_holder(path)
+    if holder is None and path.exists():
+        time.sleep(0.2)
+        holder = read_holder(path)
+    return holder
+
+
+def live_holder(folder: str | os.PathLike) -> Holder | None:
+    """Who holds ``folder``'s run lock, when that process is alive or cannot be seen
+    (another host); None when there is no lock or its holder is gone."""
+    holder = settled_holder(Path(folder) / LOCK_FILE)
+    return holder if holder is not None and not is_stale(holder) else None
+
+
 class RunLock:
     """The lock of one run folder (`acquire`, `release`; a context manager)."""
 
@@ -126,15 +143,11 @@ class RunLock:
                 atexit.register(self.release)
                 return self
             with self._guard():
-                holder = read_holder(self.path)
+                holder = settled_holder(self.path)   # a writer mid-way gets a moment
                 if holder is None and self.path.exists():
-                    # torn (a crash while writing it) or being written: wait once for a writer
-                    time.sleep(0.2)
-                    holder = read_holder(self.path)
-                    if holder is None and self.path.exists():
-                        self.log(f"run lock: {self.path} is unreadable (left by a crash); taking it over")
-                        self.path.unlink(missing_ok=True)
-                        continue
+                    self.log(f"run lock: {self.path} is unreadable (left by a crash); taking it over")
+                    self.path.unlink(missing_ok=True)
+                    continue
                 if holder is None:
                     continue
                 if holder.pid == me.pid and holder.host == me.host and holder.start_ticks == me.start_ticks:

@@ -224,3 +224,16 @@ def test_a_stage_on_a_runs_folder_changes_nothing(tmp_path, stage_flags):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "holds checkpoints up to step 2: pass --resume" in lines[0], result.stderr
     assert folder_digest(paths.root) == before
+
+
+def test_a_torn_lock_file_is_taken_over_and_holds_no_one(tmp_path):
+    """A lock file that does not parse, even after a writer's moment (a crash mid-write), names
+    no live holder and is taken over by the next job."""
+    from rollout_bridge.run_lock import LOCK_FILE, RunLock, live_holder
+
+    (tmp_path / LOCK_FILE).write_text('{"pid": 12')
+    assert live_holder(tmp_path) is None
+    said = []
+    with RunLock(tmp_path, log=said.append) as lock:
+        assert lock.held and live_holder(tmp_path) is not None and live_holder(tmp_path).pid == os.getpid()
+    assert said and "unreadable" in said[0]
