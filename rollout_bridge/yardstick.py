@@ -305,10 +305,25 @@ def reusable(record: Mapping, key: Mapping) -> bool:
     return isinstance(saved, Mapping) and "tasks" not in saved and saved == archived
 
 
+def twin_record(records: Path, key: Mapping) -> tuple[dict, Path] | None:
+    """A step record of any run under ``records`` whose key is ``key`` exactly (the same
+    policy bytes, mix, settings and seed: the same episodes), with its path; None if none.
+    Matched runs share their start, so step 0 is played once for all of them."""
+    for path in sorted(records.glob("*/step_*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("key") == key:
+            return record, path
+    return None
+
+
 async def evaluate_run(job, run: Run, steps: Sequence[int], mix: TaskMix, records: Path) -> list[dict]:
     """One record per step ({step, successes, trials, wall_s}), each written to
     ``records/<label>/step_<k>.json`` as it finishes and reused from there when its key is
-    unchanged (``reusable``; a stopped yardstick loses at most the step it was on)."""
+    unchanged (``reusable``; a stopped yardstick loses at most the step it was on), or
+    copied from another run's record of the same key (``twin_record``: a shared start)."""
     from rollout_bridge.components import load_chat
     from rollout_bridge.prior import write_json_atomic
 
@@ -326,6 +341,13 @@ async def evaluate_run(job, run: Run, steps: Sequence[int], mix: TaskMix, record
                        if unchecked else ""))
                 out.append(record)
                 continue
+        twin = twin_record(records, key)
+        if twin is not None:
+            record, source = twin
+            log(f"yardstick: {run.label} step {step}: the same policy, mix and settings as {source}: reusing it")
+            write_json_atomic(path, record)
+            out.append(record)
+            continue
         start = time.time()
         model = load_step_policy(run, step, job.cfg.model)
         successes, trials = await evaluate_on_mix(job, model, chat, mix, f"{run.label} step {step}")

@@ -379,13 +379,15 @@ def test_the_same_episode_seeds_for_every_arm_and_step(setup, runs, tmp_path):
     assert curves["a"][0] == curves["c"][0]                    # step 0: the shared start
     assert curves["a"][1:] != curves["c"][1:]                  # other policies, another curve
     assert 0 < sum(map(sum, curves["a"])) < sum(map(sum, (r["trials"] for r in records["a"])))
-    # 3 runs x 3 steps, each opening the same 16 episodes (4 tasks x 4) with the same seeds
-    assert len(seen) == 9 and len({frozenset(s) for s in seen}) == 1 and len(seen[0]) == 16
+    # played: 3 runs x steps 2 and 4, and step 0 once (the shared start: b's and c's step 0
+    # record is a's, copied), each opening the same 16 episodes (4 tasks x 4) with the same seeds
+    assert len(seen) == 7 and len({frozenset(s) for s in seen}) == 1 and len(seen[0]) == 16
+    assert records["b"][0] == records["c"][0] == records["a"][0]   # wall_s too: copied, not played
     # written as they finish, reused when asked again with the same settings
     assert sorted(p.name for p in (tmp_path / "ev" / "spopp_seed0").iterdir()) == \
         ["step_0.json", "step_2.json", "step_4.json"]
     again = asyncio.run(ys.evaluate_run(job, ys.read_run(runs["a"]), [0, 2, 4], mix, tmp_path / "ev"))
-    assert again == records["a"] and len(seen) == 9
+    assert again == records["a"] and len(seen) == 7
 
 
 def test_step_records_are_played_again_when_the_games_at_their_path_change(setup, runs, tmp_path, capsys):
