@@ -53,6 +53,7 @@ from typing import Callable, Sequence
 from rollout_bridge.envs.process_pool import worker_pool
 from rollout_bridge.envs.alfworld_env import (GAME_FILE, GAME_KEYS, AlfredPddlGame,  # noqa: F401 (re-exported)
                                             GameFileError, read_game_file)
+from rollout_bridge.prior import write_json_atomic
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -755,8 +756,5 @@ def generate_game_set(spec: AlfworldSetSpec, data_dir: str | os.PathLike, worker
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"spec": _spec_record(spec), "games": records}, f, indent=1)
-    os.replace(tmp, manifest_path)
+    write_json_atomic(manifest_path, {"spec": _spec_record(spec), "games": records})   # a temporary file of its own
     return [folder / g["dir"] / GAME_FILE for g in records]

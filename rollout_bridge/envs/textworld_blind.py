@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_bridge.envs.process_pool import worker_pool
+from rollout_bridge.prior import write_text_atomic
 
 CACHE_NAME = "blind_ceiling.json"
 
@@ -155,6 +156,4 @@ def _read_cache(folder: Path) -> dict:
 
 
 def _write_cache(folder: Path, cache: dict) -> None:
-    tmp = folder / (CACHE_NAME + ".tmp")
-    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    os.replace(tmp, folder / CACHE_NAME)
+    write_text_atomic(folder / CACHE_NAME, json.dumps(cache, indent=1, sort_keys=True))

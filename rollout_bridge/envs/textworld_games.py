@@ -42,6 +42,7 @@ from typing import Iterable, Sequence
 from rollout_bridge.envs.process_pool import worker_pool
 from rollout_bridge.envs.textworld_env import (PLAYABLE_SUFFIXES, list_game_files,  # noqa: F401 (re-exported)
                                                start_game, task_name_for)
+from rollout_bridge.prior import write_json_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2   # 2: every game's walkthrough checked to win the compiled game
@@ -174,10 +175,7 @@ def _load_manifest(folder: Path) -> dict | None:
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:
-    tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, folder / MANIFEST)
+    write_json_atomic(folder / MANIFEST, manifest)   # two jobs generating one set never share a temporary file
 
 
 def game_set_folder(spec: GameSetSpec, data_dir: str | os.PathLike,

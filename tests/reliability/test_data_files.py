@@ -1,9 +1,12 @@
 """Data files a loader reads: DAPO-Math parquet rows whose ground truth cannot be scored are
 skipped with a count (never an answer any policy collects), and an ALFWorld game file that
-is not a game is named in one error."""
+is not a game is named in one error. Data files a job writes into a folder other jobs share
+(a game set's manifest, Math-TIR's teacher data, the prompt-blind cache) are written whole
+by two jobs at once."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -73,3 +76,56 @@ def test_alfworld_game_file_that_is_not_text(tmp_path):
     folder.mkdir(parents=True)
     with pytest.raises(GameFileError, match="cannot be read"):
         read_game_file(folder)
+
+
+def _writers(monkeypatch):
+    """name -> (the file it writes under a folder, write(folder, n): writer n's content)."""
+    from types import SimpleNamespace
+
+    from rollout_bridge.envs import alfworld_games, textworld_blind, textworld_games
+    from rollout_bridge.envs.math_tir.teacher import write_jsonl
+
+    alfworld = alfworld_games.AlfworldSetSpec("race", num_games=1, base_seed=0)
+    monkeypatch.setattr(alfworld_games, "write_game", lambda generated, folder: None)   # the manifest only
+
+    def alfworld_set(folder: Path, n: int) -> None:
+        game = SimpleNamespace(record=lambda: {"dir": "game_0", "writer": n})
+        monkeypatch.setattr(alfworld_games, "_make_one", lambda args: game)
+        alfworld_games.generate_game_set(alfworld, folder)
+
+    return {
+        "TextWorld manifest": (textworld_games.MANIFEST,
+                               lambda folder, n: textworld_games._write_manifest(folder, {"writer": n})),
+        "ALFWorld manifest": (f"{alfworld.folder_name}/{alfworld_games.MANIFEST}", alfworld_set),
+        "Math-TIR teacher data": ("teacher_train.jsonl",
+                                  lambda folder, n: write_jsonl(folder / "teacher_train.jsonl", [{"writer": n}])),
+        "TextWorld prompt-blind cache": (textworld_blind.CACHE_NAME,
+                                         lambda folder, n: textworld_blind._write_cache(folder, {"writer": n})),
+    }
+
+
+@covers(Row("game / data folder", "two jobs write one shared data file at once (a game set's manifest, Math-TIR's "
+            "teacher data, the prompt-blind cache): the second writes the whole file while the first is about to "
+            "rename its own into place",
+            "each writer writes a temporary file of its own (pid and random suffix), flushed, then renamed: both "
+            "succeed, the last rename wins",
+            "the file is one writer's whole content; no temporary file is left", kind="fault"))
+@pytest.mark.parametrize("name", ["TextWorld manifest", "ALFWorld manifest",
+                                  "Math-TIR teacher data", "TextWorld prompt-blind cache"])
+def test_two_writers_of_one_data_file_never_share_a_temporary_file(tmp_path, monkeypatch, name):
+    file_name, write = _writers(monkeypatch)[name]
+    real_replace = os.replace
+    raced = []
+
+    def another_writer_first(source, target):   # writer 1's file is complete: writer 2 runs start to end now
+        if not raced:
+            raced.append(source)
+            write(tmp_path, 2)
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", another_writer_first)
+    write(tmp_path, 1)
+    assert raced, "the writer never renamed a temporary file into place"
+    text = (tmp_path / file_name).read_text()
+    assert '"writer": 1' in text and '"writer": 2' not in text   # writer 1 renamed last: its whole file
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == [file_name]

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_bridge.envs.math_tir.tool_format import ToolFormat, parse_call, render_call, render_response
+from rollout_bridge.prior import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def write_jsonl(path: str | Path, records: Sequence[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    """One JSON record a line (UTF-8), written whole or not at all by `write_text_atomic`."""
+    write_text_atomic(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
 def assistant_text(message: dict, tool_format: ToolFormat) -> str:
