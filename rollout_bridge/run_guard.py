@@ -14,9 +14,16 @@ cannot finish: one line saying what is kept and how to continue.
    next save would delete kept steps by (the folder holds more than it + 1: a run made with
    more kept checkpoints).
    Steps newer than the chosen one are moved to ``<output_dir>/checkpoints_set_aside/``
-   (kept, out of orbax's way);
+   (kept, out of orbax's way). The settings hold ``model.path``, not what is in it: the
+   content of the policy the run started from (``evaluation_cache.policy_digest`` of
+   ``model.path``, kept in ``start_policy.json``) is compared too, and a folder whose files
+   changed since (a re-export, an updated shipped asset) is refused in one line: the
+   checkpoints were trained from the other weights. A run started before that record was
+   kept resumes with one line saying the start is not checked;
 3. without ``--resume`` on a folder without checkpoints, records the settings in
-   ``run_config.json`` for a later ``--resume`` to check;
+   ``run_config.json`` for a later ``--resume`` to check, and the starting policy's content
+   in ``start_policy.json`` (so does a ``--resume`` that finds no checkpoint: RL starts
+   afresh from what is at ``model.path`` now);
 4. removes half-written HF export folders a stopped job left (``.hf_model.partial-*``).
 
 `run_guarded(main)` replaces `run_errors.run_cleanly` as train.py's entry point: SIGINT
@@ -53,6 +60,7 @@ from rollout_bridge.run_lock import RunLock
 from rollout_bridge.run_errors import EXIT_USER_ERROR, UserError, error_chain, run_cleanly
 
 RUN_CONFIG_FILE = "run_config.json"
+START_POLICY_FILE = "start_policy.json"
 SET_ASIDE_FOLDER = "checkpoints_set_aside"
 INTERRUPT_LOG = "interrupt.log"
 STORAGE_ERROR_LOG = "storage_error.log"
@@ -134,6 +142,45 @@ def _refuse_pruning(cfg, paths, kept: list[int]) -> None:
                         f"Nothing was changed; resume with --keep_checkpoints {len(kept)} (or more) to keep them")
 
 
+def _start_policy(cfg) -> dict | None:
+    """What RL starts from: ``model.path`` and its content (None: the tiny model, which code
+    makes from the keyed model settings and the tasks)."""
+    from rollout_bridge.evaluation_cache import policy_digest
+
+    if cfg.model.path is None:
+        return None
+    return {"folder": str(cfg.model.path), "digest": policy_digest(cfg.model.path)}
+
+
+def record_start_policy(cfg, paths) -> None:
+    """Keep the starting policy's content in ``start_policy.json`` (before any checkpoint is
+    trained from it) for ``--resume`` to compare (`check_start_policy`)."""
+    from rollout_bridge.prior import write_json_atomic
+
+    start = _start_policy(cfg)
+    record = Path(paths.root) / START_POLICY_FILE
+    if start is None:
+        record.unlink(missing_ok=True)
+    else:
+        write_json_atomic(record, start)
+
+
+def check_start_policy(cfg, paths, log: Callable[[str], None] = _log) -> None:
+    """UserError when the files at ``model.path`` are not those the run's checkpoints were
+    trained from (``start_policy.json``); a run without that record resumes, said in one line."""
+    record = Path(paths.root) / START_POLICY_FILE
+    if cfg.model.path is None:
+        return
+    if not record.is_file():
+        log(f"resume: {paths.root} keeps no record of the starting policy's content (a run started before "
+            f"it was kept): the files in {cfg.model.path} are not checked")
+        return
+    if json.loads(record.read_text()).get("digest") != _start_policy(cfg)["digest"]:
+        raise UserError(f"--resume: the starting policy's files in {cfg.model.path} changed since the run in "
+                        f"{paths.root} started (its checkpoints were trained from other weights). Nothing was "
+                        "changed; point --model.path at the original weights, or choose a new --output_dir")
+
+
 def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
     """The checkpoint step ``--resume`` continues from (None: none, RL starts afresh)."""
     from rollout_bridge.run_folder import checkpoint_key
@@ -149,6 +196,7 @@ def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
             raise UserError(f"--resume_step {requested} needs --resume")
         if not steps:
             write_json_atomic(Path(paths.root) / RUN_CONFIG_FILE, key)
+            record_start_policy(cfg, paths)
         return None
     damaged: list[tuple[int, str]] = []
     chosen = None
@@ -180,6 +228,10 @@ def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
             raise UserError(f"--resume: {paths.root} was made with other settings than these "
                             f"({source}): {'; '.join(shown)}. Nothing was changed; resume with "
                             "that run's settings, or choose a new --output_dir")
+    if chosen is None:
+        record_start_policy(cfg, paths)   # no checkpoint yet: RL starts from what is there now
+    else:
+        check_start_policy(cfg, paths, log)
     newer = [s for s in steps if chosen is not None and s > chosen]
     _refuse_pruning(cfg, paths, [s for s in steps if s not in newer])
     if newer:

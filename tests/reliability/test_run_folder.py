@@ -135,20 +135,21 @@ def test_export_never_writes_over_a_run(tmp_path):
     assert (run / "hf_2" / "config.json").is_file()
 
 
-def _run_with_checkpoint(tmp_path: Path, with_checkpoint: bool):
+def _run_with_checkpoint(tmp_path: Path, with_checkpoint: bool, flags: tuple[str, ...] = ()):
     """A run folder as train.py leaves it (lock released): a checkpoint whose config is the
-    tiny job's checkpoint key (or only run_config.json), a warm start and a prior."""
+    tiny job's checkpoint key (or only run_config.json), a warm start and a prior; ``flags``
+    added to the tiny job's."""
     from rollout_bridge import components as build
     from rollout_bridge.run_folder import RunPaths
     from rollout_bridge.run_guard import check_resume
     from spopp_jax.checkpoint import Checkpointer
     from rollout_bridge.config import load_config
 
-    args = tiny_train_args(tmp_path, 2) + ["--progress", "false", "--tensorboard", "false"]
+    args = tiny_train_args(tmp_path, 2) + ["--progress", "false", "--tensorboard", "false", *flags]
     cfg = load_config(build.preprocess_argv(list(args)))
     paths = RunPaths(Path(cfg.output_dir))
     paths.root.mkdir(parents=True)
-    check_resume(cfg, paths, log=lambda _: None)   # a first start: writes run_config.json
+    check_resume(cfg, paths, log=lambda _: None)   # a first start: writes run_config.json (and start_policy.json)
     if with_checkpoint:
         from rollout_bridge.run_folder import checkpoint_key
 
@@ -175,6 +176,71 @@ def test_resume_with_other_settings_changes_nothing(tmp_path, with_checkpoint):
     assert len(lines) == 1, result.stderr
     assert "other settings" in lines[0] and "model.tiny_hidden_size: saved 32, expected 48" in lines[0]
     assert folder_digest(paths.root) == before
+
+
+def _start_model(folder: Path, weights: str) -> Path:
+    """A model folder as check_model_folder accepts it; ``weights``: its safetensors' bytes."""
+    folder.mkdir(exist_ok=True)
+    for name, text in (("config.json", "{}"), ("tokenizer.json", "{}"), ("model.safetensors", weights)):
+        (folder / name).write_text(text)
+    return folder
+
+
+@covers(Row("run folder", "`--resume` after the files at `--model.path` changed since the run started (weights "
+            "re-exported there, a shipped asset updated by a pull)",
+            "exit 2 before any stage: '--resume: the starting policy's files in M changed since the run in R "
+            "started (its checkpoints were trained from other weights). Nothing was changed; point --model.path "
+            "at the original weights, or choose a new --output_dir'",
+            "warm start, prior, checkpoints untouched (digest equal); notes or shipped evaluation records added "
+            "beside the weights resume; a run started before `start_policy.json` was kept resumes, saying its "
+            "start is not checked"))
+def test_resume_after_the_starting_policy_changed_is_refused(tmp_path):
+    from rollout_bridge import components as build
+    from rollout_bridge.config import load_config
+    from rollout_bridge.run_guard import START_POLICY_FILE, check_resume
+
+    model = _start_model(tmp_path / "start_model", "weights the run started from")
+    args, paths = _run_with_checkpoint(tmp_path, True, ("--model.path", str(model)))
+    resume = load_config(build.preprocess_argv(args + ["--resume"]))
+    (model / "README.md").write_text("notes")                      # what it plays is unchanged
+    (model / "evaluations").mkdir()
+    (model / "evaluations" / "prior-0.json").write_text("{}")
+    assert check_resume(resume, paths, log=lambda _: None) == 2
+
+    (model / "model.safetensors").write_text("weights exported later")
+    before = folder_digest(paths.root)
+    result = train(args + ["--resume"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"the starting policy's files in {model} changed since the run in {paths.root} started" in lines[0]
+    assert "point --model.path at the original weights, or choose a new --output_dir" in lines[0]
+    assert folder_digest(paths.root) == before
+
+    (paths.root / START_POLICY_FILE).unlink()                      # a run started before the record was kept
+    said = []
+    assert check_resume(resume, paths, log=said.append) == 2
+    assert said == [f"resume: {paths.root} keeps no record of the starting policy's content (a run started "
+                    f"before it was kept): the files in {model} are not checked"]
+
+
+def test_resume_before_the_first_checkpoint_records_the_start_again(tmp_path):
+    """No checkpoint yet: RL starts afresh from what is at model.path now, so that is the
+    start a later --resume compares with."""
+    from rollout_bridge import components as build
+    from rollout_bridge.config import load_config
+    from rollout_bridge.run_folder import checkpoint_key
+    from rollout_bridge.run_guard import check_resume
+    from spopp_jax.checkpoint import Checkpointer
+
+    model = _start_model(tmp_path / "start_model", "first weights")
+    args, paths = _run_with_checkpoint(tmp_path, False, ("--model.path", str(model)))
+    resume = load_config(build.preprocess_argv(args + ["--resume"]))
+    _start_model(model, "weights exported before the first checkpoint")
+    assert check_resume(resume, paths, log=lambda _: None) is None
+    with Checkpointer(paths.checkpoints) as checkpointer:
+        checkpointer.save(2, {"params": np.ones(3, np.float32)}, config=checkpoint_key(resume))
+    assert check_resume(resume, paths, log=lambda _: None) == 2
 
 
 @covers(Row("run folder", "`--resume` of a run that keeps more checkpoints (`--keep_checkpoints 4`) "
