@@ -5,7 +5,9 @@ run's asynchronous regime and the report's wording."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -133,13 +135,31 @@ def same_tasks(prior: dict, evaluated: dict) -> dict:
             "success_rate": float(successes.sum() / max(trials.sum(), 1))}
 
 
+def job_wall_times(summary_path: Path, resume: bool, job_wall_s: float) -> dict:
+    """``total_wall_s``: the wall time of the jobs that finished the run, the whole job
+    (games, warm start, prior, RL, evaluations) that finished it first and every ``--resume``
+    of it since (re-exported, re-evaluated or trained on); ``resumed_wall_s``: those
+    resumes' part of it. A ``--resume`` adds its ``job_wall_s`` to the figures of the
+    summary it replaces, so the first run's time is never lost; without an earlier summary
+    (a run that never finished, or no ``--resume``) ``total_wall_s`` is ``job_wall_s``."""
+    try:
+        earlier = json.loads(Path(summary_path).read_text()) if resume else None
+    except (OSError, ValueError):
+        earlier = None
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("total_wall_s"), (int, float)):
+        return {"total_wall_s": job_wall_s}
+    return {"total_wall_s": earlier["total_wall_s"] + job_wall_s,
+            "resumed_wall_s": earlier.get("resumed_wall_s", 0.0) + job_wall_s}
+
+
 def write_summary(job, prior: dict | None, successes, trials, before_extra: dict, after_extra: dict,
                   rl_start: float, job_start: float) -> dict:
     """The job's results: ``eval_after.json`` (the final policy's per-task record), the
     report (``report_run``, the async regime) and ``summary.json``; logs the final line.
     ``prior``: the prior's record (success before RL), ``successes`` / ``trials`` per task
     after RL, ``*_extra`` the env kind's extra evaluations; ``rl_start`` / ``job_start``
-    the wall times the RL stage (with its evaluations) and the job began."""
+    the wall times the RL stage (with its evaluations) and the job began (``job_wall_times``:
+    a ``--resume`` of a finished run adds its time to the summary's)."""
     cfg, paths = job.cfg, job.paths
     after = float(successes.sum() / max(trials.sum(), 1))
     after_record = {"successes": successes.tolist(), "trials": trials.tolist(), "success_rate": after}
@@ -157,7 +177,7 @@ def write_summary(job, prior: dict | None, successes, trials, before_extra: dict
     for name in after_extra:  # e.g. heldout_before_rl / heldout_after_rl (ALFWorld), no_tool_* (Math-TIR)
         summary[f"{name}_before_rl"] = before_extra.get(name)
         summary[f"{name}_after_rl"] = after_extra[name]
-    summary["total_wall_s"] = time.time() - job_start  # the whole job: games, warm start, prior, RL
+    summary.update(job_wall_times(paths.summary, cfg.resume, time.time() - job_start))
     write_json_atomic(paths.summary, summary)
     log(final_line(summary, paths.curve))
     return summary

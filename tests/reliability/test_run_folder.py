@@ -303,3 +303,44 @@ def test_a_torn_lock_file_is_taken_over_and_holds_no_one(tmp_path):
     with RunLock(tmp_path, log=said.append) as lock:
         assert lock.held and live_holder(tmp_path) is not None and live_holder(tmp_path).pid == os.getpid()
     assert said and "unreadable" in said[0]
+
+
+@covers(Row("run folder", "`--resume` of a run that already finished (to re-export, re-evaluate or train on)",
+            "summary.json is written anew; `total_wall_s` is the earlier summary's plus this job's time, "
+            "`resumed_wall_s` the resumes' part of it",
+            "the first run's wall time is kept (total_wall_s - resumed_wall_s); a run without --resume "
+            "reports its own time only"))
+def test_resume_of_a_finished_run_keeps_its_wall_time(tmp_path):
+    """write_summary as train.py calls it at the end of a job: the first job took 100 s, a
+    --resume of the finished run 30 s, another 20 s."""
+    import json
+    from types import SimpleNamespace
+
+    from rollout_bridge import components as build
+    from rollout_bridge.config import load_config
+    from rollout_bridge.job_report import write_summary
+    from rollout_bridge.run_folder import RunPaths
+
+    args = tiny_train_args(tmp_path, 2)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    (paths.root / "metrics.jsonl").write_text(json.dumps({"step": 1, "success_rate": 0.5, "update_wall_s": 2.0,
+                                                          "wall_s": 2.0}) + "\n")
+    env = SimpleNamespace(reference_success={}, reference_se={}, tasks_record=None)
+    prior = {"successes": [0, 1], "trials": [2, 2], "success_rate": 0.25}
+
+    def finish(flags: list[str], job_s: float) -> dict:
+        job = SimpleNamespace(cfg=load_config(build.preprocess_argv(args + flags)), paths=paths, env=env)
+        now = time.time()
+        write_summary(job, prior, np.array([1, 1]), np.array([2, 2]), {}, {}, now - 10.0, now - job_s)
+        return json.loads(paths.summary.read_text())
+
+    first = finish([], 100.0)
+    assert first["total_wall_s"] == pytest.approx(100.0, abs=5) and "resumed_wall_s" not in first
+    resumed = finish(["--resume"], 30.0)
+    assert resumed["total_wall_s"] == pytest.approx(first["total_wall_s"] + 30.0, abs=5)
+    assert resumed["resumed_wall_s"] == pytest.approx(30.0, abs=5)
+    again = finish(["--resume"], 20.0)
+    assert again["total_wall_s"] == pytest.approx(first["total_wall_s"] + 50.0, abs=5)
+    assert again["total_wall_s"] - again["resumed_wall_s"] == pytest.approx(first["total_wall_s"])
+    assert finish([], 10.0)["total_wall_s"] == pytest.approx(10.0, abs=5)   # a new run in the folder: its own
