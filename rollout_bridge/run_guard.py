@@ -143,8 +143,9 @@ def _refuse_pruning(cfg, paths, kept: list[int]) -> None:
 
 
 def _start_policy(cfg) -> dict | None:
-    """What RL starts from: ``model.path`` and its content (None: the tiny model, which code
-    makes from the keyed model settings and the tasks)."""
+    """The policy the run starts from (the warm start, when on, is trained from it):
+    ``model.path`` and its content (None: the tiny model, which code makes from the keyed
+    model settings and the tasks)."""
     from rollout_bridge.evaluation_cache import policy_digest
 
     if cfg.model.path is None:
