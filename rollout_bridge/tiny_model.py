@@ -8,12 +8,15 @@ loads either one the same way: `spopp_jax.models.from_pretrained(folder)` and
 The tokenizer is a byte-level BPE (`rollout_bridge.tokenizer.build_tiny_tokenizer`) trained
 on the task texts, so observations are a few hundred tokens rather than a few thousand
 bytes. `tiny_model.json` records the shape and the corpus hash; a folder whose record
-matches is reused, anything else is rebuilt.
+matches is reused, anything else is rebuilt. Jobs that share one folder (the arms of a
+campaign started together) build it once: the others wait for the builder and reuse it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -56,11 +59,31 @@ def _marker_ok(folder: Path, record: dict) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """An exclusive flock on ``folder`` itself (no extra file), released on exit: one builder
+    at a time, whether the others are processes or threads (each opens its own descriptor)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # closing the descriptor releases the flock
+
+
 def ensure_tiny_model(folder: str | os.PathLike, corpus: Iterable[str],
                       shape: TinyModelShape = TinyModelShape()) -> Path:
-    """Return `folder` holding a tiny model + tokenizer built for `corpus` and `shape`."""
+    """Return `folder` holding a tiny model + tokenizer built for `corpus` and `shape`.
+
+    A folder whose marker matches is returned as it is. Otherwise the build (tokenizer,
+    weights, then the marker, written atomically and last) runs under an flock on the
+    folder, and the marker is checked again once the lock is held: of two jobs building one
+    folder at once, the second waits for the first and reuses its folder, so neither ever
+    reads a file the other is rewriting. A build that was killed leaves no marker: the next
+    call builds again."""
     from spopp_jax.models import ModelConfig, init_model, save_pretrained
 
+    from rollout_bridge.prior import write_json_atomic
     from rollout_bridge.tokenizer import build_tiny_tokenizer
 
     folder = Path(folder)
@@ -71,23 +94,24 @@ def ensure_tiny_model(folder: str | os.PathLike, corpus: Iterable[str],
     if _marker_ok(folder, record) and (folder / "config.json").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / MARKER).unlink(missing_ok=True)
-    tokenizer = build_tiny_tokenizer(texts, folder, vocab_size=shape.vocab_size)
-    config = ModelConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=True,
-    )
-    model = init_model(config, seed=shape.seed)
-    save_pretrained(model, str(folder))
-    tmp = folder / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, folder / MARKER)   # written last: a half-built folder is never reused
+    with _build_lock(folder):
+        if _marker_ok(folder, record) and (folder / "config.json").exists():
+            return folder   # built by another job while this one waited for the lock
+        (folder / MARKER).unlink(missing_ok=True)
+        tokenizer = build_tiny_tokenizer(texts, folder, vocab_size=shape.vocab_size)
+        config = ModelConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads,
+            num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            tie_word_embeddings=True,
+        )
+        model = init_model(config, seed=shape.seed)
+        save_pretrained(model, str(folder))
+        write_json_atomic(folder / MARKER, record)   # written last: a half-built folder is never reused
     return folder
 
 

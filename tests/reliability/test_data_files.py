@@ -2,12 +2,14 @@
 skipped with a count (never an answer any policy collects), and an ALFWorld game file that
 is not a game is named in one error. Data files a job writes into a folder other jobs share
 (a game set's manifest, Math-TIR's teacher data, the prompt-blind cache) are written whole
-by two jobs at once."""
+by two jobs at once, and a tiny model folder two jobs build at once is built once."""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -129,3 +131,57 @@ def test_two_writers_of_one_data_file_never_share_a_temporary_file(tmp_path, mon
     text = (tmp_path / file_name).read_text()
     assert '"writer": 1' in text and '"writer": 2' not in text   # writer 1 renamed last: its whole file
     assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == [file_name]
+
+
+@covers(Row("game / data folder", "two jobs build one tiny model folder (`model.tiny_dir`) at once, e.g. two arms of "
+            "a campaign started together: the second starts while the first has written its weights and not yet "
+            "its marker",
+            "the build runs under an flock on the folder and the marker is checked again under it: the second "
+            "waits, finds the first's marker and reuses the folder (one build); the marker is written atomically",
+            "both jobs get the folder a single build writes, byte for byte, and nothing rewrites it after either "
+            "returned; no temporary file is left", kind="fault"))
+def test_two_builders_of_one_tiny_model_folder_build_it_once(tmp_path, monkeypatch):
+    import spopp_jax.models
+    from rollout_bridge.tiny_model import TinyModelShape, ensure_tiny_model
+
+    shape = TinyModelShape(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                           num_kv_heads=1, head_dim=8)
+    corpus = ["go north and take the lamp", "open the door with the brass key", "you are in a kitchen"] * 3
+    alone = ensure_tiny_model(tmp_path / "alone", corpus, shape)
+    expected = {p.name: p.read_bytes() for p in sorted(alone.iterdir())}
+    folder = tmp_path / "shared"
+    real_save = spopp_jax.models.save_pretrained
+    weights_written, builds = threading.Event(), []
+
+    def save_then_pause(model, path, **kwargs):   # the second job starts between the weights and the marker
+        builds.append(path)
+        real_save(model, path, **kwargs)
+        weights_written.set()
+        time.sleep(1.0)
+
+    monkeypatch.setattr(spopp_jax.models, "save_pretrained", save_then_pause)
+    seen, errors, done = [], [], []
+
+    def build() -> None:
+        try:
+            ensure_tiny_model(folder, corpus, shape)
+            seen.append({p.name: p.read_bytes() for p in sorted(folder.iterdir())})   # what the job loads now
+        except BaseException as error:   # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+        done.append(True)
+
+    first = threading.Thread(target=build)
+    first.start()
+    assert weights_written.wait(120), "the first builder never wrote its weights"
+    second = threading.Thread(target=build)
+    second.start()
+    while len(done) < 2 and (first.is_alive() or second.is_alive()):   # after a return, the folder stays whole
+        if done:
+            seen.append({p.name: p.read_bytes() for p in sorted(folder.iterdir())})
+        time.sleep(0.02)
+    first.join(120)
+    second.join(120)
+    assert not errors, errors
+    assert len(builds) == 1, f"built {len(builds)} times"
+    assert seen and all(files == expected for files in seen)
+    assert {p.name: p.read_bytes() for p in sorted(folder.iterdir())} == expected   # no temporary file left
