@@ -80,6 +80,14 @@ def machine_text() -> str:
     return f"{platform.node()}, {os.cpu_count()} CPUs ({model}), load average {os.getloadavg()[0]:.1f}"
 
 
+def write_record(out: Path, record: dict) -> Path:
+    """``<out>/yardstick.json``: one line (the per-task records of every run and step are long),
+    written whole by `write_text_atomic` (a temporary file of its own, then renamed)."""
+    from rollout_bridge.prior import write_text_atomic
+
+    return write_text_atomic(out / "yardstick.json", json.dumps(record, separators=(",", ":")) + "\n")
+
+
 def main(argv=None) -> dict:
     args, rest = parse_args(argv)
     import train
@@ -126,9 +134,7 @@ def main(argv=None) -> dict:
         settings["carried"] = {"from": args.carry, "runs": [summary["label"] for summary in carried],
                                "settings": earlier["settings"]}
     record = ys.yardstick_record(summaries, mix, steps, arms, settings, key)
-    tmp = out / "yardstick.json.tmp"   # one line: the per-task records of every run and step are long
-    tmp.write_text(json.dumps(record, separators=(",", ":")) + "\n")
-    os.replace(tmp, out / "yardstick.json")
+    write_record(out, record)
     table = ys.markdown(record) + f"\n({machine} at the start; {settings['wall_s']:.0f} s"
     if carried:
         table += f"; {len(carried)} runs carried from {args.carry}, not played"

@@ -1,12 +1,15 @@
 """Data files a loader reads: DAPO-Math parquet rows whose ground truth cannot be scored are
 skipped with a count (never an answer any policy collects), and an ALFWorld game file that
 is not a game is named in one error. Data files a job writes into a folder other jobs share
-(a game set's manifest, Math-TIR's teacher data, the prompt-blind cache) are written whole
-by two jobs at once, and a tiny model folder two jobs build at once is built once."""
+(a game set's manifest, Math-TIR's teacher data, the prompt-blind cache, the common
+yardstick's record) are written whole by two jobs at once, and a tiny model folder two jobs
+build at once is built once."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import sys
 import threading
 import time
@@ -95,6 +98,10 @@ def _writers(monkeypatch):
         monkeypatch.setattr(alfworld_games, "_make_one", lambda args: game)
         alfworld_games.generate_game_set(alfworld, folder)
 
+    spec = importlib.util.spec_from_file_location("common_yardstick", ROOT / "scripts" / "common_yardstick.py")
+    common_yardstick = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common_yardstick)
+
     return {
         "TextWorld manifest": (textworld_games.MANIFEST,
                                lambda folder, n: textworld_games._write_manifest(folder, {"writer": n})),
@@ -103,17 +110,20 @@ def _writers(monkeypatch):
                                   lambda folder, n: write_jsonl(folder / "teacher_train.jsonl", [{"writer": n}])),
         "TextWorld prompt-blind cache": (textworld_blind.CACHE_NAME,
                                          lambda folder, n: textworld_blind._write_cache(folder, {"writer": n})),
+        "common yardstick record": ("yardstick.json",
+                                    lambda folder, n: common_yardstick.write_record(folder, {"writer": n})),
     }
 
 
 @covers(Row("game / data folder", "two jobs write one shared data file at once (a game set's manifest, Math-TIR's "
-            "teacher data, the prompt-blind cache): the second writes the whole file while the first is about to "
-            "rename its own into place",
+            "teacher data, the prompt-blind cache, the common yardstick's record): the second writes the whole "
+            "file while the first is about to rename its own into place",
             "each writer writes a temporary file of its own (pid and random suffix), flushed, then renamed: both "
             "succeed, the last rename wins",
             "the file is one writer's whole content; no temporary file is left", kind="fault"))
 @pytest.mark.parametrize("name", ["TextWorld manifest", "ALFWorld manifest",
-                                  "Math-TIR teacher data", "TextWorld prompt-blind cache"])
+                                  "Math-TIR teacher data", "TextWorld prompt-blind cache",
+                                  "common yardstick record"])
 def test_two_writers_of_one_data_file_never_share_a_temporary_file(tmp_path, monkeypatch, name):
     file_name, write = _writers(monkeypatch)[name]
     real_replace = os.replace
@@ -129,7 +139,7 @@ def test_two_writers_of_one_data_file_never_share_a_temporary_file(tmp_path, mon
     write(tmp_path, 1)
     assert raced, "the writer never renamed a temporary file into place"
     text = (tmp_path / file_name).read_text()
-    assert '"writer": 1' in text and '"writer": 2' not in text   # writer 1 renamed last: its whole file
+    assert re.search(r'"writer": ?1\b', text) and not re.search(r'"writer": ?2\b', text)   # writer 1 renamed last
     assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == [file_name]
 
 
