@@ -138,11 +138,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if cfg.stage == "prior":
             return {"prior": prior}
 
-        rl_start = time.time()
+        rl_start, resumed_from = time.time(), latest_checkpoint_step(paths)  # the checkpoint RL continues from
         before_extra = asyncio.run(evaluate_policy(job, policy, chat))                       # 4. evaluation before RL
         successes, trials, after_extra = asyncio.run(run_rl(job, policy, chat, alpha0, beta0))  # 5. RL, export, evaluation
         return write_summary(job, prior, successes, trials, before_extra, after_extra,     # 6. report
-                             rl_start, start)
+                             rl_start, start, resumed_from=resumed_from)
 
 
 if __name__ == "__main__":

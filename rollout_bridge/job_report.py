@@ -153,13 +153,15 @@ def job_wall_times(summary_path: Path, resume: bool, job_wall_s: float) -> dict:
 
 
 def write_summary(job, prior: dict | None, successes, trials, before_extra: dict, after_extra: dict,
-                  rl_start: float, job_start: float) -> dict:
+                  rl_start: float, job_start: float, *, resumed_from: int | None) -> dict:
     """The job's results: ``eval_after.json`` (the final policy's per-task record), the
     report (``report_run``, the async regime) and ``summary.json``; logs the final line.
     ``prior``: the prior's record (success before RL), ``successes`` / ``trials`` per task
     after RL, ``*_extra`` the env kind's extra evaluations; ``rl_start`` / ``job_start``
     the wall times the RL stage (with its evaluations) and the job began (``job_wall_times``:
-    a ``--resume`` of a finished run adds its time to the summary's)."""
+    a ``--resume`` of a finished run adds its time to the summary's); ``resumed_from`` the
+    checkpoint step the RL stage continued from (None: afresh), which tells this job's
+    metrics rows from the earlier jobs' (`stage_times`)."""
     cfg, paths = job.cfg, job.paths
     after = float(successes.sum() / max(trials.sum(), 1))
     after_record = {"successes": successes.tolist(), "trials": trials.tolist(), "success_rate": after}
@@ -168,7 +170,8 @@ def write_summary(job, prior: dict | None, successes, trials, before_extra: dict
     prior = None if prior is None else same_tasks(prior, after_record)
     before = None if prior is None else prior["success_rate"]
     summary = {"success_before_rl": before, "success_after_rl": after,
-               "success_per_step": [r.get("success_rate") for r in rows], **stage_times(rows, time.time() - rl_start)}
+               "success_per_step": [r.get("success_rate") for r in rows],
+               **stage_times(rows, time.time() - rl_start, resumed_from)}
     summary.update(report_run(paths, f"SPO++ ({cfg.method.name}) on {cfg.env.kind}", rows, prior, after_record,
                               before_extra, after_extra, job.env.reference_success, job.env.reference_se))
     summary["async_regime"] = log_regime(cfg, rows, log)

@@ -162,17 +162,22 @@ def log_regime(cfg, rows: Sequence[Mapping[str, Any]], log) -> dict[str, Any]:
     return fields
 
 
-def stage_times(rows: Sequence[Mapping[str, Any]], stage_wall_s: float) -> dict[str, float]:
-    """The RL stage's wall time split: ``rl_wall_s``, the learner updates alone over every
-    part of a resumed run (the sum of the rows' ``update_wall_s``: each from the previous
-    update, or from the first dispatch), and ``evaluation_wall_s``, the rest of this
-    process's stage ``stage_wall_s`` (the evaluations before and after RL, starting the
-    engine, the final export): the stage less this process's updates, which are the last
-    row's ``wall_s`` (the update clock restarts with each resumed part)."""
+def stage_times(rows: Sequence[Mapping[str, Any]], stage_wall_s: float,
+                resumed_from: int | None) -> dict[str, float]:
+    """The RL stage's wall time split. ``rl_wall_s``: the learner updates alone over every
+    part of the run (the sum of the rows' ``update_wall_s``: each from the previous update,
+    or from the part's first dispatch). ``rl_stage_wall_s``: this job's RL stage
+    ``stage_wall_s`` (the evaluations before and after RL, starting the engine, the updates
+    it trained, the final export); ``evaluation_wall_s``: that stage less the updates this
+    job trained, which are the rows after ``resumed_from`` (the checkpoint step its RL stage
+    continued from, None for a run started afresh: every row). The rows up to
+    ``resumed_from`` are the earlier jobs' and count in ``rl_wall_s`` only; a ``--resume`` of
+    a finished run trains none, so its ``evaluation_wall_s`` is its whole stage."""
     timed = [r for r in rows if "update_wall_s" in r]
     rl = float(sum(float(r["update_wall_s"]) for r in timed))
-    this_process = float(timed[-1].get("wall_s", rl)) if timed else 0.0
-    return {"rl_wall_s": rl, "evaluation_wall_s": max(stage_wall_s - this_process, 0.0),
+    this_job = float(sum(float(r["update_wall_s"]) for r in timed
+                         if resumed_from is None or r["step"] > resumed_from))
+    return {"rl_wall_s": rl, "evaluation_wall_s": max(stage_wall_s - this_job, 0.0),
             "rl_stage_wall_s": stage_wall_s}
 
 

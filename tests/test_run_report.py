@@ -80,15 +80,23 @@ def test_another_recipe_gets_no_verdict(default_cfg):
 def test_rl_wall_time_is_the_updates_alone():
     rows = [{"step": k, "update_wall_s": s, "wall_s": w}
             for k, (s, w) in enumerate([(40.0, 40.0), (3.0, 43.0), (2.5, 45.5), (3.5, 49.0)], start=1)]
-    times = stage_times(rows, stage_wall_s=300.0)   # the stage also ran 251 s of evaluations
+    times = stage_times(rows, stage_wall_s=300.0, resumed_from=None)   # the stage also ran 251 s of evaluations
     assert times == {"rl_wall_s": 49.0, "evaluation_wall_s": 251.0, "rl_stage_wall_s": 300.0}
 
 
 def test_a_resumed_runs_rl_time_counts_both_parts_and_its_evaluations_this_ones():
     first = [{"step": 1, "update_wall_s": 40.0, "wall_s": 40.0}, {"step": 2, "update_wall_s": 3.0, "wall_s": 43.0}]
     resumed = [{"step": 3, "update_wall_s": 30.0, "wall_s": 30.0}]   # the clock restarts with the process
-    times = stage_times(first + resumed, stage_wall_s=100.0)
+    times = stage_times(first + resumed, stage_wall_s=100.0, resumed_from=2)
     assert times == {"rl_wall_s": 73.0, "evaluation_wall_s": 70.0, "rl_stage_wall_s": 100.0}
+
+
+def test_a_resume_of_a_finished_run_trains_nothing_so_its_stage_is_evaluation():
+    """Every row is the earlier job's (the last one's clock is that job's, not this one's):
+    the 20 s stage of a resume from the last checkpoint is all evaluations and export."""
+    first = [{"step": 1, "update_wall_s": 40.0, "wall_s": 40.0}, {"step": 2, "update_wall_s": 3.0, "wall_s": 43.0}]
+    times = stage_times(first, stage_wall_s=20.0, resumed_from=2)
+    assert times == {"rl_wall_s": 43.0, "evaluation_wall_s": 20.0, "rl_stage_wall_s": 20.0}
 
 
 def estimate(rate: float, games: int, episodes: int) -> dict:

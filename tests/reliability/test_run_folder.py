@@ -307,12 +307,17 @@ def test_a_torn_lock_file_is_taken_over_and_holds_no_one(tmp_path):
 
 @covers(Row("run folder", "`--resume` of a run that already finished (to re-export, re-evaluate or train on)",
             "summary.json is written anew; `total_wall_s` is the earlier summary's plus this job's time, "
-            "`resumed_wall_s` the resumes' part of it",
-            "the first run's wall time is kept (total_wall_s - resumed_wall_s); a run without --resume "
-            "reports its own time only"))
+            "`resumed_wall_s` the resumes' part of it; the stage times are this job's: `rl_stage_wall_s` its RL "
+            "stage, `evaluation_wall_s` that stage less the updates it trained (the metrics rows after the "
+            "checkpoint it resumed from), while `rl_wall_s` sums the updates of every part",
+            "the first run's wall time is kept (total_wall_s - resumed_wall_s); a resume that trains nothing "
+            "reports its whole stage as evaluation (not that stage less the earlier job's updates); a run "
+            "without --resume reports its own time only"))
 def test_resume_of_a_finished_run_keeps_its_wall_time(tmp_path):
-    """write_summary as train.py calls it at the end of a job: the first job took 100 s, a
-    --resume of the finished run 30 s, another 20 s."""
+    """write_summary as train.py calls it at the end of a job: the first job took 100 s (an
+    RL stage of 60 s, 43 s of it two updates), a --resume of the finished run 30 s (a stage
+    of 10 s, no update: it continued from the last checkpoint), another 20 s that trained
+    one more update of 5 s in a stage of 15 s."""
     import json
     from types import SimpleNamespace
 
@@ -324,23 +329,34 @@ def test_resume_of_a_finished_run_keeps_its_wall_time(tmp_path):
     args = tiny_train_args(tmp_path, 2)
     paths = RunPaths(tmp_path / "run")
     paths.root.mkdir()
-    (paths.root / "metrics.jsonl").write_text(json.dumps({"step": 1, "success_rate": 0.5, "update_wall_s": 2.0,
-                                                          "wall_s": 2.0}) + "\n")
+    metrics = paths.root / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": k, "success_rate": 0.5, "update_wall_s": s, "wall_s": w}) + "\n"
+                               for k, s, w in [(1, 40.0, 40.0), (2, 3.0, 43.0)]))
     env = SimpleNamespace(reference_success={}, reference_se={}, tasks_record=None)
     prior = {"successes": [0, 1], "trials": [2, 2], "success_rate": 0.25}
 
-    def finish(flags: list[str], job_s: float) -> dict:
+    def finish(flags: list[str], job_s: float, stage_s: float, resumed_from: int | None) -> tuple[dict, float]:
+        """The summary and how long write_summary took (its own time counts in the job's)."""
         job = SimpleNamespace(cfg=load_config(build.preprocess_argv(args + flags)), paths=paths, env=env)
         now = time.time()
-        write_summary(job, prior, np.array([1, 1]), np.array([2, 2]), {}, {}, now - 10.0, now - job_s)
-        return json.loads(paths.summary.read_text())
+        write_summary(job, prior, np.array([1, 1]), np.array([2, 2]), {}, {}, now - stage_s, now - job_s,
+                      resumed_from=resumed_from)
+        return json.loads(paths.summary.read_text()), time.time() - now
 
-    first = finish([], 100.0)
-    assert first["total_wall_s"] == pytest.approx(100.0, abs=5) and "resumed_wall_s" not in first
-    resumed = finish(["--resume"], 30.0)
-    assert resumed["total_wall_s"] == pytest.approx(first["total_wall_s"] + 30.0, abs=5)
-    assert resumed["resumed_wall_s"] == pytest.approx(30.0, abs=5)
-    again = finish(["--resume"], 20.0)
-    assert again["total_wall_s"] == pytest.approx(first["total_wall_s"] + 50.0, abs=5)
+    first, took = finish([], 100.0, 60.0, None)
+    assert 100.0 <= first["total_wall_s"] <= 100.0 + took and "resumed_wall_s" not in first
+    assert 60.0 <= first["rl_stage_wall_s"] <= 60.0 + took and first["rl_wall_s"] == 43.0
+    assert first["evaluation_wall_s"] == pytest.approx(first["rl_stage_wall_s"] - 43.0)
+    resumed, took = finish(["--resume"], 30.0, 10.0, 2)
+    assert 30.0 <= resumed["resumed_wall_s"] <= 30.0 + took
+    assert resumed["total_wall_s"] == pytest.approx(first["total_wall_s"] + resumed["resumed_wall_s"])
+    assert 10.0 <= resumed["rl_stage_wall_s"] <= 10.0 + took and resumed["rl_wall_s"] == 43.0
+    assert resumed["evaluation_wall_s"] == resumed["rl_stage_wall_s"]   # not 10 s less the first job's 43 s
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 3, "success_rate": 1.0, "update_wall_s": 5.0, "wall_s": 5.0}) + "\n")
+    again, took = finish(["--resume"], 20.0, 15.0, 2)
+    assert 20.0 <= again["resumed_wall_s"] - resumed["resumed_wall_s"] <= 20.0 + took
     assert again["total_wall_s"] - again["resumed_wall_s"] == pytest.approx(first["total_wall_s"])
-    assert finish([], 10.0)["total_wall_s"] == pytest.approx(10.0, abs=5)   # a new run in the folder: its own
+    assert again["rl_wall_s"] == 48.0 and again["evaluation_wall_s"] == pytest.approx(again["rl_stage_wall_s"] - 5.0)
+    fresh, took = finish([], 10.0, 5.0, None)
+    assert 10.0 <= fresh["total_wall_s"] <= 10.0 + took and "resumed_wall_s" not in fresh   # a new run: its own
