@@ -13,9 +13,12 @@ beside the job, a first run's compiles), rather than noise of the same experimen
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+CHECKOUT = Path(__file__).resolve().parents[1]   # the tuned recipe's paths are relative to it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +74,19 @@ def setting(cfg, dotted: str) -> Any:
     return value
 
 
+def same_setting(name: str, value: Any, tuned: Any) -> bool:
+    """Whether a run's ``value`` of setting ``name`` is the tuned one; a ``*.path`` names
+    the same folder however it is spelled (the tuned one relative to the checkout, the
+    run's relative to where it runs, or absolute)."""
+    if name.endswith(".path") and isinstance(value, str) and isinstance(tuned, str):
+        return Path(value).expanduser().resolve() == (CHECKOUT / tuned).resolve()
+    return value == tuned
+
+
 def recipe_differences(cfg, reference: RegimeReference) -> list[str]:
     """'<setting> <run's value> (tuned <value>)' for each recipe setting the run changed."""
     return [f"{name} {setting(cfg, name)!r} (tuned {value!r})" for name, value in reference.recipe.items()
-            if setting(cfg, name) != value]
+            if not same_setting(name, setting(cfg, name), value)]
 
 
 def lag_histogram(rows) -> dict[str, float]:

@@ -40,6 +40,20 @@ def test_the_reference_is_the_default_recipes(default_cfg):
     assert recipe_differences(default_cfg, TUNED_REGIME) == []
 
 
+def test_the_tuned_warm_start_named_by_another_path_is_the_tuned_recipe(default_cfg, monkeypatch, tmp_path):
+    """matched_runs.py passes model.path absolute; a run from another folder names it relative
+    to there: the same folder, the same recipe. Another folder is another recipe."""
+    def with_path(path):
+        return dataclasses.replace(default_cfg, model=dataclasses.replace(default_cfg.model, path=path))
+
+    assert recipe_differences(with_path(str(ROOT / "assets" / "textworld_text_warmstart")), TUNED_REGIME) == []
+    monkeypatch.chdir(ROOT / "docs")
+    assert recipe_differences(with_path("../assets/textworld_text_warmstart"), TUNED_REGIME) == []
+    assert recipe_differences(with_path("assets/textworld_text_warmstart"), TUNED_REGIME) != []   # docs/assets
+    assert recipe_differences(with_path(str(tmp_path)), TUNED_REGIME) == \
+        [f"model.path {str(tmp_path)!r} (tuned 'assets/textworld_text_warmstart')"]
+
+
 def test_a_run_like_the_tuned_ones_is_reported_as_tuned(default_cfg):
     rows = fake_rows(2.9, {0: 2, 1: 14, 2: 75, 3: 9}, late=26, received=1000)
     fields, lines = regime_report(default_cfg, rows)
