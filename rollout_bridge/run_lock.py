@@ -34,6 +34,19 @@ from rollout_bridge.run_errors import UserError
 LOCK_FILE = ".spopp-run.lock"
 
 
+@contextlib.contextmanager
+def folder_flock(folder: str | os.PathLike):
+    """An exclusive flock on ``folder`` itself (no extra file is left), released on exit:
+    one holder at a time, whether the others are processes or threads (each call opens
+    its own descriptor)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # closing the descriptor releases the flock
+
+
 @dataclasses.dataclass(frozen=True)
 class Holder:
     """Who holds a run folder."""
@@ -192,12 +205,8 @@ class RunLock:
     @contextlib.contextmanager
     def _guard(self):
         """An flock on the run folder itself (no extra file is left behind)."""
-        fd = os.open(self.folder, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with folder_flock(self.folder):
             yield
-        finally:
-            os.close(fd)   # closing the descriptor releases the flock
 
     def release(self) -> None:
         """Removes the lock file if this process still holds it."""

@@ -14,9 +14,7 @@ campaign started together) build it once: the others wait for the builder and re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -59,18 +57,6 @@ def _marker_ok(folder: Path, record: dict) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _build_lock(folder: Path):
-    """An exclusive flock on ``folder`` itself (no extra file), released on exit: one builder
-    at a time, whether the others are processes or threads (each opens its own descriptor)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)   # closing the descriptor releases the flock
-
-
 def ensure_tiny_model(folder: str | os.PathLike, corpus: Iterable[str],
                       shape: TinyModelShape = TinyModelShape()) -> Path:
     """Return `folder` holding a tiny model + tokenizer built for `corpus` and `shape`.
@@ -84,6 +70,7 @@ def ensure_tiny_model(folder: str | os.PathLike, corpus: Iterable[str],
     from spopp_jax.models import ModelConfig, init_model, save_pretrained
 
     from rollout_bridge.prior import write_json_atomic
+    from rollout_bridge.run_lock import folder_flock
     from rollout_bridge.tokenizer import build_tiny_tokenizer
 
     folder = Path(folder)
@@ -94,7 +81,7 @@ def ensure_tiny_model(folder: str | os.PathLike, corpus: Iterable[str],
     if _marker_ok(folder, record) and (folder / "config.json").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    with _build_lock(folder):
+    with folder_flock(folder):   # one builder at a time
         if _marker_ok(folder, record) and (folder / "config.json").exists():
             return folder   # built by another job while this one waited for the lock
         (folder / MARKER).unlink(missing_ok=True)
