@@ -327,12 +327,13 @@ def two_by_two(g: dict, score: str) -> list[str]:
 SCREEN_STEPS = 10  # plotted steps the paper's measure screen reads (C10's)
 
 
-def measure_screen(runs, ups: int) -> list[str]:
+def measure_screen(runs, ups: int, figures: Path | None = None) -> list[str]:
     """The paper's measure screen (its Table 2 row token vs trajectory measure, SPEC 7): SPO++
     (event-time tracker, token measure) against the same tracker with the trajectory measure,
     paired by seed, on C10 = (AUC(r_1..r_10) + mean(r_6..r_10))/2 and on the AUC of the same
     first 10 plotted steps. The arms may have run different numbers of updates: only the first
-    10 plotted steps of each run are read. Empty without a seed both arms ran that far."""
+    10 plotted steps of each run are read. Empty without a seed both arms ran that far. With
+    ``figures``: their curves over those steps (``measure_screen.png``, the paired seeds)."""
     token, traj = CELLS[("event-time", "token")], CELLS[("event-time", "trajectory")]
     c10 = c10_by_arm(runs, ups)
     seeds = sorted(set(c10.get(token, {})) & set(c10.get(traj, {})))
@@ -353,15 +354,21 @@ def measure_screen(runs, ups: int) -> list[str]:
         updates = " / ".join(str(n) for n in sorted({len(runs[a][s].rows) for s in seeds}))
         lines.append(f"| {LABELS[a]} | {len(seeds)} | {updates} | "
                      + " | ".join(pm(list(values[a].values())) for values in scores.values()) + " |")
-    return [*lines, "", *PAIRED_HEADER,
-            *(paired_line(f"{score}: token − trajectory, event-time tracker", values[token], values[traj])
-              for score, values in scores.items())]
+    lines += ["", *PAIRED_HEADER,
+              *(paired_line(f"{score}: token − trajectory, event-time tracker", values[token], values[traj])
+                for score, values in scores.items())]
+    if figures is not None:
+        paired = {a: {s: runs[a][s] for s in seeds} for a in arms}
+        figure_one(paired, arms, ups, SCREEN_STEPS, figures / "measure_screen.png",
+                   f"measure screen: the first {SCREEN_STEPS} plotted steps", batch)
+        lines += ["", f"![measure screen]({FIG}/measure_screen.png)"]
+    return lines
 
 
-def ablation_section(runs, ups: int) -> list[str]:
+def ablation_section(runs, ups: int, figures: Path | None = None) -> list[str]:
     c10 = c10_by_arm(runs, ups)
     if not all(arm in c10 for arm in CELLS.values()):
-        screen = measure_screen(runs, ups)
+        screen = measure_screen(runs, ups, figures)
         return [f"(2x2 incomplete: have {sorted(c10)})", *(["", *screen] if screen else [])]
     auc, t = auc_by_arm(runs, ups, [*CELLS.values(), "spo"])
     lines = [f"C10 = (AUC(r_1..r_10) + mean(r_6..r_10))/2 over the first 10 plotted steps "
@@ -743,7 +750,7 @@ def report(args) -> str:
              "", "### SPO++ vs SPO vs GRPO", "",
              *main_section(runs, ups, args.figures, f"{recipe}: matched runs (training success)", args.auc),
              "", "### Collapsed runs", "", *collapse_section(runs, ups),
-             "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups),
+             "", "### Tracker x measure (2x2) and the measure ablation", "", *ablation_section(runs, ups, args.figures),
              "", "### Length-advantage covariance and the loss-weighted centre", "",
              *covariance_section(runs, ups, args.figures),
              "", "### Held-out games", "", *heldout_section(runs),

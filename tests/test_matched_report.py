@@ -94,6 +94,8 @@ def test_measure_screen_reads_the_first_10_plotted_steps_of_runs_of_any_length(t
     # C10: c - 0.1875 = 31.25, 37.5, 43.75 points; AUC (T = 10): c - 0.125 = 37.5, 43.75, 50
     assert "| C10: token − trajectory, event-time tracker | +37.50 ± 6.25 | +++ (3+/0-) |" in text
     assert "| AUC (T = 10): token − trajectory, event-time tracker | +43.75 ± 6.25 | +++ (3+/0-) |" in text
+    # the figure: the paired seeds' first 10 plotted steps
+    assert "![measure screen](" in text and (tmp_path / "figures" / "measure_screen.png").stat().st_size > 0
 
 
 def test_no_measure_screen_without_a_trajectory_arm_that_ran_10_plotted_steps(tmp_path):
