@@ -168,7 +168,8 @@ def record_start_policy(cfg, paths) -> None:
 
 def check_start_policy(cfg, paths, log: Callable[[str], None] = _log) -> None:
     """UserError when the files at ``model.path`` are not those the run's checkpoints were
-    trained from (``start_policy.json``); a run without that record resumes, said in one line."""
+    trained from (``start_policy.json``), or when that record is damaged; a run without the
+    record resumes, said in one line."""
     record = Path(paths.root) / START_POLICY_FILE
     if cfg.model.path is None:
         return
@@ -176,7 +177,12 @@ def check_start_policy(cfg, paths, log: Callable[[str], None] = _log) -> None:
         log(f"resume: {paths.root} keeps no record of the starting policy's content (a run started before "
             f"it was kept): the files in {cfg.model.path} are not checked")
         return
-    if json.loads(record.read_text()).get("digest") != _start_policy(cfg)["digest"]:
+    try:
+        recorded = json.loads(record.read_text())["digest"]
+    except (OSError, ValueError, TypeError, KeyError):
+        raise UserError(f"--resume: {record} is damaged (not the record train.py writes). Nothing was changed; "
+                        "restore it, or remove it to resume without checking the starting policy's files") from None
+    if recorded != _start_policy(cfg)["digest"]:
         raise UserError(f"--resume: the starting policy's files in {cfg.model.path} changed since the run in "
                         f"{paths.root} started (its checkpoints were trained from other weights). Nothing was "
                         "changed; point --model.path at the original weights, or choose a new --output_dir")

@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import socket
+import re
 import subprocess
 import sys
 import time
@@ -197,6 +198,7 @@ def _start_model(folder: Path, weights: str) -> Path:
 def test_resume_after_the_starting_policy_changed_is_refused(tmp_path):
     from rollout_bridge import components as build
     from rollout_bridge.config import load_config
+    from rollout_bridge.run_errors import UserError
     from rollout_bridge.run_guard import START_POLICY_FILE, check_resume
 
     model = _start_model(tmp_path / "start_model", "weights the run started from")
@@ -222,6 +224,11 @@ def test_resume_after_the_starting_policy_changed_is_refused(tmp_path):
     assert check_resume(resume, paths, log=said.append) == 2
     assert said == [f"resume: {paths.root} keeps no record of the starting policy's content (a run started "
                     f"before it was kept): the files in {model} are not checked"]
+
+    for damaged in ("{not json", "[]", '{"folder": "x"}'):                  # edited by hand, or torn on a bad disk
+        (paths.root / START_POLICY_FILE).write_text(damaged)
+        with pytest.raises(UserError, match=f"--resume: {re.escape(str(paths.root / START_POLICY_FILE))} is damaged"):
+            check_resume(resume, paths, log=lambda _: None)
 
 
 def test_resume_before_the_first_checkpoint_records_the_start_again(tmp_path):
