@@ -395,11 +395,11 @@ def test_prefill_is_bucketed_and_decode_compiles_once(model_a):
     lengths = [1, 2, 5, 9, 17, 20, 31, 33, 47, 60]
 
     async def body(engine):
-        transitions = engine._transitions
-        before = transitions.admit._cache_size(), transitions.decode._cache_size()
+        prefill, decode = engine._prefill, engine._transitions.decode
+        before = len(prefill.compiled_shapes), decode._cache_size()
         for n in lengths:
             await engine.generate([i % VOCAB for i in range(n)], SamplingParams(max_new_tokens=3))
-        after = transitions.admit._cache_size(), transitions.decode._cache_size()
+        after = len(prefill.compiled_shapes), decode._cache_size()
         return before, after
 
     (admit0, decode0), (admit1, decode1) = run(with_engine(model_a, body))

@@ -15,7 +15,9 @@ of ``slot_decode``:
   O(log S * log^2 max_len). The requests admitted together prefill in one call per
   power-of-two width class (a conversation's first turn, hundreds of new tokens, does not
   pad its later turns, tens, to its width), and each call attends only the cache window
-  its rows reach (at least 256 positions), not all ``max_len`` positions.
+  its rows reach (at least 256 positions), not all ``max_len`` positions. A shape met for
+  the first time compiles on a background thread while its calls run padded to a compiled
+  larger shape (``prefill_programs``), so a compile does not stop the decoding slots.
 * Prefix reuse (multi-turn agents): a finished request leaves its slot's cache rows
   holding its prompt and all its tokens but the last. A later request whose prompt
   extends that whole sequence (the next turn of the same conversation: history, reply,
@@ -75,6 +77,7 @@ from flax import nnx
 from rollout_bridge.engine import slot_decode
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
 from rollout_bridge.engine.choice import EngineConfig, check
+from rollout_bridge.engine.prefill_programs import PrefillPrograms, background_compiler
 from spopp_jax.models.cache import AttentionCache
 
 
@@ -132,6 +135,7 @@ _RELEASE = jax.jit(slot_decode.release, donate_argnums=0)
 class _Transitions(NamedTuple):
     admit: Callable  # (param_leaves, state, requests, key_len) -> state
     decode: Callable  # (param_leaves, state, num_steps) -> (state, output)
+    prefill: dict  # (parameter and state layout, slots, stop ids, background) -> PrefillPrograms
 
 
 @functools.lru_cache(maxsize=16)
@@ -140,7 +144,8 @@ def _transitions_for(graphdef: nnx.GraphDef, param_treedef: Any) -> _Transitions
 
     Hashing an nnx GraphDef costs ~1 ms, so it is hashed once per engine here rather than
     as a static argument on every call; params travel as a flat tuple of arrays. Engines
-    over the same structure share these jits (and their compiled executables).
+    over the same structure share these jits (and their compiled executables), and engines
+    of the same layout their compiled prefill programs (``prefill``).
     """
 
     def admit(param_leaves, state, requests, key_len):
@@ -154,6 +159,7 @@ def _transitions_for(graphdef: nnx.GraphDef, param_treedef: Any) -> _Transitions
     return _Transitions(
         admit=jax.jit(admit, static_argnums=3, donate_argnums=1),
         decode=jax.jit(decode, static_argnums=2, donate_argnums=1),
+        prefill={},
     )
 
 
@@ -237,6 +243,9 @@ class JaxEngine(RolloutEngine):
         previous request left (attention-only caches; see the module docstring).
       prefix_reuse_across_publish: keep those rows across in-flight publishes (see the
         module docstring); off: every publish forgets them.
+      background_compile: compile a new prefill shape on a background thread and run its
+        calls padded to a compiled larger shape meanwhile (``prefill_programs``); off:
+        the scheduler compiles it before the call.
     """
 
     supports_inflight_publish = True
@@ -255,6 +264,7 @@ class JaxEngine(RolloutEngine):
         cache_dtype: Any = jnp.float32,
         prefix_reuse: bool = True,
         prefix_reuse_across_publish: bool = False,
+        background_compile: bool = True,
     ):
         self.publish_stats = PublishStats()
         self.prefix_stats = PrefixStats()
@@ -282,6 +292,8 @@ class JaxEngine(RolloutEngine):
         self._prefix_reuse = bool(prefix_reuse) and all(
             isinstance(layer, AttentionCache) for layer in self._state.cache)
         self._transitions = _transitions_for(graphdef, self._param_treedef)
+        self._background_compile = bool(background_compile)
+        self._prefill = self._prefill_programs()
         self._release = _RELEASE
 
         # Scheduler-thread state (touched only by that thread after start).
@@ -308,6 +320,12 @@ class JaxEngine(RolloutEngine):
     @property
     def num_slots(self) -> int:
         return self._num_slots
+
+    @property
+    def prefill_compile_stats(self):
+        """How prefill calls found their program (``PrefillCompileStats``), counted over
+        every engine that shares this one's compiled prefill programs."""
+        return self._prefill.stats
 
     @property
     def num_running(self) -> int:
@@ -518,6 +536,7 @@ class JaxEngine(RolloutEngine):
             else:
                 self.publish_stats.drained_publishes += 1
             self._param_leaves = command.params
+            self._prefill = self._prefill_programs()  # the same programs unless the layout changed
             self.policy_event = command.policy_event
             if not (command.inflight and self._across_publish):
                 self._kept = [None] * self._num_slots  # rows computed by the old weights: not reused
@@ -542,8 +561,9 @@ class JaxEngine(RolloutEngine):
                                       self._min_prefill_len, self._max_len)
             key_len = self.shape_bucket(max(len(r.prompt_ids) - 1 for _, r in group),
                                         max(width, self.min_key_window), self._max_len)
+            (rows, width, key_len), program = self._prefill.program((rows, width, key_len))
             batch = _requests_batch(group, rows, width, self._num_slots, self._max_stop_tokens)
-            self._state = self._transitions.admit(self._param_leaves, self._state, batch, key_len)
+            self._state = program(self._param_leaves, self._state, batch)
         for slot, request in admitted:
             self._slots[slot] = request
             self._kept[slot] = None
@@ -554,6 +574,27 @@ class JaxEngine(RolloutEngine):
             if request.start and request.oldest_row_event < self.policy_event:
                 self.prefix_stats.stale_reused_requests += 1
                 self.prefix_stats.stale_reused_tokens += request.start
+
+    def _prefill_programs(self) -> PrefillPrograms:
+        """The compiled prefill programs for this engine's parameter and state layout (shapes,
+        dtypes, shardings), shared with every engine of the same model structure and layout."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        params = tuple(spec(x) for x in self._param_leaves)
+        state = jax.tree.map(spec, self._state)
+        key = (params, tuple(jax.tree.leaves(state)), self._num_slots, self._max_stop_tokens,
+               self._background_compile)
+        programs = self._transitions.prefill.get(key)
+        if programs is None:
+            admit, num_slots, max_stop = self._transitions.admit, self._num_slots, self._max_stop_tokens
+
+            def compile_shape(shape):
+                rows, width, window = shape
+                batch = _requests_batch([], rows, width, num_slots, max_stop)
+                return admit.lower(params, state, batch, window).compile()
+
+            submit = background_compiler().submit if self._background_compile else None
+            programs = self._transitions.prefill.setdefault(key, PrefillPrograms(compile_shape, submit))
+        return programs
 
     def _width_bucket(self, request: _Request) -> int:
         """Prefill width class of ``request``: its new tokens rounded up to a power of two
@@ -731,10 +772,14 @@ class JaxEngineConfig(EngineConfig):
     prefills only its new tokens on top of the cache rows its previous turn left even when
     an in-flight publish came in between (those rows were written by older weights, as the
     kept cache of a request decoding through the publish is, SPEC 3); false: every publish
-    forgets the rows and the next turn prefills the whole conversation again."""
+    forgets the rows and the next turn prefills the whole conversation again.
+    ``background_compile``: a prefill shape met for the first time compiles on a background
+    thread while its calls run padded to a larger compiled shape (``prefill_programs``);
+    false: the scheduler stops to compile it (the same tokens up to float rounding)."""
 
     steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
+    background_compile: bool = True
 
     def __post_init__(self):
         check(self.steps_per_call > 0, "rollout.engine.steps_per_call", "> 0", self.steps_per_call)
@@ -745,9 +790,11 @@ class JaxEngineConfig(EngineConfig):
         return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
                          steps_per_call=min(self.steps_per_call, agent.sampling.max_new_tokens),
                          policy_event=policy_event, seed=seed,
-                         prefix_reuse_across_publish=self.prefix_reuse_across_publish)
+                         prefix_reuse_across_publish=self.prefix_reuse_across_publish,
+                         background_compile=self.background_compile)
 
     def record_key(self) -> dict:
         """``prefix_reuse_across_publish`` acts only across publishes (a fixed policy's prior
-        and evaluations have none; a resumed run may change it): not keyed."""
+        and evaluations have none; a resumed run may change it), ``background_compile`` only
+        on float rounding: not keyed."""
         return {**super().record_key(), "engine_steps_per_call": self.steps_per_call}
