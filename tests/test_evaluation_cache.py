@@ -57,7 +57,7 @@ UNKEYED = [
     # changes nothing a fixed policy plays (no publish there)
     ("rollout.engine.prefix_reuse_across_publish", "true", "rollout.temperature", "0.5"),
     # float rounding only: a prefill padded to a larger compiled shape while its own compiles
-    ("rollout.engine.background_compile", "false", "rollout.temperature", "0.5"),
+    ("rollout.engine.background_compile", "true", "rollout.temperature", "0.5"),
     # the learner's batch layout: the same loss and gradient, nothing the rollouts play
     ("rollout.pack_rows", "true", "rollout.max_new_tokens", "20"),
     # a finished run printed beside the agent's success, read for the report only

@@ -15,9 +15,10 @@ of ``slot_decode``:
   O(log S * log^2 max_len). The requests admitted together prefill in one call per
   power-of-two width class (a conversation's first turn, hundreds of new tokens, does not
   pad its later turns, tens, to its width), and each call attends only the cache window
-  its rows reach (at least 256 positions), not all ``max_len`` positions. A shape met for
-  the first time compiles on a background thread while its calls run padded to a compiled
-  larger shape (``prefill_programs``), so a compile does not stop the decoding slots.
+  its rows reach (at least 256 positions), not all ``max_len`` positions. With
+  ``background_compile`` a shape met for the first time compiles on a background thread
+  while its calls run padded to a compiled larger shape (``prefill_programs``), so a
+  compile does not stop the decoding slots.
 * Prefix reuse (multi-turn agents): a finished request leaves its slot's cache rows
   holding its prompt and all its tokens but the last. A later request whose prompt
   extends that whole sequence (the next turn of the same conversation: history, reply,
@@ -264,7 +265,7 @@ class JaxEngine(RolloutEngine):
         cache_dtype: Any = jnp.float32,
         prefix_reuse: bool = True,
         prefix_reuse_across_publish: bool = False,
-        background_compile: bool = True,
+        background_compile: bool = False,
     ):
         self.publish_stats = PublishStats()
         self.prefix_stats = PrefixStats()
@@ -774,12 +775,14 @@ class JaxEngineConfig(EngineConfig):
     kept cache of a request decoding through the publish is, SPEC 3); false: every publish
     forgets the rows and the next turn prefills the whole conversation again.
     ``background_compile``: a prefill shape met for the first time compiles on a background
-    thread while its calls run padded to a larger compiled shape (``prefill_programs``);
-    false: the scheduler stops to compile it (the same tokens up to float rounding)."""
+    thread while its calls run padded to a larger compiled shape (``prefill_programs``; the
+    same tokens up to float rounding); off by default: on 2 CPU cores it sped up a cold
+    evaluation but slowed a cold RL run, whose learner lost the CPU the compiles and padded
+    calls took (docs/PERFORMANCE.md)."""
 
     steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
-    background_compile: bool = True
+    background_compile: bool = False
 
     def __post_init__(self):
         check(self.steps_per_call > 0, "rollout.engine.steps_per_call", "> 0", self.steps_per_call)
