@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     runs = [successes for per_system in OUTCOMES.values() for successes in per_system]
     same = all(successes == runs[0] for successes in runs)
     print(f"per-game successes of all {len(runs)} runs identical: {'yes' if same else 'NO'} "
-          f"(success {sum(runs[0]) / (512 * args.rollouts):.3f} in the first)")
+          f"(success {sum(runs[0]) / (len(runs[0]) * args.rollouts):.3f} in the first)")
 
 
 if __name__ == "__main__":

@@ -176,3 +176,24 @@ def test_a_prefill_padded_to_a_larger_compiled_shape_samples_the_same_tokens(mon
     for a, b in zip(padded, exact):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+
+
+def test_a_publish_of_the_same_layout_keeps_the_compiled_prefill_programs():
+    """Publishing weights of the same shapes, dtypes and shardings must not start a new set
+    of programs (every prefill shape would be traced and compiled again after each update)."""
+    model, other = one_layer_model(), one_layer_model()
+    params = SamplingParams(max_new_tokens=4)
+
+    async def body():
+        engine = jax_engine.JaxEngine(model, num_slots=4, max_len=64, steps_per_call=4)
+        try:
+            before = engine._prefill
+            await engine.generate([1, 2, 3], params, seed=1)
+            await engine.publish_inflight(nnx.state(other), 1)
+            await engine.generate([1, 2, 3], params, seed=1)
+            return before, engine._prefill
+        finally:
+            await engine.close()
+
+    before, after = asyncio.run(body())
+    assert after is before and after.stats.exact >= 1

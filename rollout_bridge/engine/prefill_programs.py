@@ -13,8 +13,8 @@ covers it (at least as many rows, as wide, as long a window), provided that shap
 (rows x width x window) is at most ``max_work_ratio`` times the wanted shape's; the extra
 rows are padding rows (dropped) and the extra positions padding positions (position -1: no
 cache write, masked keys), so the sampled tokens are the same up to float rounding. With no
-such shape the caller compiles it (or waits for the compile already running). With
-``background=False`` every new shape compiles on the caller, as a plain ``jax.jit`` call.
+such shape the caller compiles it (or waits for the compile already running). Without a
+background compiler (``submit=None``) every new shape compiles on the caller.
 """
 
 from __future__ import annotations
