@@ -250,8 +250,9 @@ class OptimSection(OptimConfig):
                   "max_consecutive_skips")
         for name in ("adam_b1", "adam_b2"):
             _check(0.0 <= getattr(self, name) < 1.0, f"optim.{name}", "in [0, 1)", getattr(self, name))
-        if self.logprob_chunk_size is not None:
-            _positive("optim", self, "logprob_chunk_size")
+        for name in ("logprob_chunk_size", "length_bucket"):
+            if getattr(self, name) is not None:
+                _positive("optim", self, name)
         if self.action_logits_fraction is not None:
             _check(0.0 < self.action_logits_fraction <= 1.0, "optim.action_logits_fraction", "in (0, 1]",
                    self.action_logits_fraction)

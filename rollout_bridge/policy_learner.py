@@ -84,7 +84,7 @@ class PolicyLearner:
         self.pad_to_multiple = pad_to_multiple
         self.train_step = make_train_step(model_def, config)
         self.compute_logprobs = make_compute_logprobs(model_def, config.logprob_chunk_size,
-                                                      config.action_logits_fraction)
+                                                      config.action_logits_fraction, config.length_bucket)
         # a non-finite step is skipped inside train_step; max_consecutive_skips in a row stop the run
         self.skip_guard = SkipGuard.from_config(config)
 

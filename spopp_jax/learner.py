@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 
 from spopp_jax import _checks
+from spopp_jax.length_buckets import call_at_used_length
 from spopp_jax.losses import combine_loss_metrics, loss_metric_means, policy_loss
 from spopp_jax.pytree_paths import path_parts
 
@@ -96,6 +97,11 @@ class OptimConfig:
     the head everywhere). Same log-probs; for agent trajectories, where observations fill
     most of a row, most of the [B, T, V] logits are skipped. Not combined with
     ``logprob_chunk_size`` (which takes precedence).
+    ``length_bucket``: None = every micro-batch runs at the batch's width T; an int b = each
+    micro-batch runs at its used length (its rows' last real token) rounded up to a multiple
+    of b (`spopp_jax.length_buckets`): the same loss and gradient, with attention and MLP
+    work for the positions its rows use. Pays off with micro-batches of rows of unequal
+    length (``num_micro_batches`` > 1); one branch per multiple of b is compiled.
     ``max_consecutive_skips``: a `SkipGuard` built from this config stops the run after
     that many train steps in a row skipped for a non-finite loss, gradient or updated parameters.
     """
@@ -110,6 +116,7 @@ class OptimConfig:
     num_mini_batches: int = 4
     logprob_chunk_size: int | None = None
     action_logits_fraction: float | None = 0.25
+    length_bucket: int | None = None
     max_consecutive_skips: int = 5
 
     def __post_init__(self):
@@ -125,6 +132,10 @@ class OptimConfig:
             )
         if self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
+        if self.length_bucket is not None and not (
+            isinstance(self.length_bucket, int) and self.length_bucket > 0
+        ):
+            raise ValueError(f"length_bucket must be a positive int or None, got {self.length_bucket!r}")
         if not (isinstance(self.num_mini_batches, int) and self.num_mini_batches >= 1):
             raise ValueError(
                 f"num_mini_batches must be an int >= 1, got {self.num_mini_batches!r}"
@@ -603,22 +614,35 @@ def _merge_rows(x: jax.Array) -> jax.Array:
 
 
 def make_compute_logprobs(
-    model_def: ModelDef, logprob_chunk_size: int | None = None, action_logits_fraction: float | None = None
+    model_def: ModelDef, logprob_chunk_size: int | None = None, action_logits_fraction: float | None = None,
+    length_bucket: int | None = None,
 ) -> Callable[[Params, TrainBatch], jax.Array]:
     """Jitted `compute_logprobs(params, batch) -> [B, T]` float32 (0 off the action mask).
 
     One extra forward to recompute the old policy's log-probs; store the result as
     ``batch.old_logp`` (``dataclasses.replace``) before `train_step`. Pass the learner's
-    `LearnerConfig.logprob_chunk_size` to avoid materialising [B, T, V] logits.
+    `LearnerConfig.logprob_chunk_size` to avoid materialising [B, T, V] logits. With
+    ``length_bucket`` the rows run one at a time, each at its used length
+    (`spopp_jax.length_buckets`).
     """
+
+    def logprobs(params: Params, batch: TrainBatch) -> jax.Array:
+        return model_token_logprobs(
+            model_def, params, batch.input_ids, batch.attention_mask, logprob_chunk_size,
+            batch.segment_ids, batch.action_mask, action_logits_fraction,
+        )
 
     @jax.jit
     def compute_logprobs(params: Params, batch: TrainBatch) -> jax.Array:
         _check_batch(batch)
-        logp = model_token_logprobs(
-            model_def, params, batch.input_ids, batch.attention_mask, logprob_chunk_size,
-            batch.segment_ids, batch.action_mask, action_logits_fraction,
-        )
+        if length_bucket is None:
+            logp = logprobs(params, batch)
+        else:
+            def row_logp(row: TrainBatch) -> jax.Array:
+                row = jax.tree.map(lambda x: x[None], row)
+                return call_at_used_length(lambda cut: logprobs(params, cut), row, row.attention_mask,
+                                           length_bucket, positions_out=True)[0]
+            logp = jax.lax.map(row_logp, batch)
         return jnp.where(batch.action_mask != 0, logp, 0.0)
 
     return compute_logprobs
@@ -640,9 +664,12 @@ def _accumulate_grads(
     combine: Callable[[dict, dict], dict],
     logprob_chunk_size: int | None = None,
     action_logits_fraction: float | None = None,
+    length_bucket: int | None = None,
 ):
     """Σ_m ∇(loss_sum_m / N) and Σ_m loss_sum_m / N with N the batch's global token count.
 
+    With ``length_bucket`` each micro-batch runs at its used length rounded up to a multiple
+    of it (`spopp_jax.length_buckets`): the same loss and gradient, less work for short rows.
     Returns (loss, grads, token_count, metrics) with metrics combined by `combine`.
     """
     total_tokens = jnp.sum(batch.action_mask != 0, dtype=jnp.int32)
@@ -656,7 +683,10 @@ def _accumulate_grads(
         loss_sum, count, metrics = token_loss(logp, micro)
         return loss_sum / denom, (count, metrics)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    value_and_grad = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def grad_fn(p, micro):
+        return call_at_used_length(lambda m: value_and_grad(p, m), micro, micro.attention_mask, length_bucket)
     if num_micro_batches == 1:
         (loss, (count, metrics)), grads = grad_fn(params, batch)
         return loss, grads, count, metrics
@@ -747,6 +777,7 @@ def _loss_grads_sums(
         combine,
         config.logprob_chunk_size,
         config.action_logits_fraction,
+        config.length_bucket,
     )
 
 
@@ -875,10 +906,12 @@ def _starting_old_logp(
         return mini_batches.rollout_logp, not_current
 
     def piece_logp(piece: TrainBatch) -> jax.Array:
-        return model_token_logprobs(
-            model_def, params, piece.input_ids, piece.attention_mask, config.logprob_chunk_size,
-            piece.segment_ids, piece.action_mask, config.action_logits_fraction,
-        )
+        def logp(cut: TrainBatch) -> jax.Array:
+            return model_token_logprobs(
+                model_def, params, cut.input_ids, cut.attention_mask, config.logprob_chunk_size,
+                cut.segment_ids, cut.action_mask, config.action_logits_fraction,
+            )
+        return call_at_used_length(logp, piece, piece.attention_mask, config.length_bucket, positions_out=True)
 
     def mini_logp(mini: TrainBatch) -> jax.Array:
         pieces = split_micro_batches(mini, config.num_micro_batches)

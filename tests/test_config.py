@@ -96,6 +96,7 @@ def test_resume_flag_forms():
     (["--steps", "0"], "steps"),
     (["--optim.learning_rate=-1e-3"], "optim.learning_rate"),
     (["--optim.logprob_chunk_size", "0"], "optim.logprob_chunk_size"),
+    (["--optim.length_bucket", "0"], "optim.length_bucket"),
     (["--optim.num_mini_batches", "0"], "optim.num_mini_batches"),
     (["--optim.num_mini_batches", "3"], "optim.num_mini_batches x optim.num_micro_batches"),  # 16 rows
     (["--optim.num_mini_batches", "4", "--optim.num_micro_batches", "8"],

@@ -8,6 +8,21 @@ import sys
 
 import numpy as np
 
+def test_used_length_step_on_eight_devices_equals_the_full_width_step_on_one(eight_device_result):
+    """Micro-batches at their used lengths (length_bucket 8) with rows sharded over the
+    (2, 2, 2) mesh: the same update as the full-width step on 1 device."""
+    _, _, _, sharded = eight_device_result
+    model_def, state, batch, config = build_case()
+    full = dataclasses.replace(bucketed_config(config), length_bucket=None)
+    single, _ = run_mini_batch_step(model_def, state, batch, full)
+    assert set(single) == set(sharded)
+    for key, value in single.items():
+        if key.startswith("metrics"):
+            np.testing.assert_allclose(sharded[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+        else:  # atol = 1% of one AdamW step (lr 1e-3), as above
+            np.testing.assert_allclose(sharded[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
 if __name__ == "__main__":  # the 8-device worker must set this before jax is imported
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -69,6 +84,12 @@ def mini_batch_config(config):
     return dataclasses.replace(config, num_mini_batches=2, num_micro_batches=1)
 
 
+def bucketed_config(config):
+    """K = 2 mini-batches of 2 micro-batches, each at its used length in multiples of 8
+    (`OptimConfig.length_bucket`; the batch is 20 wide, its rows use 5 to 19 positions)."""
+    return dataclasses.replace(config, num_mini_batches=2, num_micro_batches=2, length_bucket=8)
+
+
 def run_mini_batch_step(model_def, state, batch, config, state_sharding=None,
                         batch_sharding=None):
     """One train step of K = 2 optimizer steps; flat numpy metrics, params, moments."""
@@ -114,6 +135,12 @@ def worker(out_dir):
     batch = sharding.shard_batch(batch, mesh)
     mini, _ = run_mini_batch_step(model_def, state, batch, config, state_sharding, batch_sharding)
     np.savez(os.path.join(out_dir, "mini_batches.npz"), **mini)
+    model_def, state, batch, config = build_case()
+    state = sharding.shard_train_state(state, state_sharding)
+    batch = sharding.shard_batch(batch, mesh)
+    bucketed, _ = run_mini_batch_step(model_def, state, batch, bucketed_config(config), state_sharding,
+                                      batch_sharding)
+    np.savez(os.path.join(out_dir, "bucketed.npz"), **bucketed)
     with open(os.path.join(out_dir, "checks.txt"), "w") as f:
         f.write(repr(checks))
 
@@ -179,12 +206,13 @@ def eight_device_result(tmp_path_factory, run_on_8_devices):
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out_dir / "checks.txt") as f:
         checks = eval(f.read())  # our own repr of a dict of strings
-    with np.load(out_dir / "result.npz") as data, np.load(out_dir / "mini_batches.npz") as mini:
-        return checks, dict(data), dict(mini)
+    with np.load(out_dir / "result.npz") as data, np.load(out_dir / "mini_batches.npz") as mini, \
+            np.load(out_dir / "bucketed.npz") as bucketed:
+        return checks, dict(data), dict(mini), dict(bucketed)
 
 
 def test_eight_device_mesh_really_shards_params_and_batch(eight_device_result):
-    checks, _, _ = eight_device_result
+    checks, _, _, _ = eight_device_result
     assert checks["q_kernel_spec"] == str(P("fsdp", "tensor"))
     assert checks["q_kernel_shard_shape"] == "(32, 32)"  # [64, 64] over fsdp=2 x tensor=2
     assert checks["batch_spec"] == str(P(("data", "fsdp")))
@@ -196,7 +224,7 @@ def test_eight_device_mesh_really_shards_params_and_batch(eight_device_result):
 def test_same_step_on_one_and_eight_devices(eight_device_result):
     """Loss, gradients, metrics and params after 2 steps agree within float tolerance."""
     assert jax.device_count() == 1
-    _, sharded, _ = eight_device_result
+    _, sharded, _, _ = eight_device_result
     model_def, state, batch, config = build_case()
     single, _ = run_steps(model_def, state, batch, config)
     assert set(single) == set(sharded)
@@ -216,7 +244,7 @@ def test_same_step_on_one_and_eight_devices(eight_device_result):
 def test_same_mini_batch_step_on_one_and_eight_devices(eight_device_result):
     """K = 2 mini-batches (strided rows, local to each device) on the (2, 2, 2) mesh agree
     with 1 device: metrics, params and Adam moments after the K optimizer steps."""
-    _, _, sharded = eight_device_result
+    _, _, sharded, _ = eight_device_result
     model_def, state, batch, config = build_case()
     single, new_state = run_mini_batch_step(model_def, state, batch, mini_batch_config(config))
     assert int(new_state.step) == 2
@@ -227,6 +255,21 @@ def test_same_mini_batch_step_on_one_and_eight_devices(eight_device_result):
         else:  # atol = 1% of one AdamW step (lr 1e-3), as in the test above
             np.testing.assert_allclose(sharded[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
     assert int(single["metrics/tokens"]) == 53 and float(single["metrics/grad_norm_last"]) > 0
+
+
+def test_used_length_step_on_eight_devices_equals_the_full_width_step_on_one(eight_device_result):
+    """Micro-batches at their used lengths (length_bucket 8) with rows sharded over the
+    (2, 2, 2) mesh: the same update as the full-width step on 1 device."""
+    _, _, _, sharded = eight_device_result
+    model_def, state, batch, config = build_case()
+    full = dataclasses.replace(bucketed_config(config), length_bucket=None)
+    single, _ = run_mini_batch_step(model_def, state, batch, full)
+    assert set(single) == set(sharded)
+    for key, value in single.items():
+        if key.startswith("metrics"):
+            np.testing.assert_allclose(sharded[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+        else:  # atol = 1% of one AdamW step (lr 1e-3), as above
+            np.testing.assert_allclose(sharded[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
 
 
 if __name__ == "__main__":
