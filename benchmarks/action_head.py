@@ -158,7 +158,7 @@ def main(args):
     variants = {"full head": None, f"action head {args.fraction:g}": args.fraction}
     steps, holders = {}, {}
     for name, fraction in variants.items():
-        config = learner.LearnerConfig(learning_rate=1e-4, num_mini_batches=args.mini_batches,
+        config = learner.LearnerConfig(num_micro_batches=1, length_bucket=None, learning_rate=1e-4, num_mini_batches=args.mini_batches,
                                        action_logits_fraction=fraction)
         model_def, state = learner.init_train_state(model, config)
         steps[name] = learner.make_train_step(model_def, config)

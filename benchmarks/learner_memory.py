@@ -69,7 +69,7 @@ def one_case(time_: int, remat: str, compute: str) -> dict:
                                jnp.ones((1, time_), jnp.float32))
     jax.block_until_ready(batch)
     r0 = rss_bytes()
-    learner_cfg = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+    learner_cfg = learner.LearnerConfig(num_micro_batches=1, length_bucket=None, num_mini_batches=1, action_logits_fraction=None,
                                         learning_rate=1e-6, logprob_chunk_size=512)
     model = init_model(config, seed=0, dtype=compute, param_dtype="float32", remat=remat)
     model_def, state = learner.init_train_state(model, learner_cfg)

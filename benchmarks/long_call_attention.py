@@ -67,7 +67,7 @@ def compiled_step(args, model, batch):
 
     from spopp_jax import learner
 
-    config = learner.LearnerConfig(action_logits_fraction=None,
+    config = learner.LearnerConfig(num_micro_batches=1, length_bucket=None, action_logits_fraction=None,
                                    num_mini_batches=args.mini_batches, learning_rate=1e-4)
     model_def, state = learner.init_train_state(model, config)
     step = learner.make_train_step(model_def, config)

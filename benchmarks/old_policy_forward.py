@@ -35,7 +35,7 @@ def main(args):
 
     batches = agent_batches(args)
     model = random_policy(args)
-    config = learner.LearnerConfig(learning_rate=1e-4, num_mini_batches=args.mini_batches,
+    config = learner.LearnerConfig(num_micro_batches=1, length_bucket=None, learning_rate=1e-4, num_mini_batches=args.mini_batches,
                                    action_logits_fraction=args.fraction)
     model_def, state = learner.init_train_state(model, config)
     train_step = learner.make_train_step(model_def, config)

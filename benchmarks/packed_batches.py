@@ -81,7 +81,7 @@ def main(args):
     with tempfile.TemporaryDirectory() as folder:
         random_hf_model(learner_hf_config(args), seed=0).save_pretrained(folder)
         model = from_pretrained(folder, dtype="float32")
-    config = learner.LearnerConfig(action_logits_fraction=None,
+    config = learner.LearnerConfig(num_micro_batches=1, length_bucket=None, action_logits_fraction=None,
                                    learning_rate=1e-4, num_mini_batches=args.mini_batches)
     model_def, state = learner.init_train_state(model, config)
     step = learner.make_train_step(model_def, config)

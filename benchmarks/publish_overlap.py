@@ -58,7 +58,7 @@ def build(args):
                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
                          head_dim=args.hidden // 8)
     model = init_model(config, seed=0)
-    learner_config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+    learner_config = learner.LearnerConfig(num_micro_batches=1, length_bucket=None, num_mini_batches=1, action_logits_fraction=None,
                                            learning_rate=1e-4)
     model_def, state = learner.init_train_state(model, learner_config)
     rng = np.random.default_rng(0)

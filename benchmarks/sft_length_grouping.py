@@ -37,7 +37,7 @@ def layout_runner(cfg, folder, examples, pad_id: int, group_by_length: bool):
     from spopp_jax.learner import LearnerConfig, init_train_state, make_sft_step
 
     ws = cfg.warmstart
-    learner_config = LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+    learner_config = LearnerConfig(num_micro_batches=1, length_bucket=None, num_mini_batches=1, action_logits_fraction=None,
                                    learning_rate=ws.learning_rate, weight_decay=ws.weight_decay)
     model_def, state = init_train_state(load_policy(folder, cfg.model), learner_config)
     step = make_sft_step(model_def, learner_config)

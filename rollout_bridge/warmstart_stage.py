@@ -142,7 +142,7 @@ def run_warmstart(cfg, paths: RunPaths, base: Path, chat, warm_tasks, learner_co
     log(f"warm start: SFT on {len(examples)} demonstrations of tasks outside the training set (loss on {ws.loss_on}), "
         f"{ws.epochs} epochs, batch {ws.batch_size}{' grouped by length' if ws.group_by_length else ''}, "
         f"lr {ws.learning_rate}")
-    sft_cfg = LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+    sft_cfg = LearnerConfig(num_micro_batches=1, length_bucket=None, num_mini_batches=1, action_logits_fraction=None,
                             learning_rate=ws.learning_rate, weight_decay=ws.weight_decay,
                             max_grad_norm=learner_config.max_grad_norm,
                             logprob_chunk_size=learner_config.logprob_chunk_size)

@@ -150,7 +150,7 @@ class TimedLearner:
 
         from spopp_jax import learner as learner_lib
 
-        config = learner_lib.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=lr)
+        config = learner_lib.LearnerConfig(num_micro_batches=1, length_bucket=None, num_mini_batches=1, action_logits_fraction=None, learning_rate=lr)
         self.model_def, self.state = learner_lib.init_train_state(model, config)
         self.train_step = learner_lib.make_train_step(self.model_def, config)
         self.jax = jax

@@ -110,7 +110,7 @@ def step_moves_weights(config, batch, steps: int):
     from spopp_jax import learner
     from spopp_jax.models import init_model
 
-    learner_cfg = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, learning_rate=1e-6)
+    learner_cfg = learner.LearnerConfig(num_micro_batches=1, length_bucket=None, num_mini_batches=1, action_logits_fraction=None, learning_rate=1e-6)
     model = init_model(config, seed=0, dtype="bfloat16", param_dtype="float32", remat="block")
     model_def, state = learner.init_train_state(model, learner_cfg)
     before = [np.asarray(x) for x in jax.tree.leaves(state.params)]

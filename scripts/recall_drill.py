@@ -140,7 +140,7 @@ def main(argv=None) -> None:
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
                          tie_word_embeddings=True)
-    learner = LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+    learner = LearnerConfig(num_micro_batches=1, length_bucket=None, num_mini_batches=1, action_logits_fraction=None,
                             learning_rate=args.lr, weight_decay=0.0, max_grad_norm=1.0)
     model_def, state = init_train_state(init_model(config, seed=args.seed), learner)
     sft_step = make_sft_step(model_def, learner)

@@ -25,6 +25,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+# Every branch is compiled with the step (each about as long as a step of one width): past
+# this many, a larger bucket is the better trade.
+MAX_BRANCHES = 32
+
 __all__ = ["used_length", "bucket_lengths", "cut_positions", "call_at_used_length"]
 
 
@@ -46,7 +50,11 @@ def bucket_lengths(width: int, bucket: int) -> tuple[int, ...]:
         raise ValueError(f"bucket must be a positive int, got {bucket!r}")
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    return tuple(range(bucket, width, bucket)) + (width,)
+    lengths = tuple(range(bucket, width, bucket)) + (width,)
+    if len(lengths) > MAX_BRANCHES:
+        raise ValueError(f"length bucket {bucket} at width {width} makes {len(lengths)} branches to compile "
+                         f"(at most {MAX_BRANCHES}): take a bucket of at least {-(-width // MAX_BRANCHES)}")
+    return lengths
 
 
 def cut_positions(tree: Any, width: int, length: int) -> Any:

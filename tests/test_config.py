@@ -69,12 +69,12 @@ def test_paper_recipes_load_with_spec_hyperparameters(name):
 
 def test_cli_overrides_beat_yaml(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("steps: 7\nrollout:\n  batch_size: 4\n  max_in_flight: 4\n"
+    path.write_text("steps: 7\nrollout:\n  batch_size: 16\n  max_in_flight: 4\n"
                     "tracker:\n  rho: 0.9\n")
-    cfg = load_config(["--rollout.batch_size", "8", "--rollout.max_in_flight", "8",
+    cfg = load_config(["--rollout.batch_size", "32", "--rollout.max_in_flight", "8",
                        "--method.measure", "trajectory", "--resume"], config_path=path)
     assert cfg.steps == 7 and cfg.tracker.rho == 0.9           # from the file
-    assert cfg.rollout.batch_size == 8                          # CLI wins
+    assert cfg.rollout.batch_size == 32                         # CLI wins
     assert cfg.method.measure == "trajectory" and cfg.resume is True
     # untouched fields keep their defaults
     assert cfg.optim == TrainConfig().optim
@@ -273,7 +273,7 @@ def test_mini_batches_reach_the_learner_config():
     assert learner_config(cfg).num_mini_batches == 4
     assert learner_config(smoke()).num_mini_batches == 1
     message = _error(["--optim.num_mini_batches", "3"])
-    assert "rollout.batch_size=16" in message and "3 x 1 = 3" in message, message
+    assert "rollout.batch_size=16" in message and "3 x 4 = 12" in message, message
 
 
 # ------------------------------------------------------------------ every field read once
@@ -331,7 +331,7 @@ def test_library_knobs_are_reachable_from_the_command_line():
     assert (orch.train_on_failed, orch.max_in_flight_per_task, orch.sibling_rule) == (True, 2, "proportional")
     assert orch.method == "spo" and orch.max_in_flight == 32
     assert orch.advantage.whiten_eps == 1e-6 and orch.keep_history is False
-    assert orch.pad_to_multiple == cfg.rollout.pad_to_multiple
+    assert orch.pad_to_multiple == (cfg.rollout.pad_to_multiple or agent.max_total_tokens)
     rloo = load_config(["--method", "rloo", "--method.group_size", "4"])
     assert c.build_orchestrator_config(rloo, c.build_agent_config(rloo, 2), seed=0).method == "rloo"
     message = _error(["--method", "grpo", "--rollout.batch_size", "16", "--rollout.max_in_flight_per_task", "2"])

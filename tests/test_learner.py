@@ -679,7 +679,7 @@ def test_action_head_train_step_equals_full_logits_step(tiny, num_mini_batches):
     results = []
     for fraction in (None, 0.75):
         config = learner.LearnerConfig(learning_rate=1e-3, num_mini_batches=num_mini_batches,
-                                       action_logits_fraction=fraction)
+                                       action_logits_fraction=fraction, num_micro_batches=1)
         state = learner.TrainState(
             params=copy_tree(params),
             opt_state=learner.make_optimizer(config).init(params),
@@ -715,7 +715,7 @@ def test_chunked_gradient_never_builds_full_logits():
 
     def shapes(chunk):
         config = learner.LearnerConfig(learning_rate=1e-6, num_mini_batches=1, action_logits_fraction=None,
-                                       logprob_chunk_size=chunk)
+                                       logprob_chunk_size=chunk, num_micro_batches=1)
         fn = lambda p, b: learner.loss_and_grads(model_def, p, b, config, "policy")
         found = _array_shapes(jax.make_jaxpr(fn)(params, batch).jaxpr)
         return {s for s in found if len(s) == 3 and s[-1] == vocab}

@@ -39,6 +39,9 @@ def test_bucket_lengths_and_their_checks():
     assert bucket_lengths(5, 8) == (5,)
     with pytest.raises(ValueError, match="bucket"):
         bucket_lengths(28, 0)
+    assert len(bucket_lengths(8192, 256)) == 32
+    with pytest.raises(ValueError, match="33 branches.*at least 257"):
+        bucket_lengths(8193, 256)
     with pytest.raises(ValueError, match="attention_mask"):
         used_length(jnp.ones((3,), bool))
 

@@ -199,7 +199,8 @@ def test_a_method_added_in_one_file_is_selectable_from_the_command_line(chat, mo
     monkeypatch.setattr(MethodConfig, "_did_discover_packages", False)
     try:
         cfg = load_config(["--method", "constant", "--rollout.batch_size", "3", "--rollout.max_in_flight", "4",
-                           "--optim.num_mini_batches", "1"])
+                           "--optim.num_mini_batches", "1",
+                           "--optim.num_micro_batches", "1"])
     finally:
         sys.modules.pop("rollout_bridge.methods.constant_baseline", None)
     assert cfg.method.name == "constant" and "constant" in methods.names()

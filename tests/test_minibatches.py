@@ -61,7 +61,7 @@ def fresh_state(params, config):
 # One jitted step per (config, objective), shared by the tests (compiling dominates).
 _STEPS = {}
 # The K = 2 config that several tests share.
-CONFIG = learner.LearnerConfig(action_logits_fraction=None,
+CONFIG = learner.LearnerConfig(action_logits_fraction=None, num_micro_batches=1,
                                learning_rate=1e-2, num_mini_batches=2, max_grad_norm=0.5)
 
 
@@ -98,7 +98,8 @@ def test_one_mini_batch_is_the_plain_step_with_one_forward(tiny, monkeypatch):
     """K = 1 == loss_and_grads + clipped AdamW composed here, same metric keys, and the
     traced step runs the model exactly once (no extra old-policy forward)."""
     model_def, params, batch = tiny
-    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-2, num_mini_batches=1)
+    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-2, num_mini_batches=1,
+                                   num_micro_batches=1)
     optimizer = learner.make_optimizer(config)
 
     @jax.jit
@@ -280,7 +281,7 @@ def twin_rows(tiny):
     )
     logp0 = compute_logprobs(model_def)(params, batch)
     batch = dataclasses.replace(batch, rollout_logp=logp0)
-    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+    config = learner.LearnerConfig(num_mini_batches=1, action_logits_fraction=None, num_micro_batches=1,
         learning_rate=0.03, weight_decay=0.0, max_grad_norm=None, old_logp_source="rollout"
     )
     state, _ = train_step(model_def, config)(fresh_state(params, config), rows(batch, slice(0, 1)))

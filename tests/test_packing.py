@@ -147,7 +147,8 @@ def test_packed_batch_trains_with_ppo_mini_batches(tiny_learner):
     """K = 2 mini-batches of packed rows: every action token is trained exactly once
     (the token count equals the unpacked batch's) and the step is finite."""
     model_def, state, trajs, advantages = tiny_learner
-    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-3, num_mini_batches=2)
+    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-3, num_mini_batches=2,
+                                   num_micro_batches=1)
     _, fresh = learner.init_train_state(model_def.merge(state.params), config)
     packed = pack_train_batch(trajs, advantages, pad_to_multiple=8, pack_width=32, row_multiple=2)
     step = learner.make_train_step(model_def, config)

@@ -186,7 +186,7 @@ def test_sft_loss_is_action_token_nll_and_falls(tasks, chat):
     config = ModelConfig(vocab_size=len(chat.tokenizer), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=16, tie_word_embeddings=True)
-    learner_config = LearnerConfig(num_mini_batches=1, action_logits_fraction=None,
+    learner_config = LearnerConfig(num_mini_batches=1, num_micro_batches=1, action_logits_fraction=None,
                                    learning_rate=1e-2, weight_decay=0.0)
     model_def, state = init_train_state(init_model(config, seed=0), learner_config)
     examples = sft_examples(tasks, chat)
@@ -302,7 +302,7 @@ def test_sft_checkpoints_restore_the_saved_epoch_and_drop_other_settings(tasks, 
     config = ModelConfig(vocab_size=len(chat.tokenizer), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=16, tie_word_embeddings=True)
-    learner_config = LearnerConfig(learning_rate=1e-2, weight_decay=0.0, num_mini_batches=1, action_logits_fraction=None)
+    learner_config = LearnerConfig(num_micro_batches=1, learning_rate=1e-2, weight_decay=0.0, num_mini_batches=1, action_logits_fraction=None)
     model_def, _ = init_train_state(init_model(config, seed=0), learner_config)
 
     def fresh_state():  # the SFT step donates its input state

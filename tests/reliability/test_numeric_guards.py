@@ -110,7 +110,8 @@ def test_non_finite_update_is_skipped_and_state_unchanged(tiny_model, poison):
             "that optimizer step skipped, the other taken; `skipped_updates`=1",
             "`step` advances by 1 not 2; params finite", kind="fault"))
 def test_mini_batch_skip_counts_only_the_bad_step(tiny_model):
-    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-2, num_mini_batches=2)
+    config = learner.LearnerConfig(action_logits_fraction=None, learning_rate=1e-2, num_mini_batches=2,
+                                   num_micro_batches=1)
     model_def, state = learner.init_train_state(tiny_model, config)
     step = learner.make_train_step(model_def, config)
     batch = poisoned(make_batch(np.random.default_rng(0)), "advantages", np.nan, row=1)
