@@ -75,6 +75,10 @@ KEYED_AS = {"rollout": {"max_in_flight": "max_inflight", "max_total_tokens": "ma
 # the yardstick, all played by `success_rollouts`, not the orchestrator) do not depend on it,
 # so their records key these fields at their defaults and runs at any value share them.
 RECEIPT_FIELDS = {"rollout": {"result_delay_s": 0.0}}
+# How the learner lays out its batches: a fixed policy's episodes do not depend on it either,
+# so their records key it at the value it had when records were first written (the shipped
+# warm start's prior and evaluation among them) and every layout shares them.
+LEARNER_LAYOUT_FIELDS = {"rollout": {"pad_to_multiple": 256}}
 
 
 def stage_key(cfg, *sections: str) -> dict:
@@ -104,10 +108,11 @@ def stage_key(cfg, *sections: str) -> dict:
 
 
 def fixed_policy_key(cfg, *sections: str) -> dict:
-    """``stage_key`` for records of a fixed policy's episodes: the ``RECEIPT_FIELDS`` at
-    their defaults (records written before this rule held those defaults, so they stay valid)."""
+    """``stage_key`` for records of a fixed policy's episodes: the ``RECEIPT_FIELDS`` and the
+    ``LEARNER_LAYOUT_FIELDS`` at the values records were first written with (so those records
+    stay valid)."""
     key = stage_key(cfg, *sections)
-    for name, fields in RECEIPT_FIELDS.items():
+    for name, fields in (*RECEIPT_FIELDS.items(), *LEARNER_LAYOUT_FIELDS.items()):
         if name in key:
             key[name].update({field: value for field, value in fields.items() if field in key[name]})
     return key
