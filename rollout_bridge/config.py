@@ -305,9 +305,9 @@ class RolloutSection(RolloutSchedule, EpisodeLimits, Decoding):
     each environment call (null: none), `max_consecutive_failures` stops a run whose
     env/engine is broken. `pad_to_multiple` (a divisor of max_total_tokens): learner batches are
     [B, T] with T the longest trajectory rounded up to this multiple (null: T = max_total_tokens
-    always, one compile, the default: with `optim.length_bucket` the micro-batches run at their
-    own lengths whatever the width; without it a smaller multiple trains short batches faster
-    at the cost of one compile per width). `pack_rows`: several trajectories share a learner row (rows at most
+    always, one compile; with `optim.length_bucket` the micro-batches run at their own lengths
+    whatever the width; without it a smaller multiple trains short batches faster at the cost
+    of one compile per width). `pack_rows`: several trajectories share a learner row (rows at most
     max_total_tokens wide, each trajectory attending only to itself): the [R, W] of least padded
     area, R a multiple of optim mini- x micro-batches, so fewer padding tokens are trained
     (same loss and gradient; a few more shapes to compile; docs/PERFORMANCE.md).

@@ -221,9 +221,8 @@ class RolloutSchedule:
     train_on_failed: bool = False
     max_consecutive_failures: int = 256  # a broken engine/env stops the run instead of spinning
     # learner batches [B, T], T a multiple of this; None: the agent's max_total_tokens (every
-    # batch the widest: one compile; the main job's micro-batches run at their own lengths,
-    # optim.length_bucket)
-    pad_to_multiple: Optional[int] = None
+    # batch the widest: one compile)
+    pad_to_multiple: Optional[int] = 256
     pack_rows: bool = False  # several trajectories per learner row, rows <= agent max_total_tokens wide
     result_delay_s: float = 0.0  # hold each finished result U(0, this) seconds before receipt (docstring); 0: off
 

@@ -55,7 +55,7 @@ TUNED_REGIME = RegimeReference(
             "rollout.engine.name": "jax", "rollout.batch_size": 16, "rollout.max_in_flight": 16,
             "rollout.max_in_flight_per_task": 1, "rollout.publish_every": 1, "rollout.max_buffered_batches": 2,
             "rollout.drain": "none", "rollout.max_policy_lag": 8, "rollout.result_delay_s": 0.0,
-            "optim.num_mini_batches": 4, "optim.num_micro_batches": 4, "optim.length_bucket": 256,
+            "optim.num_mini_batches": 4, "optim.num_micro_batches": 1, "optim.length_bucket": None,
             "env.max_turns": 12},
     seconds_per_update=(2.71, 2.90),
     out_of_event_order=(0.016, 0.049),

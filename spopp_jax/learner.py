@@ -101,10 +101,10 @@ class OptimConfig:
     micro-batch runs at its used length (its rows' last real token) rounded up to a multiple
     of b (`spopp_jax.length_buckets`): the same loss and gradient, with attention and MLP
     work for the positions its rows use. Pays off with micro-batches of rows of unequal
-    length (``num_micro_batches`` > 1); one branch per multiple of b is compiled. The
-    defaults (one trajectory per micro-batch of the main job's K = 4 mini-batches of 4,
-    buckets of 256) made its step 1.7x faster on 2 CPU cores (docs/PERFORMANCE.md); on a
-    GPU, where a micro-batch of one row leaves the device idle, set M = 1 and b = None.
+    length (``num_micro_batches`` > 1); one branch per multiple of b is compiled. With one
+    trajectory per micro-batch (M = 4 of the main job's K = 4 mini-batches of 4) and b = 256
+    the main job's step alone is 1.7x faster on 2 CPU cores, the job itself not
+    (docs/PERFORMANCE.md); on a GPU a micro-batch of one row leaves the device idle.
     ``max_consecutive_skips``: a `SkipGuard` built from this config stops the run after
     that many train steps in a row skipped for a non-finite loss, gradient or updated parameters.
     """
@@ -115,11 +115,11 @@ class OptimConfig:
     adam_b2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
-    num_micro_batches: int = 4
+    num_micro_batches: int = 1
     num_mini_batches: int = 4
     logprob_chunk_size: int | None = None
     action_logits_fraction: float | None = 0.25
-    length_bucket: int | None = 256
+    length_bucket: int | None = None
     max_consecutive_skips: int = 5
 
     def __post_init__(self):
@@ -690,6 +690,7 @@ def _accumulate_grads(
 
     def grad_fn(p, micro):
         return call_at_used_length(lambda m: value_and_grad(p, m), micro, micro.attention_mask, length_bucket)
+
     if num_micro_batches == 1:
         (loss, (count, metrics)), grads = grad_fn(params, batch)
         return loss, grads, count, metrics

@@ -273,7 +273,7 @@ def test_mini_batches_reach_the_learner_config():
     assert learner_config(cfg).num_mini_batches == 4
     assert learner_config(smoke()).num_mini_batches == 1
     message = _error(["--optim.num_mini_batches", "3"])
-    assert "rollout.batch_size=16" in message and "3 x 4 = 12" in message, message
+    assert "rollout.batch_size=16" in message and "3 x 1 = 3" in message, message
 
 
 # ------------------------------------------------------------------ every field read once
