@@ -117,7 +117,7 @@ def test_the_learner_batch_width_is_keyed_by_runs_not_by_fixed_policy_records(tm
     policy = tmp_path / "policy"
     policy.mkdir()
     (policy / "config.json").write_text("{}")
-    configs = [load_config([]), load_config(["--rollout.pad_to_multiple", "256"]),
+    configs = [load_config(["--rollout.pad_to_multiple", "512"]), load_config(["--rollout.pad_to_multiple", "256"]),
                load_config(["--rollout.pad_to_multiple", "64"])]
     assert len({json.dumps(checkpoint_key(c), sort_keys=True) for c in configs}) == 3   # the control
     for cfg in configs:
