@@ -22,6 +22,19 @@ def learner_hf_config(args):
         head_dim=args.head_dim, intermediate_size=args.ffn, tie_word_embeddings=False,
         max_position_embeddings=max(MIN_POSITIONS, args.seq), rope_theta=ROPE_THETA)
 
+def random_trajectory(rng: np.random.Generator, index: int, action_mask: np.ndarray, prompt_length: int,
+                      vocab: int, logp_mean: float):
+    """A finished `Trajectory` of random tokens with this action mask, its action tokens'
+    rollout log-probs ~ N(logp_mean, 0.3), reward index % 2 (packed_batches.py,
+    length_buckets.py)."""
+    from rollout_bridge.trajectory import DispatchStamp, Trajectory
+
+    length = len(action_mask)
+    logp = np.where(action_mask, rng.normal(logp_mean, 0.3, length), 0.0)
+    return Trajectory(DispatchStamp(index, index, 0, 0.0, 0.5, 0.0), rng.integers(0, vocab, length).astype(np.int32),
+                      action_mask, logp.astype(np.float32), prompt_length, float(index % 2), 0.0)
+
+
 EARLY_END_FRACTION = 0.1  # rows that end at half length (right padding)
 OBSERVATION_TOKENS = 8  # one observation span inside the action tokens
 

@@ -56,7 +56,7 @@ def parse_variant(text: str) -> tuple[str, int, int | None, int]:
 def job_like_trajectories(rng, count: int, low: int, high: int, vocab: int):
     """`count` trajectories, lengths uniform in [low, high]: a first observation, then turns
     of a typed command (action tokens) and an observation."""
-    from rollout_bridge.trajectory import DispatchStamp, Trajectory
+    from _batches import random_trajectory
 
     out = []
     for i in range(count):
@@ -66,10 +66,7 @@ def job_like_trajectories(rng, count: int, low: int, high: int, vocab: int):
         while position < length:
             mask[position:position + COMMAND] = True
             position += COMMAND + OBSERVATION + int(rng.integers(-30, 31))
-        logp = np.where(mask, rng.normal(-1.0, 0.3, length), 0.0)
-        out.append(Trajectory(DispatchStamp(i, i, 0, 0.0, 0.5, 0.0),
-                              rng.integers(0, vocab, length).astype(np.int32), mask,
-                              logp.astype(np.float32), FIRST_OBSERVATION, float(i % 2), 0.0))
+        out.append(random_trajectory(rng, i, mask, FIRST_OBSERVATION, vocab, logp_mean=-1.0))
     return out
 
 

@@ -38,7 +38,7 @@ def parse_args():
 
 
 def random_trajectories(rng, count: int, low: int, high: int, vocab: int):
-    from rollout_bridge.trajectory import DispatchStamp, Trajectory
+    from _batches import random_trajectory
 
     out = []
     for i in range(count):
@@ -48,10 +48,7 @@ def random_trajectories(rng, count: int, low: int, high: int, vocab: int):
         mask[prompt:] = True
         middle = prompt + (length - prompt) // 2
         mask[middle:middle + 8] = False  # an observation span
-        logp = np.where(mask, rng.normal(-6.2, 0.3, length), 0.0)
-        out.append(Trajectory(DispatchStamp(i, i, 0, 0.0, 0.5, 0.0),
-                              rng.integers(0, vocab, length).astype(np.int32), mask,
-                              logp.astype(np.float32), prompt, float(i % 2), 0.0))
+        out.append(random_trajectory(rng, i, mask, prompt, vocab, logp_mean=-6.2))
     return out
 
 
