@@ -60,3 +60,19 @@ def add_job_batch_arguments(parser, batches: int) -> None:
     parser.add_argument("--max-load-excess", type=float, default=0.5)
     parser.add_argument("--allow-busy", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def job_batch_header(args) -> str:
+    """The first line of a main-job batch benchmark's output: the CPU, the load, the threads,
+    the jax version, the model and the batches (`add_job_batch_arguments`)."""
+    import os
+
+    import jax
+    from _hardware import cpu_model
+
+    load = os.getloadavg()
+    return (f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/{load[1]:.1f}/"
+            f"{load[2]:.1f}; {args.threads} threads; jax {jax.__version__}; model: hidden "
+            f"{args.hidden} x {args.layers} layers, vocab {args.vocab}; K = {args.mini_batches}; "
+            f"{args.batches} batches of {args.batch} trajectories, lengths U[{args.lengths[0]}, "
+            f"{args.lengths[1]}]")

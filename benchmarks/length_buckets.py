@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _model_shapes import add_job_batch_arguments, resolve_shape  # noqa: E402
+from _model_shapes import add_job_batch_arguments, job_batch_header, resolve_shape  # noqa: E402
 
 MAX_TOTAL_TOKENS = 2048  # the main job's rollout.max_total_tokens
 FIRST_OBSERVATION, COMMAND, OBSERVATION = 120, 8, 90
@@ -77,7 +77,6 @@ def main(args):
     import jax.numpy as jnp
 
     from _batches import learner_hf_config
-    from _hardware import cpu_model
     from rollout_bridge.trajectory import pack_train_batch
     from spopp_jax import learner
     from spopp_jax.models import from_pretrained
@@ -93,12 +92,7 @@ def main(args):
         random_hf_model(learner_hf_config(args), seed=0).save_pretrained(folder)
         model = from_pretrained(folder, dtype="float32")
 
-    load = os.getloadavg()
-    print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/{load[1]:.1f}/"
-          f"{load[2]:.1f}; {args.threads} threads; jax {jax.__version__}; model: hidden "
-          f"{args.hidden} x {args.layers} layers, vocab {args.vocab}; K = {args.mini_batches}; "
-          f"{args.batches} batches of {args.batch} trajectories, lengths U[{args.lengths[0]}, "
-          f"{args.lengths[1]}]", flush=True)
+    print(job_batch_header(args), flush=True)
     runs = {}
     for name, micro, bucket, pad in variants:
         batches = [jax.tree.map(jnp.asarray, pack_train_batch(t, a, pad_to_multiple=pad)) for t, a in drawn]

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _model_shapes import add_job_batch_arguments, resolve_shape  # noqa: E402
+from _model_shapes import add_job_batch_arguments, job_batch_header, resolve_shape  # noqa: E402
 
 
 def parse_args():
@@ -57,7 +57,6 @@ def main(args):
     import jax.numpy as jnp
 
     from _batches import learner_hf_config
-    from _hardware import cpu_model
     from rollout_bridge.trajectory import pack_train_batch
     from spopp_jax import learner
     from spopp_jax.models import from_pretrained
@@ -83,12 +82,7 @@ def main(args):
     model_def, state = learner.init_train_state(model, config)
     step = learner.make_train_step(model_def, config)
 
-    load = os.getloadavg()
-    print(f"hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/{load[1]:.1f}/"
-          f"{load[2]:.1f}; {args.threads} threads; jax {jax.__version__}; model: hidden "
-          f"{args.hidden} x {args.layers} layers, vocab {args.vocab}; K = {args.mini_batches}; "
-          f"{args.batches} batches of {args.batch} trajectories, lengths U[{args.lengths[0]}, "
-          f"{args.lengths[1]}]", flush=True)
+    print(job_batch_header(args), flush=True)
     holders = {}
     for name, bs in batches.items():
         real = sum(int(jnp.sum(b.attention_mask)) for b in bs)
