@@ -220,8 +220,8 @@ class RolloutSchedule:
     max_buffered_batches: int = 2  # dispatch only while ready + in-flight < this x batch_size
     train_on_failed: bool = False
     max_consecutive_failures: int = 256  # a broken engine/env stops the run instead of spinning
-    # learner batches [B, T], T a multiple of this; None: the agent's max_total_tokens (every
-    # batch the widest: one compile)
+    # learner batches [B, T], T a multiple of this; None (run config only): the agent's
+    # max_total_tokens, set by the build (every batch the widest: one compile)
     pad_to_multiple: Optional[int] = 256
     pack_rows: bool = False  # several trajectories per learner row, rows <= agent max_total_tokens wide
     result_delay_s: float = 0.0  # hold each finished result U(0, this) seconds before receipt (docstring); 0: off
@@ -264,9 +264,9 @@ class OrchestratorConfig(RolloutSchedule):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
-        if self.pad_to_multiple is not None and self.pad_to_multiple < 1:
-            raise ValueError(f"pad_to_multiple must be None (the agent's max_total_tokens) or >= 1, "
-                             f"got {self.pad_to_multiple}")
+        if self.pad_to_multiple is None or self.pad_to_multiple < 1:
+            raise ValueError(f"pad_to_multiple must be >= 1, got {self.pad_to_multiple} (the run config's null "
+                             "is resolved to the agent's max_total_tokens by its build)")
         if self.pack_row_multiple < 1:
             raise ValueError(f"pack_row_multiple must be >= 1, got {self.pack_row_multiple}")
         if not (self.result_delay_s >= 0.0 and np.isfinite(self.result_delay_s)):
@@ -333,11 +333,10 @@ class Orchestrator:
             )
         self.engine, self.env_factory, self.chat, self.learner = engine, env_factory, chat, learner
         self.num_tasks, self.config, self.agent_config = num_tasks, config, agent_config
-        self._pad_to_multiple = config.pad_to_multiple or agent_config.max_total_tokens
         self._pack_width = agent_config.max_total_tokens if config.pack_rows else None
-        if self._pack_width is not None and self._pack_width % self._pad_to_multiple:
+        if self._pack_width is not None and self._pack_width % config.pad_to_multiple:
             raise ValueError(f"pack_rows: rows of max_total_tokens={self._pack_width} must be a multiple of "
-                             f"pad_to_multiple={self._pad_to_multiple}")
+                             f"pad_to_multiple={config.pad_to_multiple}")
         self.on_update = on_update
         alpha = np.full(num_tasks, 0.5, np.float32) if prior_alpha is None else np.asarray(prior_alpha, np.float32)
         beta = np.full(num_tasks, 0.5, np.float32) if prior_beta is None else np.asarray(prior_beta, np.float32)
@@ -612,7 +611,7 @@ class Orchestrator:
         lengths = baselines.action_lengths(trajectories)
         raw = self.method.advantages(trajectories)
         whitened = baselines.whiten(raw, lengths, self.config.measure, self.config.advantage.whiten_eps)
-        batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self._pad_to_multiple,
+        batch = pack_train_batch(trajectories, whitened, pad_to_multiple=self.config.pad_to_multiple,
                                  pack_width=self._pack_width, row_multiple=self.config.pack_row_multiple)
         learner_input = LearnerInput(batch, trajectories, self.method.learner_extras(trajectories))
         lag = np.array([self.policy_event - t.policy_event for t in trajectories], dtype=np.int64)
