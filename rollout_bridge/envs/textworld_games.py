@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from rollout_bridge.envs.process_pool import worker_pool
+from rollout_bridge.envs.shipped_games import SHIPPED_DIR, unpack_shipped_set
 from rollout_bridge.envs.textworld_env import (PLAYABLE_SUFFIXES, list_game_files,  # noqa: F401 (re-exported)
                                                start_game, task_name_for)
 from rollout_bridge.prior import write_json_atomic
@@ -224,8 +225,11 @@ def _drop_game_files(path: Path) -> None:
 
 
 def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
-                      exclude_signatures: Iterable[str] = (), progress=None, workers: int = 1) -> list[Path]:
+                      exclude_signatures: Iterable[str] = (), progress=None, workers: int = 1,
+                      shipped_dir: str | os.PathLike | None = SHIPPED_DIR, log=None) -> list[Path]:
     """Make (or reuse) the game set `spec` under `data_dir`; return its .z8 paths in order.
+    A set that ships in `shipped_dir` is unpacked from it instead (`shipped_games`; `log`
+    says so, or why it was not used).
 
     Games whose signature is in `exclude_signatures` (or repeats an earlier game of the
     set) are skipped and the next seed is tried, so the set always has `num_games`
@@ -238,6 +242,9 @@ def generate_game_set(spec: GameSetSpec, data_dir: str | os.PathLike,
     if (manifest is not None and manifest.get("spec") == dataclasses.asdict(spec)
             and manifest.get("version") == MANIFEST_VERSION):
         return [folder / g["file"] for g in manifest["games"]]
+    if shipped_dir is not None and unpack_shipped_set(folder, dataclasses.asdict(spec), MANIFEST_VERSION,
+                                                      shipped_dir, log):
+        return [folder / g["file"] for g in _load_manifest(folder)["games"]]
     folder.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     stream = _seed_stream(spec, folder, workers)

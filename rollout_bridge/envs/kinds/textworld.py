@@ -70,7 +70,7 @@ def _generated(spec, data_dir: str, progress: bool, what: str, exclude=(), log=N
     bar = GenerationBar(what, progress, log)
     try:
         return games.generate_game_set(spec, data_dir, exclude_signatures=exclude, progress=bar,
-                                       workers=generation_workers())
+                                       workers=generation_workers(), log=log)
     finally:
         bar.close()
 
