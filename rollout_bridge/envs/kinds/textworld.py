@@ -147,7 +147,7 @@ def textworld_bundle(env: TextWorldConfig, seed: int, with_demonstrations: bool,
 
     def task_set(name: str, count: int, seed: int, exclude=(), what: str = "", shown=style):
         spec = games.GameSetSpec(name, count, seed, env.world_size, env.nb_objects, env.quest_length)
-        log(f"{what}: {spec.folder_name} in {env.data_dir} (generated once, then reused)")
+        log(f"{what}: {spec.folder_name} in {env.data_dir} (made once: unpacked if it ships, else generated)")
         files = _generated(spec, env.data_dir, progress, what, exclude, log)
         return TextWorldTasks(files, files[0].parent, env.max_turns, shown)
 
