@@ -17,8 +17,8 @@ pytest.importorskip("textworld")
 
 from rollout_bridge.config import load_config  # noqa: E402
 from rollout_bridge.envs import textworld_games  # noqa: E402
-from rollout_bridge.envs.shipped_games import (INDEX, SHIPPED_DIR, archive_path, pack_game_set,  # noqa: E402
-                                               unpack_shipped_set)
+from rollout_bridge.envs.shipped_games import (INDEX, SHIPPED_DIR, _sha256, archive_path,  # noqa: E402
+                                               pack_game_set, unpack_shipped_set)
 from rollout_bridge.envs.textworld_games import (MANIFEST, GameSetSpec, game_set_folder,  # noqa: E402
                                                  game_signature, generate_game_set)
 from rollout_bridge.envs.textworld_generate import make_and_compile  # noqa: E402
@@ -72,6 +72,11 @@ def test_an_interrupted_unpack_or_generation_is_completed(generated, tmp_path, m
     assert _files(partial) == _files(folder)
 
 
+def _all_members(archive: Path) -> dict[str, bytes]:
+    with tarfile.open(archive, "r:xz") as tar:
+        return {member.name: tar.extractfile(member).read() for member in tar}
+
+
 def _damage(kind: str, shipped: Path, folder_name: str) -> None:
     index_path, archive = shipped / INDEX, archive_path(folder_name, shipped)
     index = json.loads(index_path.read_text())
@@ -81,21 +86,24 @@ def _damage(kind: str, shipped: Path, folder_name: str) -> None:
         archive.write_bytes(bytes(data))
     elif kind == "games digest":
         index[folder_name]["games_digest"] = "0" * 40
-    elif kind == "member outside the folder":
+    else:
+        members = {"../escaped.txt": b"hi"} if kind == "member outside the folder" else {
+            name: data for name, data in _all_members(archive).items() if name != "game_000000.z8"}
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
-            info = tarfile.TarInfo("../escaped.txt")
-            info.size = 2
-            tar.addfile(info, io.BytesIO(b"hi"))
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
         archive.write_bytes(buffer.getvalue())
-        from rollout_bridge.envs.shipped_games import _sha256
         index[folder_name]["sha256"] = _sha256(archive)
     index_path.write_text(json.dumps(index))
 
 
 @pytest.mark.parametrize("kind, reason", [("archive bytes", "does not match its sha256"),
                                           ("games digest", "do not match their digest"),
-                                          ("member outside the folder", "unexpected member '../escaped.txt'")])
+                                          ("member outside the folder", "unexpected member '../escaped.txt'"),
+                                          ("a game's story file missing", "lacks 1 of its games' files (game_000000.z8")])
 def test_an_archive_that_fails_a_check_is_left_alone_and_the_set_generated(generated, tmp_path, kind, reason):
     folder, shipped = generated
     damaged = tmp_path / "shipped"
@@ -164,7 +172,6 @@ def test_the_shipped_archives_are_the_default_recipes_games(tmp_path):
     index = json.loads((SHIPPED_DIR / INDEX).read_text())
     train, held = _default_sets()
     assert sorted(index) == sorted([train, held])
-    from rollout_bridge.envs.shipped_games import _sha256
     for name in (train, held):
         assert _sha256(archive_path(name)) == index[name]["sha256"]
     records = {p.name.split("-")[0]: json.loads(p.read_text())

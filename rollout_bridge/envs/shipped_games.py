@@ -71,6 +71,11 @@ def set_digest(folder: Path, manifest: dict) -> str:
     return game_files_digest(files, [folder / f for f in files])
 
 
+def _game_files(manifest: dict) -> list[str]:
+    """The files of a set's games: each one's `.json`, `.ni` and `.z8`."""
+    return [Path(g["file"]).with_suffix(suffix).name for g in manifest["games"] for suffix in (".json", ".ni", ".z8")]
+
+
 def pack_game_set(folder: str | os.PathLike, shipped_dir: str | os.PathLike = SHIPPED_DIR) -> dict:
     """Pack the complete generated set at `folder` into `shipped_dir/<folder name>.tar.xz`
     and record it in `shipped_dir/shipped.json`; return its index entry."""
@@ -80,8 +85,7 @@ def pack_game_set(folder: str | os.PathLike, shipped_dir: str | os.PathLike = SH
     manifest = _load_manifest(folder)
     if manifest is None:
         raise FileNotFoundError(f"{folder / MANIFEST} is missing: not a complete generated game set")
-    names = [MANIFEST] + sorted(Path(g["file"]).with_suffix(s).name
-                                for g in manifest["games"] for s in (".json", ".ni", ".z8"))
+    names = [MANIFEST] + sorted(_game_files(manifest))
     shipped_dir.mkdir(parents=True, exist_ok=True)
     out = archive_path(folder.name, shipped_dir)
     partial = out.with_name(out.name + ".partial")
@@ -145,21 +149,26 @@ def unpack_shipped_set(folder: str | os.PathLike, spec: dict, version: int,
     archive = archive_path(folder.name, shipped_dir)
     if entry is None or not archive.exists():
         return False
+    start = time.perf_counter()
     if _sha256(archive) != entry["sha256"]:
         return _refuse(f"{archive} does not match its sha256 in {INDEX}", log)
-    start = time.perf_counter()
     staging = folder.parent / f".{folder.name}.unpacking-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         try:
             _extract(archive, staging)
-        except (OSError, EOFError, ValueError, tarfile.TarError, lzma.LZMAError) as error:
-            return _refuse(f"{archive} could not be unpacked: {error}", log)
-        manifest = _load_manifest(staging)
-        if manifest is None or manifest.get("spec") != spec or manifest.get("version") != version:
+            manifest = _load_manifest(staging)
+            same_spec = manifest is not None and manifest.get("spec") == spec and manifest.get("version") == version
+            digest = set_digest(staging, manifest) if same_spec else None
+            missing = [name for name in _game_files(manifest) if not (staging / name).is_file()] if same_spec else []
+        except (OSError, EOFError, ValueError, KeyError, TypeError, tarfile.TarError, lzma.LZMAError) as error:
+            return _refuse(f"{archive} could not be unpacked: {type(error).__name__}: {error}", log)
+        if not same_spec:
             return _refuse(f"{archive} holds another spec or manifest version", log)
-        if set_digest(staging, manifest) != entry["games_digest"]:
+        if missing:
+            return _refuse(f"{archive} lacks {len(missing)} of its games' files ({missing[0]}, ...)", log)
+        if digest != entry["games_digest"]:
             return _refuse(f"the games in {archive} do not match their digest in {INDEX}", log)
         folder.mkdir(parents=True, exist_ok=True)
         for path in sorted(staging.iterdir()):
