@@ -2,7 +2,7 @@
 
 Generating the main job's 1,024 training and 512 held-out games takes 6-7 minutes on 2
 cores, ~70% of it Inform 7's `ni` translating each game's story. The same files, packed
-once into `assets/textworld_games/<set folder>.tar.xz`, are ~11 MB. When a game set's folder
+once into `assets/textworld_games/<set folder>.tar.xz`, are 10 MB. When a game set's folder
 (`textworld_games.game_set_folder`: its spec and exclusions) has such an archive,
 `generate_game_set` unpacks it instead of generating.
 
@@ -36,6 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from rollout_bridge.envs.game_set_manifest import MANIFEST, game_files_digest, load_manifest
+
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "assets" / "textworld_games"
 INDEX = "shipped.json"
 _MEMBER = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -65,8 +67,6 @@ def _read_index(shipped_dir: Path) -> dict:
 
 def set_digest(folder: Path, manifest: dict) -> str:
     """`game_files_digest` of the set's games, named by their file names, in manifest order."""
-    from rollout_bridge.envs.textworld_games import game_files_digest
-
     files = [g["file"] for g in manifest["games"]]
     return game_files_digest(files, [folder / f for f in files])
 
@@ -79,10 +79,8 @@ def _game_files(manifest: dict) -> list[str]:
 def pack_game_set(folder: str | os.PathLike, shipped_dir: str | os.PathLike = SHIPPED_DIR) -> dict:
     """Pack the complete generated set at `folder` into `shipped_dir/<folder name>.tar.xz`
     and record it in `shipped_dir/shipped.json`; return its index entry."""
-    from rollout_bridge.envs.textworld_games import MANIFEST, _load_manifest
-
     folder, shipped_dir = Path(folder), Path(shipped_dir)
-    manifest = _load_manifest(folder)
+    manifest = load_manifest(folder)
     if manifest is None:
         raise FileNotFoundError(f"{folder / MANIFEST} is missing: not a complete generated game set")
     names = [MANIFEST] + sorted(_game_files(manifest))
@@ -142,8 +140,6 @@ def unpack_shipped_set(folder: str | os.PathLike, spec: dict, version: int,
     """Unpack the shipped archive of the set `folder` (named by its spec and exclusions) into
     it; True when done and checked, False (nothing written to `folder`) when there is no
     archive for it or it fails a check. `spec` and `version`: what its manifest must say."""
-    from rollout_bridge.envs.textworld_games import MANIFEST, _load_manifest
-
     folder, shipped_dir = Path(folder), Path(shipped_dir)
     entry = _read_index(shipped_dir).get(folder.name)
     archive = archive_path(folder.name, shipped_dir)
@@ -158,7 +154,7 @@ def unpack_shipped_set(folder: str | os.PathLike, spec: dict, version: int,
     try:
         try:
             _extract(archive, staging)
-            manifest = _load_manifest(staging)
+            manifest = load_manifest(staging)
             same_spec = manifest is not None and manifest.get("spec") == spec and manifest.get("version") == version
             digest = set_digest(staging, manifest) if same_spec else None
             missing = [name for name in _game_files(manifest) if not (staging / name).is_file()] if same_spec else []

@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from rollout_bridge.envs.game_set_manifest import MANIFEST, game_files_digest  # noqa: F401 (re-exported)
+from rollout_bridge.envs.game_set_manifest import load_manifest as _load_manifest
+from rollout_bridge.envs.game_set_manifest import write_manifest as _write_manifest
 from rollout_bridge.envs.process_pool import worker_pool
 from rollout_bridge.envs.shipped_games import SHIPPED_DIR, unpack_shipped_set
 from rollout_bridge.envs.textworld_env import (PLAYABLE_SUFFIXES, list_game_files,  # noqa: F401 (re-exported)
                                                start_game, task_name_for)
-from rollout_bridge.prior import write_json_atomic
 
-MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2   # 2: every game's walkthrough checked to win the compiled game
 
 
@@ -144,39 +144,6 @@ def game_signature(record: dict) -> str:
     """Content identity of a game: objective + walkthrough (names differ across seeds)."""
     text = record["objective"] + "\n" + "\n".join(record["walkthrough"])
     return hashlib.sha1(text.encode()).hexdigest()
-
-
-def game_files_digest(names: Sequence[str], files: Sequence[str | os.PathLike]) -> str:
-    """sha1 over a task set's games in task order: each game's name, then what it is made
-    of. A generated game (a `.z8` with its `.ni` and `.json` beside it) is its Inform 7
-    source and its description with `KB.text_grammars_path` (where textworld is installed)
-    left out, so the same seeds give the same digest on every machine; the `.z8` is not
-    read (it carries its compile date). Any other game file is its own bytes."""
-    digest = hashlib.sha1()
-    for name, file in zip(names, files, strict=True):
-        path = Path(file)
-        digest.update(f"{name}\n".encode())
-        source, description = path.with_suffix(".ni"), path.with_suffix(".json")
-        if path.suffix == ".z8" and source.exists() and description.exists():
-            game = json.loads(description.read_bytes())
-            game.get("KB", {}).pop("text_grammars_path", None)
-            digest.update(source.read_bytes())
-            digest.update(json.dumps(game, sort_keys=True).encode())
-        else:
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _load_manifest(folder: Path) -> dict | None:
-    path = folder / MANIFEST
-    if not path.exists():
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def _write_manifest(folder: Path, manifest: dict) -> None:
-    write_json_atomic(folder / MANIFEST, manifest)   # two jobs generating one set never share a temporary file
 
 
 def game_set_folder(spec: GameSetSpec, data_dir: str | os.PathLike,
