@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from spopp_jax import learner
 from spopp_jax.length_buckets import bucket_lengths, call_at_used_length, cut_positions, used_length
@@ -128,8 +128,12 @@ def _assert_same_step(model_def, params, batch, micro, mini, fraction):
         _step(model_def, params, batch, bucket, micro, mini, fraction) for bucket in (None, 8))
     for key in full:
         np.testing.assert_allclose(float(cut[key]), float(full[key]), rtol=2e-5, atol=1e-6, err_msg=key)
-    # AdamW at lr 1e-3 moves every weight by ~1e-3: 1e-5 is float rounding, a wrong update is not
-    assert_trees_close(cut_state.params, full_state.params, rtol=1e-5, atol=1e-5)
+    # AdamW at lr 1e-3 moves a weight by up to ~1e-3 per mini-batch, a wrong update by that
+    # much. Where a weight's gradient is near Adam's eps (1e-8; a batch of one 2-token row),
+    # g / (|g| + eps) turns the gradient's float rounding into ~1e-5 of movement
+    # (lengths [0, 0, 0, 0, 2, 0, 0, 0], seed 521: 1.04e-5 in one weight of 4,096); the loss,
+    # gradient norm and metrics above are compared at float rounding.
+    assert_trees_close(cut_state.params, full_state.params, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("micro, mini, fraction", [(4, 1, None), (2, 4, 0.25), (1, 2, None), (1, 1, 0.25)])
@@ -147,6 +151,7 @@ def test_train_step_at_used_lengths_equals_the_full_width_step(tiny_model, micro
 @settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.integers(0, 18), min_size=B, max_size=B).filter(lambda v: sum(v) > 0),
        seed=st.integers(0, 2**16))
+@example(lengths=[0, 0, 0, 0, 2, 0, 0, 0], seed=521)   # Adam's eps amplifies rounding (see above)
 def test_property_used_lengths_never_change_the_update(tiny_model, lengths, seed):
     model_def, params = tiny_model
     _assert_same_step(model_def, params, _batch(seed, lengths), 4, 2, 0.25)
