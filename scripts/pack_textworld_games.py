@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from rollout_bridge.envs.shipped_games import SHIPPED_DIR, archive_path, pack_game_set
 
@@ -24,7 +25,7 @@ def main() -> None:
     for folder in args.folders:
         start = time.perf_counter()
         entry = pack_game_set(folder, args.out)
-        size = archive_path(folder.rstrip("/").split("/")[-1], args.out).stat().st_size
+        size = archive_path(Path(folder).name, args.out).stat().st_size
         print(f"{folder}: {entry['num_games']} games, {size / 1e6:.1f} MB, "
               f"packed in {time.perf_counter() - start:.0f}s")
 

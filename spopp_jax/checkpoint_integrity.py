@@ -26,7 +26,8 @@ CHECKSUM_FORMAT = 1
 _BLOCK = 1 << 20
 
 
-def _file_digest(path: Path) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_BLOCK), b""):
@@ -42,7 +43,7 @@ def _data_files(step_dir: Path) -> list[Path]:
 def step_checksums(step_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """{relative path: {"sha256", "bytes"}} of every file under ``step_dir``."""
     step_dir = Path(step_dir)
-    return {str(p.relative_to(step_dir)): {"sha256": _file_digest(p), "bytes": p.stat().st_size}
+    return {str(p.relative_to(step_dir)): {"sha256": file_sha256(p), "bytes": p.stat().st_size}
             for p in _data_files(step_dir)}
 
 
@@ -83,7 +84,7 @@ def find_damage(step_dir: str | os.PathLike) -> str | None:
         size = path.stat().st_size
         if size != expected["bytes"]:
             return f"{name} has {size} bytes, {expected['bytes']} were written (truncated or overwritten)"
-        if _file_digest(path) != expected["sha256"]:
+        if file_sha256(path) != expected["sha256"]:
             return f"{name} does not match its checksum (its bytes changed after the save)"
     return None
 

@@ -17,11 +17,12 @@ pytest.importorskip("textworld")
 
 from rollout_bridge.config import load_config  # noqa: E402
 from rollout_bridge.envs import textworld_games  # noqa: E402
-from rollout_bridge.envs.shipped_games import (INDEX, SHIPPED_DIR, _sha256, archive_path,  # noqa: E402
-                                               pack_game_set, unpack_shipped_set)
+from rollout_bridge.envs.shipped_games import (INDEX, SHIPPED_DIR, archive_path, pack_game_set,  # noqa: E402
+                                               unpack_shipped_set)
 from rollout_bridge.envs.textworld_games import (MANIFEST, GameSetSpec, game_set_folder,  # noqa: E402
                                                  game_signature, generate_game_set)
 from rollout_bridge.envs.textworld_generate import make_and_compile  # noqa: E402
+from spopp_jax.checkpoint_integrity import file_sha256  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = GameSetSpec("tiny", num_games=3, base_seed=0, world_size=1, nb_objects=3, quest_length=1)
@@ -96,7 +97,7 @@ def _damage(kind: str, shipped: Path, folder_name: str) -> None:
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
         archive.write_bytes(buffer.getvalue())
-        index[folder_name]["sha256"] = _sha256(archive)
+        index[folder_name]["sha256"] = file_sha256(archive)
     index_path.write_text(json.dumps(index))
 
 
@@ -173,7 +174,7 @@ def test_the_shipped_archives_are_the_default_recipes_games(tmp_path):
     train, held = _default_sets()
     assert sorted(index) == sorted([train, held])
     for name in (train, held):
-        assert _sha256(archive_path(name)) == index[name]["sha256"]
+        assert file_sha256(archive_path(name)) == index[name]["sha256"]
     records = {p.name.split("-")[0]: json.loads(p.read_text())
                for p in (ROOT / "assets" / "textworld_text_warmstart" / "evaluations").glob("*.json")}
     assert records["prior"]["key"]["tasks"] == index[train]["games_digest"]

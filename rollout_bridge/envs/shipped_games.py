@@ -23,7 +23,6 @@ dictionary large enough to span many games (their story files share most of thei
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import lzma
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 from rollout_bridge.envs.game_set_manifest import MANIFEST, game_files_digest, load_manifest
+from rollout_bridge.prior import write_text_atomic
+from spopp_jax.checkpoint_integrity import file_sha256
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "assets" / "textworld_games"
 INDEX = "shipped.json"
@@ -47,14 +48,6 @@ _XZ_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dic
 
 def archive_path(folder_name: str, shipped_dir: str | os.PathLike = SHIPPED_DIR) -> Path:
     return Path(shipped_dir) / f"{folder_name}.tar.xz"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_index(shipped_dir: Path) -> dict:
@@ -95,11 +88,11 @@ def pack_game_set(folder: str | os.PathLike, shipped_dir: str | os.PathLike = SH
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
     os.replace(partial, out)
-    entry = {"sha256": _sha256(out), "games_digest": set_digest(folder, manifest),
+    entry = {"sha256": file_sha256(out), "games_digest": set_digest(folder, manifest),
              "num_games": len(manifest["games"]), "spec": manifest["spec"]}
     index = _read_index(shipped_dir)
     index[folder.name] = entry
-    (shipped_dir / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    write_text_atomic(shipped_dir / INDEX, json.dumps(index, indent=1, sort_keys=True) + "\n")
     return entry
 
 
@@ -134,6 +127,19 @@ def _refuse(reason: str, log: Callable[[str], None] | None) -> bool:
     return False
 
 
+def _unpacked_set_fault(staging: Path, manifest: dict | None, spec: dict, version: int,
+                        games_digest: str) -> str | None:
+    """What is wrong with the set unpacked at `staging`, or None when it is the set asked for."""
+    if manifest is None or manifest.get("spec") != spec or manifest.get("version") != version:
+        return "it holds another spec or manifest version"
+    missing = [name for name in _game_files(manifest) if not (staging / name).is_file()]
+    if missing:
+        return f"it lacks {len(missing)} of its games' files ({missing[0]}, ...)"
+    if set_digest(staging, manifest) != games_digest:
+        return f"its games do not match their digest in {INDEX}"
+    return None
+
+
 def unpack_shipped_set(folder: str | os.PathLike, spec: dict, version: int,
                        shipped_dir: str | os.PathLike = SHIPPED_DIR,
                        log: Callable[[str], None] | None = None) -> bool:
@@ -146,7 +152,7 @@ def unpack_shipped_set(folder: str | os.PathLike, spec: dict, version: int,
     if entry is None or not archive.exists():
         return False
     start = time.perf_counter()
-    if _sha256(archive) != entry["sha256"]:
+    if file_sha256(archive) != entry["sha256"]:
         return _refuse(f"{archive} does not match its sha256 in {INDEX}", log)
     staging = folder.parent / f".{folder.name}.unpacking-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -155,17 +161,11 @@ def unpack_shipped_set(folder: str | os.PathLike, spec: dict, version: int,
         try:
             _extract(archive, staging)
             manifest = load_manifest(staging)
-            same_spec = manifest is not None and manifest.get("spec") == spec and manifest.get("version") == version
-            digest = set_digest(staging, manifest) if same_spec else None
-            missing = [name for name in _game_files(manifest) if not (staging / name).is_file()] if same_spec else []
+            reason = _unpacked_set_fault(staging, manifest, spec, version, entry["games_digest"])
         except (OSError, EOFError, ValueError, KeyError, TypeError, tarfile.TarError, lzma.LZMAError) as error:
-            return _refuse(f"{archive} could not be unpacked: {type(error).__name__}: {error}", log)
-        if not same_spec:
-            return _refuse(f"{archive} holds another spec or manifest version", log)
-        if missing:
-            return _refuse(f"{archive} lacks {len(missing)} of its games' files ({missing[0]}, ...)", log)
-        if digest != entry["games_digest"]:
-            return _refuse(f"the games in {archive} do not match their digest in {INDEX}", log)
+            reason = f"it could not be unpacked: {type(error).__name__}: {error}"
+        if reason is not None:
+            return _refuse(f"{archive}: {reason}", log)
         folder.mkdir(parents=True, exist_ok=True)
         for path in sorted(staging.iterdir()):
             if path.name != MANIFEST:
