@@ -40,13 +40,14 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
     assert args.rollouts == 16 and rest == ["--steps", "3"]   # train.py flags pass through
 
 
-def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
+def test_two_policies_on_tiny_held_out_games(tmp_path, capsys, monkeypatch):
     """The tiny smoke model, played on 2 generated held-out games, 3 episodes each, as both
     the reference and the compared policy: every game gets 3 trials per policy and the
     printed gain is the job's paired gain of the two records. The copy has the same
     content, so with `prior.cache_dir` its evaluation is the first one's, read back; a
-    run with another seed plays again."""
-    from rollout_bridge import components
+    run with another seed plays again. The job's compilation cache is turned on (its
+    `compilation_cache_dir`), as `train.py` does."""
+    from rollout_bridge import components, run_folder
     from rollout_bridge.envs.kinds import build_env
     from rollout_bridge.job_report import paired_gain
     from rollout_bridge.config import load_config
@@ -63,8 +64,16 @@ def test_two_policies_on_tiny_held_out_games(tmp_path, capsys):
         env.close()
     same = shutil.copytree(policy, tmp_path / "same_weights")
     out = tmp_path / "heldout.json"
+    cache_dirs, enable = [], run_folder.enable_compilation_cache
+
+    def recording(directory):
+        cache_dirs.append(directory)
+        return enable(directory)
+
+    monkeypatch.setattr(run_folder, "enable_compilation_cache", recording)
     records = heldout_eval.main(["--policy", policy, "--policy", str(same), "--rollouts", "3", "--out", str(out),
-                                 *flags])
+                                 *flags, "--compilation_cache_dir", str(tmp_path / "xla")])
+    assert cache_dirs == [str(tmp_path / "xla")]
     assert [r["policy"] for r in records] == [policy, str(same)]
     for record in records:
         assert record["trials"] == [3, 3] and all(0 <= s <= 3 for s in record["successes"])
