@@ -3,8 +3,10 @@
 `metrics.jsonl` in the run folder holds one object per learner update, `{"step": k, ...}`,
 flushed on every write so a crash loses nothing already written. On `--resume` from the
 checkpoint of step k, rows with step > k (work after that checkpoint, about to be redone)
-are dropped first (`MetricsWriter(..., resume_step=k)`), so the file never holds two rows
-for one step. Each checkpoint also holds the rows written since the previous one
+are moved out first (`MetricsWriter(..., resume_step=k)`; a run that starts over, with no
+checkpoint yet, k = 0), so the file never holds two rows for one step; they are kept, as
+written, in `metrics_set_aside/after_step_<k>.jsonl` (as the checkpoints newer than k go to
+`checkpoints_set_aside/`), and one log line says so. Each checkpoint also holds the rows written since the previous one
 (`MetricsWriter.checkpoint_extras`, the checkpoint's extra ``metrics``): a resume rebuilds
 from it any row of that interval that is torn (a line that is not a whole JSON object, e.g.
 a crash or a full disk mid-write) or missing, and says so in one log line.
@@ -26,6 +28,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+SET_ASIDE_FOLDER = "metrics_set_aside"   # rows after a resume's checkpoint: after_step_<k>[-<n>].jsonl
 WANDB_MODES = ("offline", "online")
 WANDB_FOLDER = "wandb"
 
@@ -142,7 +145,8 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self._since_checkpoint: list[dict] = []
-        if resume_step is None:
+        if resume_step is None:   # RL starts over: rows of an attempt that made no checkpoint are set aside
+            self._set_aside(scan_metrics(self.path)[0], 0)
             kept: list[dict] = []
         else:
             kept = self._rows_to_keep(resume_step, checkpoints_dir)
@@ -163,6 +167,7 @@ class MetricsWriter:
         """Rows up to ``resume_step``, one per step; rows of the checkpoint's interval
         that are torn or missing come back from the checkpoint (one log line)."""
         rows, torn = scan_metrics(self.path)
+        self._set_aside([r for r in rows if r["step"] > resume_step], resume_step)
         by_step = {r["step"]: r for r in rows if r["step"] <= resume_step}
         saved = checkpoint_rows(checkpoints_dir or self.run_dir / "checkpoints", resume_step)
         rebuilt = [r["step"] for r in saved if r["step"] not in by_step]
@@ -173,6 +178,25 @@ class MetricsWriter:
                   + (f"rows of steps {rebuilt} rebuilt from checkpoint {resume_step}" if rebuilt
                      else "no row up to the checkpoint was lost"), flush=True)
         return [by_step[s] for s in sorted(by_step)]
+
+    def _set_aside(self, later: list[dict], resume_step: int) -> None:
+        """Keep the rows of the work after checkpoint ``resume_step`` (redone now) in a file
+        of their own under `SET_ASIDE_FOLDER`, a new one per resume (one log line)."""
+        if not later:
+            return
+        folder = self.run_dir / SET_ASIDE_FOLDER
+        folder.mkdir(exist_ok=True)
+        target, n = folder / f"after_step_{resume_step}.jsonl", 1
+        while target.exists():
+            n += 1
+            target = folder / f"after_step_{resume_step}-{n}.jsonl"
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in later))
+        os.replace(tmp, target)
+        steps = sorted({r["step"] for r in later})
+        redone = f"after checkpoint {resume_step}" if resume_step else "no checkpoint: RL starts over"
+        print(f"metrics: rows of steps {steps[0]}-{steps[-1]} ({redone}, about to be redone) set aside in "
+              f"{target}", flush=True)
 
     def checkpoint_extras(self) -> dict[str, Any]:
         """``{"metrics": ...}`` for a checkpoint's extras: the rows written since the

@@ -245,7 +245,7 @@ def test_trailing_mean_against_loop():
         trailing_mean(values, 0)
 
 
-def test_metrics_writer_resume_drops_rows_after_checkpoint(tmp_path):
+def test_metrics_writer_resume_sets_aside_rows_after_checkpoint(tmp_path, capsys):
     with MetricsWriter(tmp_path, tensorboard=True) as writer:
         for step in range(1, 6):
             writer.write(step, {"success_rate": step / 10, "flag": True, "text": "ignored",
@@ -261,6 +261,22 @@ def test_metrics_writer_resume_drops_rows_after_checkpoint(tmp_path):
         writer.write(4, {"success_rate": 0.9})
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["success_rate"]) for r in rows] == [(1, .1), (2, .2), (3, .3), (4, .9)]
+    # the rows of the work redone are kept, as written, one file per resume
+    aside = tmp_path / "metrics_set_aside"
+    assert read_metrics(aside / "after_step_3.jsonl") == [{"step": 4, "success_rate": 0.4, "flag": 1},
+                                                          {"step": 5, "success_rate": 0.5, "flag": 1}]
+    assert "rows of steps 4-5 (after checkpoint 3, about to be redone) set aside" in capsys.readouterr().out
+    with MetricsWriter(tmp_path, tensorboard=False, resume_step=3):
+        pass
+    assert read_metrics(aside / "after_step_3-2.jsonl") == [{"step": 4, "success_rate": 0.9}]
+    with MetricsWriter(tmp_path, tensorboard=False, resume_step=3):   # nothing after step 3: no file
+        pass
+    assert sorted(p.name for p in aside.iterdir()) == ["after_step_3-2.jsonl", "after_step_3.jsonl"]
+    with MetricsWriter(tmp_path, tensorboard=False):   # RL starts over (no checkpoint): every row
+        pass
+    assert [r["step"] for r in read_metrics(aside / "after_step_0.jsonl")] == [1, 2, 3]
+    assert "rows of steps 1-3 (no checkpoint: RL starts over, about to be redone)" in capsys.readouterr().out
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
     png = plot_learning_curve(rows, tmp_path / "curve.png",
                               reference_lines={"before": 0.25, "after": 0.5, "none": None})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,7 @@
 """Interrupts: Ctrl-C (SIGINT) and SIGTERM end train.py with one line saying what the run
 folder keeps and the command that continues it, at any stage (including while XLA
-compiles); a torn metrics.jsonl line is rebuilt from the checkpoint on `--resume`.
+compiles); a torn metrics.jsonl line is rebuilt from the checkpoint on `--resume`, and the rows of the
+work redone after a resume are set aside, not deleted.
 
 The signal is sent from outside, as a terminal or a scheduler would, once the job's log
 shows the stage (`tests/reliability/fault_loop.py` sends them at random moments)."""
@@ -107,3 +108,29 @@ def test_torn_metrics_row_is_rebuilt_from_the_checkpoint(tmp_path, capsys):
     assert "1 torn line(s)" in said and "rows of steps [2] rebuilt from checkpoint 2" in said
     assert read_metrics(path) == written
     assert path.read_text().endswith("\n")
+
+
+@covers(Row("interrupt", "`--resume --resume_step 1` on a run whose metrics.jsonl holds rows 1-3 (the work "
+            "after checkpoint 1 is redone)",
+            "one line 'metrics: rows of steps 2-3 (after checkpoint 1, about to be redone) set aside in "
+            "R/metrics_set_aside/after_step_1.jsonl'",
+            "metrics.jsonl keeps row 1 only, so no step has two rows; rows 2-3 are kept as written, a new "
+            "file per resume (after_step_1-2.jsonl, ...), as checkpoints 2-3 go to checkpoints_set_aside/; "
+            "a run resumed with no checkpoint yet (RL starts over) sets every row aside (after_step_0.jsonl)",
+            kind="fault"))
+def test_rows_after_the_resumed_checkpoint_are_set_aside(tmp_path, capsys):
+    from rollout_bridge.metrics import MetricsWriter, read_metrics
+
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    written = [writer.write(step, {"success_rate": 0.25 * step}) for step in (1, 2, 3)]
+    writer.close()
+    capsys.readouterr()
+    MetricsWriter(tmp_path, tensorboard=False, resume_step=1).close()
+    aside = tmp_path / "metrics_set_aside" / "after_step_1.jsonl"
+    assert f"metrics: rows of steps 2-3 (after checkpoint 1, about to be redone) set aside in {aside}" \
+        in capsys.readouterr().out
+    assert read_metrics(tmp_path / "metrics.jsonl") == written[:1]
+    assert read_metrics(aside) == written[1:]
+    MetricsWriter(tmp_path, tensorboard=False).close()       # no checkpoint: RL starts over
+    assert read_metrics(aside.with_name("after_step_0.jsonl")) == written[:1]
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
