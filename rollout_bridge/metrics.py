@@ -6,10 +6,11 @@ checkpoint of step k, rows with step > k (work after that checkpoint, about to b
 are moved out first (`MetricsWriter(..., resume_step=k)`; a run that starts over, with no
 checkpoint yet, k = 0), so the file never holds two rows for one step; they are kept, as
 written, in `metrics_set_aside/after_step_<k>.jsonl` (as the checkpoints newer than k go to
-`checkpoints_set_aside/`), and one log line says so. Each checkpoint also holds the rows written since the previous one
-(`MetricsWriter.checkpoint_extras`, the checkpoint's extra ``metrics``): a resume rebuilds
-from it any row of that interval that is torn (a line that is not a whole JSON object, e.g.
-a crash or a full disk mid-write) or missing, and says so in one log line.
+`checkpoints_set_aside/`), and one log line says so. Each checkpoint also holds the rows
+written since the previous one (`MetricsWriter.checkpoint_extras`, the checkpoint's extra
+``metrics``): a resume rebuilds from it any row of that interval that is torn (a line that
+is not a whole JSON object, e.g. a crash or a full disk mid-write) or missing, and says so
+in one log line.
 
 Optional Weights & Biases sink (`WandbSink`, the `wandb` extra: `pip install
 'spopp-jax[wandb]'`): off by default; `offline` mode (the default when on) writes the run

@@ -13,9 +13,10 @@ games differ. More episodes per game shrink that part. Everything else is the jo
 `configs/default.yaml` plus the flags given (so the same held-out games, the same agent
 loop, the same engine settings and evaluation seed: `rollout_bridge.evaluation.evaluate_policy`), each policy
 on a fresh engine, with the job's compilation cache (`compilation_cache_dir`): the engine's
-~140 prefill programs are read back instead of compiled again (~0.5 s each on 2 CPU cores). The first `--policy` is the reference (e.g. the warm start); the gain of
-each later one is mean_g(after_g - before_g) with SE std_g / sqrt(G) over the G held-out
-games (`rollout_bridge.job_report.paired_gain`, the job's formula).
+~140 prefill programs are read back instead of compiled again (~0.5 s each on 2 CPU cores).
+The first `--policy` is the reference (e.g. the warm start); the gain of each later one is
+mean_g(after_g - before_g) with SE std_g / sqrt(G) over the G held-out games
+(`rollout_bridge.job_report.paired_gain`, the job's formula).
 """
 
 from __future__ import annotations
