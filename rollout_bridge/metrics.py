@@ -28,6 +28,8 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from rollout_bridge.prior import write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 SET_ASIDE_FOLDER = "metrics_set_aside"   # rows after a resume's checkpoint: after_step_<k>[-<n>].jsonl
 WANDB_MODES = ("offline", "online")
@@ -63,6 +65,11 @@ def scan_metrics(path: str | os.PathLike) -> tuple[list[dict], int]:
             elif raw.strip():
                 torn += 1
     return rows, torn
+
+
+def _jsonl(rows: Iterable[dict]) -> str:
+    """``rows`` as metrics.jsonl lines (one JSON object per line)."""
+    return "".join(json.dumps(row) + "\n" for row in rows)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -151,11 +158,7 @@ class MetricsWriter:
             kept: list[dict] = []
         else:
             kept = self._rows_to_keep(resume_step, checkpoints_dir)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            for row in kept:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, _jsonl(kept))
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
@@ -191,9 +194,7 @@ class MetricsWriter:
         while target.exists():
             n += 1
             target = folder / f"after_step_{resume_step}-{n}.jsonl"
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in later))
-        os.replace(tmp, target)
+        write_text_atomic(target, _jsonl(later))
         steps = sorted({r["step"] for r in later})
         redone = f"after checkpoint {resume_step}" if resume_step else "no checkpoint: RL starts over"
         print(f"metrics: rows of steps {steps[0]}-{steps[-1]} ({redone}, about to be redone) set aside in "
