@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.atomic_files import write_json_atomic
 from rollout_bridge.run_folder import WARMSTART_RECORD_NAME, folder_digest
 
 EVALUATION_SCHEME = "common random numbers 1"   # derived_seed(evaluation seed, task, round)

@@ -14,7 +14,7 @@ import numpy as np
 
 from rollout_bridge.learning_curve import plot_job_curve
 from rollout_bridge.metrics import read_metrics
-from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.atomic_files import write_json_atomic
 from rollout_bridge.run_folder import RunPaths, log
 from rollout_bridge.run_report import (event_order, final_line, lag_histogram, log_regime, reference_name,
                                        stage_times)

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from rollout_bridge.prior import write_text_atomic
+from rollout_bridge.atomic_files import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SET_ASIDE_FOLDER = "metrics_set_aside"   # rows after a resume's checkpoint: after_step_<k>[-<n>].jsonl

@@ -14,10 +14,8 @@ The prior file is JSON: {"num_tasks", "rollouts_per_task", "mass", "successes",
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -100,33 +98,6 @@ def prior_record(successes: Sequence[int], trials: Sequence[int], mass: float) -
         "beta0": np.asarray(beta0, np.float64).tolist(),
         "success_rate": float(successes.sum() / total) if total else float("nan"),
     }
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` whole or not at all: a temporary file of its own in
-    the same folder (two processes writing one file at once, e.g. two jobs generating one
-    game set or one shared cache record, never share it), flushed to disk, then renamed over
-    ``path``; a reader sees the old file or the new one, and no temporary file is left."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask's mode, as open() gives
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_json_atomic(path: str | os.PathLike, record: dict) -> Path:
-    """``record`` as indented JSON, written by `write_text_atomic`."""
-    return write_text_atomic(path, json.dumps(record, indent=1))
 
 
 def read_prior_file(path: str | os.PathLike, num_tasks: int) -> tuple[np.ndarray, np.ndarray]:

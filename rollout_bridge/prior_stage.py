@@ -16,7 +16,8 @@ import numpy as np
 from rollout_bridge.components import load_policy
 from rollout_bridge.evaluation import evaluation_seed, success_rollouts
 from rollout_bridge.evaluation_cache import EVALUATION_SCHEME, find_record, policy_digest, tasks_digest, write_cached
-from rollout_bridge.prior import prior_record, read_prior_file, write_json_atomic
+from rollout_bridge.atomic_files import write_json_atomic
+from rollout_bridge.prior import prior_record, read_prior_file
 from rollout_bridge.run_errors import UserError
 from rollout_bridge.run_folder import RunPaths, fixed_policy_key, log
 from rollout_bridge.run_report import prior_text

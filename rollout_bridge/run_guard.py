@@ -156,7 +156,7 @@ def _start_policy(cfg) -> dict | None:
 def record_start_policy(cfg, paths) -> None:
     """Keep the starting policy's content in ``start_policy.json`` (before any checkpoint is
     trained from it) for ``--resume`` to compare (`check_start_policy`)."""
-    from rollout_bridge.prior import write_json_atomic
+    from rollout_bridge.atomic_files import write_json_atomic
 
     start = _start_policy(cfg)
     record = Path(paths.root) / START_POLICY_FILE
@@ -191,7 +191,7 @@ def check_start_policy(cfg, paths, log: Callable[[str], None] = _log) -> None:
 def check_resume(cfg, paths, log: Callable[[str], None] = _log) -> int | None:
     """The checkpoint step ``--resume`` continues from (None: none, RL starts afresh)."""
     from rollout_bridge.run_folder import checkpoint_key
-    from rollout_bridge.prior import write_json_atomic
+    from rollout_bridge.atomic_files import write_json_atomic
     from spopp_jax.checkpoint import config_differences
     from spopp_jax.checkpoint_integrity import find_damage
 

@@ -69,7 +69,7 @@ def ensure_tiny_model(folder: str | os.PathLike, corpus: Iterable[str],
     call builds again."""
     from spopp_jax.models import ModelConfig, init_model, save_pretrained
 
-    from rollout_bridge.prior import write_json_atomic
+    from rollout_bridge.atomic_files import write_json_atomic
     from rollout_bridge.run_lock import folder_flock
     from rollout_bridge.tokenizer import build_tiny_tokenizer
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.atomic_files import write_json_atomic
 from rollout_bridge.progress_lines import show_bar
 from rollout_bridge.run_folder import RunPaths, folder_digest, log, stage_key
 

@@ -325,7 +325,7 @@ async def evaluate_run(job, run: Run, steps: Sequence[int], mix: TaskMix, record
     unchanged (``reusable``; a stopped yardstick loses at most the step it was on), or
     copied from another run's record of the same key (``twin_record``: a shared start)."""
     from rollout_bridge.components import load_chat
-    from rollout_bridge.prior import write_json_atomic
+    from rollout_bridge.atomic_files import write_json_atomic
 
     chat = load_chat(run.start_folder, job.env.chat_tools)
     out = []

@@ -83,7 +83,7 @@ def machine_text() -> str:
 def write_record(out: Path, record: dict) -> Path:
     """``<out>/yardstick.json``: one line (the per-task records of every run and step are long),
     written whole by `write_text_atomic` (a temporary file of its own, then renamed)."""
-    from rollout_bridge.prior import write_text_atomic
+    from rollout_bridge.atomic_files import write_text_atomic
 
     return write_text_atomic(out / "yardstick.json", json.dumps(record, separators=(",", ":")) + "\n")
 

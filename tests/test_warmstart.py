@@ -16,7 +16,8 @@ from rollout_bridge.engine.fake import FakeEngine, ScriptedReply
 from rollout_bridge.envs.textworld_env import ObservationStyle, TextWorldEnv, TextWorldTasks
 from rollout_bridge.envs.textworld_games import GameSetSpec, generate_game_set
 from rollout_bridge.metrics import MetricsWriter, plot_learning_curve, read_metrics, trailing_mean
-from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes, write_json_atomic
+from rollout_bridge.atomic_files import write_json_atomic
+from rollout_bridge.prior import prior_record, read_prior_file, rollout_successes
 from rollout_bridge.tokenizer import build_tiny_tokenizer
 from rollout_bridge.trajectory import DispatchStamp
 from rollout_bridge.warmstart import (

@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 from rollout_bridge.envs.process_pool import worker_pool
 from rollout_bridge.envs.alfworld_env import (GAME_FILE, GAME_KEYS, AlfredPddlGame,  # noqa: F401 (re-exported)
                                             GameFileError, read_game_file)
-from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.atomic_files import write_json_atomic
 
 TASK_TYPES = (
     "pick_and_place_simple",

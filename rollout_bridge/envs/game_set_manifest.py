@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from rollout_bridge.prior import write_json_atomic
+from rollout_bridge.atomic_files import write_json_atomic
 
 MANIFEST = "manifest.json"
 

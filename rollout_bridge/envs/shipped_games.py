@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from rollout_bridge.envs.game_set_manifest import MANIFEST, game_files_digest, load_manifest
-from rollout_bridge.prior import write_text_atomic
+from rollout_bridge.atomic_files import write_text_atomic
 from spopp_jax.checkpoint_integrity import file_sha256
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "assets" / "textworld_games"

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_bridge.envs.process_pool import worker_pool
-from rollout_bridge.prior import write_text_atomic
+from rollout_bridge.atomic_files import write_text_atomic
 
 CACHE_NAME = "blind_ceiling.json"
 

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_bridge.envs.math_tir.tool_format import ToolFormat, parse_call, render_call, render_response
-from rollout_bridge.prior import write_text_atomic
+from rollout_bridge.atomic_files import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
