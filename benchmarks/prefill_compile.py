@@ -1,16 +1,20 @@
-"""The embedded engine's prefill compiles: on a background thread (calls padded to a compiled
-larger shape meanwhile) against on the scheduler thread, on the main job's held-out evaluation.
+"""The embedded engine's prefill programs on the main job's held-out evaluation: compiled on
+a background thread (calls padded to a compiled larger shape meanwhile) against on the
+scheduler thread (`--compare background`), or loaded from the program store against traced
+and lowered in every process (`--compare program_store`).
 
     python benchmarks/prefill_compile.py --rounds 2            # cold: an empty compilation cache per run
     python benchmarks/prefill_compile.py --rounds 2 --warm     # the cache already holds every executable
+    python benchmarks/prefill_compile.py --rounds 2 --warm --compare program_store
 
 Each run is `scripts/heldout_eval.py` in its own process (configs/default.yaml, the shipped
 warm start, `--rollouts` episodes per held-out game, a fresh evaluation cache so it plays),
-with `--rollout.engine.background_compile` true or false; the time is the evaluation's own
+with the compared `--rollout.engine` setting true or false; the time is the evaluation's own
 (`wall_s`: engine, games and compiles, not the process start). Cold: every run gets an
 empty JAX compilation cache, as a first run of a fresh clone does (the engine compiles
-every prefill shape it meets). Warm: a shared cache filled by one run of each system
-first; the executables are read back, but each new shape is still traced and lowered.
+every prefill shape it meets; with the program store it also writes each one there). Warm:
+a shared cache filled by one run of each system first; the executables are read back, but
+without the program store each new shape is still traced and lowered.
 Systems alternate within a round (interleaved rounds, `_protocol`); the 1-minute load is
 printed per round; the engine's own threads keep it near the core count, so rounds are
 kept up to `--max-load-excess` above it (default 1.5).
@@ -33,13 +37,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _hardware import cpu_model  # noqa: E402
 from _protocol import headline, interleaved_rounds  # noqa: E402
 
-SYSTEMS = {"background": "true", "inline": "false"}
+COMPARISONS = {  # --compare: the rollout.engine setting, and its systems (ours first) by value
+    "background": ("background_compile", {"background": "true", "inline": "false"}),
+    "program_store": ("program_store", {"stored": "true", "traced": "false"}),
+}
 
 
 OUTCOMES: dict[str, list] = {}  # system -> the per-game successes of each of its runs
 
 
-def evaluation_seconds(background: str, cache_dir: str, rollouts: int, policy: str) -> float:
+def evaluation_seconds(setting: str, value: str, cache_dir: str, rollouts: int, policy: str) -> float:
     """One held-out evaluation in its own process; its own wall time (s). Its per-game
     successes are kept in OUTCOMES."""
     with tempfile.TemporaryDirectory(prefix="prefill_compile_") as scratch:
@@ -49,12 +56,12 @@ def evaluation_seconds(background: str, cache_dir: str, rollouts: int, policy: s
         command = [sys.executable, str(ROOT / "scripts" / "heldout_eval.py"), "--rollouts", str(rollouts),
                    "--policy", policy, "--policy", policy, "--out", str(out), "--progress", "false",
                    "--prior.cache_dir", str(Path(scratch) / "evaluations"),
-                   "--rollout.engine.background_compile", background]
+                   f"--rollout.engine.{setting}", value]
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"heldout_eval failed ({done.returncode}):\n{done.stderr[-3000:]}")
         record = json.loads(out.read_text())["policies"][0]
-        OUTCOMES.setdefault(background, []).append(record["successes"])
+        OUTCOMES.setdefault(value, []).append(record["successes"])
         return float(record["wall_s"])
 
 
@@ -64,27 +71,30 @@ def main(argv=None) -> None:
     parser.add_argument("--warm", action="store_true", help="a compilation cache that holds every executable")
     parser.add_argument("--rollouts", type=int, default=1, help="episodes per held-out game (512 games)")
     parser.add_argument("--policy", default=str(ROOT / "assets" / "textworld_text_warmstart"))
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="background")
     parser.add_argument("--max-load-excess", type=float, default=1.5)
     args = parser.parse_args(argv)
+    setting, systems = COMPARISONS[args.compare]
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); load {os.getloadavg()[0]:.2f} at the start; "
-          f"{'warm' if args.warm else 'cold'} compilation cache; {args.rollouts} x 512 held-out episodes per run",
+          f"{'warm' if args.warm else 'cold'} compilation cache; {args.rollouts} x 512 held-out episodes per run; "
+          f"rollout.engine.{setting} compared",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="prefill_compile_cache_") as shared:
         def cache() -> str:
             return shared if args.warm else tempfile.mkdtemp(prefix="cold_", dir=shared)
 
         if args.warm:
-            for name, flag in SYSTEMS.items():
-                print(f"warming the cache with {name}: {evaluation_seconds(flag, shared, args.rollouts, args.policy):.1f} s",
-                      flush=True)
+            for name, flag in systems.items():
+                seconds = evaluation_seconds(setting, flag, shared, args.rollouts, args.policy)
+                print(f"warming the cache with {name}: {seconds:.1f} s", flush=True)
         timings = interleaved_rounds(
-            {name: (lambda flag=flag: evaluation_seconds(flag, cache(), args.rollouts, args.policy))
-             for name, flag in SYSTEMS.items()},
+            {name: (lambda flag=flag: evaluation_seconds(setting, flag, cache(), args.rollouts, args.policy))
+             for name, flag in systems.items()},
             args.rounds, max_load_excess=args.max_load_excess, self_timed=True)
-    for name in SYSTEMS:
+    for name in systems:
         median, low, high = timings.summary(name)
         print(f"{name:12s} {median:7.1f} s  [{low:.1f}, {high:.1f}]")
-    print(headline(timings, "background", "inline"))
+    print(headline(timings, *systems))
     runs = [successes for per_system in OUTCOMES.values() for successes in per_system]
     same = all(successes == runs[0] for successes in runs)
     print(f"per-game successes of all {len(runs)} runs identical: {'yes' if same else 'NO'} "

@@ -58,6 +58,8 @@ UNKEYED = [
     ("rollout.engine.prefix_reuse_across_publish", "true", "rollout.temperature", "0.5"),
     # float rounding only: a prefill padded to a larger compiled shape while its own compiles
     ("rollout.engine.background_compile", "true", "rollout.temperature", "0.5"),
+    # the same executables, loaded from disk instead of compiled
+    ("rollout.engine.program_store", "false", "rollout.temperature", "0.5"),
     # the learner's batch layout: the same loss and gradient, nothing the rollouts play
     ("rollout.pack_rows", "true", "rollout.max_new_tokens", "20"),
     # a finished run printed beside the agent's success, read for the report only
@@ -132,7 +134,7 @@ def test_two_jobs_writing_one_cache_record_at_once_both_succeed(tmp_path, monkey
     rename, must neither fail nor leave a torn file or a temporary behind."""
     import os
 
-    from rollout_bridge import prior as prior_module
+    from rollout_bridge import atomic_files
 
     path = tmp_path / "cache" / "evaluation-x.json"
     real_replace = os.replace
@@ -141,11 +143,11 @@ def test_two_jobs_writing_one_cache_record_at_once_both_succeed(tmp_path, monkey
     def replace_after_a_second_writer(src, dst):
         if not raced:
             raced.append(src)
-            prior_module.write_json_atomic(path, {"writer": 2})   # the other job, mid-way through ours
+            atomic_files.write_json_atomic(path, {"writer": 2})   # the other job, mid-way through ours
         real_replace(src, dst)
 
-    monkeypatch.setattr(prior_module.os, "replace", replace_after_a_second_writer)
-    prior_module.write_json_atomic(path, {"writer": 1})
+    monkeypatch.setattr(atomic_files.os, "replace", replace_after_a_second_writer)
+    atomic_files.write_json_atomic(path, {"writer": 1})
     assert json.loads(path.read_text()) in ({"writer": 1}, {"writer": 2})
     assert [p.name for p in path.parent.iterdir()] == [path.name]                 # no temporary left
     assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())            # as open() would make it

@@ -407,6 +407,25 @@ def test_prefill_is_bucketed_and_decode_compiles_once(model_a):
     assert decode1 - decode0 <= 1
 
 
+def test_a_failed_prefill_fails_its_requests_instead_of_hanging_them(model_a, monkeypatch):
+    """A prefill that raises (a compile error, memory) stops the engine: the requests it was
+    admitting, and those queued behind them, fail with the engine's error."""
+    from rollout_bridge.engine import jax_engine
+
+    def broken_batch(*args):
+        raise MemoryError("no room for the prefill")
+
+    monkeypatch.setattr(jax_engine, "_requests_batch", broken_batch)
+
+    async def body(engine):
+        calls = [engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2)) for _ in range(6)]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+
+    outcomes = run(with_engine(model_a, body))
+    assert len(outcomes) == 6
+    assert all(isinstance(o, RuntimeError) and "no room for the prefill" in str(o) for o in outcomes)
+
+
 @pytest.mark.parametrize("n", list(range(1, 130)) + [1000, 1025, 1537, 2047])
 def test_fine_bucket_pads_less_than_half(n):
     """Sizes 2^k or 3 * 2^(k-1): never below n, under 1.5 n, clipped to [minimum, maximum]."""

@@ -18,7 +18,9 @@ of ``slot_decode``:
   its rows reach (at least 256 positions), not all ``max_len`` positions. With
   ``background_compile`` a shape met for the first time compiles on a background thread
   while its calls run padded to a compiled larger shape (``prefill_programs``), so a
-  compile does not stop the decoding slots.
+  compile does not stop the decoding slots. With JAX's persistent compilation cache on,
+  the prefill programs are also kept traced and lowered beside it (``program_store``): a
+  new process compiles them (from that cache) without tracing the model again.
 * Prefix reuse (multi-turn agents): a finished request leaves its slot's cache rows
   holding its prompt and all its tokens but the last. A later request whose prompt
   extends that whole sequence (the next turn of the same conversation: history, reply,
@@ -79,6 +81,7 @@ from rollout_bridge.engine import slot_decode
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
 from rollout_bridge.engine.choice import EngineConfig, check
 from rollout_bridge.engine.prefill_programs import PrefillPrograms, background_compiler
+from rollout_bridge.engine.program_store import ProgramStore, store_for
 from spopp_jax.models.cache import AttentionCache
 
 
@@ -247,6 +250,9 @@ class JaxEngine(RolloutEngine):
       background_compile: compile a new prefill shape on a background thread and run its
         calls padded to a compiled larger shape meanwhile (``prefill_programs``); off:
         the scheduler compiles it before the call.
+      program_store: with JAX's persistent compilation cache on, keep the prefill programs
+        exported (traced and lowered) beside it, so a later process skips that work
+        (``program_store``); off: every process traces and lowers each shape it meets.
     """
 
     supports_inflight_publish = True
@@ -266,6 +272,7 @@ class JaxEngine(RolloutEngine):
         prefix_reuse: bool = True,
         prefix_reuse_across_publish: bool = False,
         background_compile: bool = False,
+        program_store: bool = True,
     ):
         self.publish_stats = PublishStats()
         self.prefix_stats = PrefixStats()
@@ -274,6 +281,7 @@ class JaxEngine(RolloutEngine):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         graphdef, params = nnx.split(model)
+        self._graphdef = graphdef
         param_leaves, self._param_treedef = jax.tree.flatten(params)
         self._param_leaves = tuple(_copy_tree(param_leaves))
         self._param_specs = [(x.shape, x.dtype) for x in self._param_leaves]
@@ -294,6 +302,7 @@ class JaxEngine(RolloutEngine):
             isinstance(layer, AttentionCache) for layer in self._state.cache)
         self._transitions = _transitions_for(graphdef, self._param_treedef)
         self._background_compile = bool(background_compile)
+        self._program_store = bool(program_store)
         self._prefill = self._prefill_programs()
         self._release = _RELEASE
 
@@ -556,15 +565,11 @@ class JaxEngine(RolloutEngine):
             admitted.append((slot, request))
         if not admitted:
             return
-        for group in self._prefill_groups(admitted):
-            rows = self.shape_bucket(len(group), 1, self._num_slots)
-            width = self.shape_bucket(max(len(r.prompt_ids) - 1 - r.start for _, r in group),
-                                      self._min_prefill_len, self._max_len)
-            key_len = self.shape_bucket(max(len(r.prompt_ids) - 1 for _, r in group),
-                                        max(width, self.min_key_window), self._max_len)
-            (rows, width, key_len), program = self._prefill.program((rows, width, key_len))
-            batch = _requests_batch(group, rows, width, self._num_slots, self._max_stop_tokens)
-            self._state = program(self._param_leaves, self._state, batch)
+        try:
+            self._prefill_admitted(admitted)
+        except BaseException:  # back in the queue, so the engine's failure reaches their callers
+            self._pending.extendleft(reversed([request for _, request in admitted]))
+            raise
         for slot, request in admitted:
             self._slots[slot] = request
             self._kept[slot] = None
@@ -576,6 +581,18 @@ class JaxEngine(RolloutEngine):
                 self.prefix_stats.stale_reused_requests += 1
                 self.prefix_stats.stale_reused_tokens += request.start
 
+    def _prefill_admitted(self, admitted: list[tuple[int, _Request]]) -> None:
+        """Prefill the admitted requests into their slots: one call per width class."""
+        for group in self._prefill_groups(admitted):
+            rows = self.shape_bucket(len(group), 1, self._num_slots)
+            width = self.shape_bucket(max(len(r.prompt_ids) - 1 - r.start for _, r in group),
+                                      self._min_prefill_len, self._max_len)
+            key_len = self.shape_bucket(max(len(r.prompt_ids) - 1 for _, r in group),
+                                        max(width, self.min_key_window), self._max_len)
+            (rows, width, key_len), program = self._prefill.program((rows, width, key_len))
+            batch = _requests_batch(group, rows, width, self._num_slots, self._max_stop_tokens)
+            self._state = program(self._param_leaves, self._state, batch)
+
     def _prefill_programs(self) -> PrefillPrograms:
         """The compiled prefill programs for this engine's parameter and state layout (shapes,
         dtypes, shardings), shared with every engine of the same model structure and layout."""
@@ -583,15 +600,20 @@ class JaxEngine(RolloutEngine):
         params = tuple(spec(x) for x in self._param_leaves)
         state = jax.tree.map(spec, self._state)
         key = (params, tuple(jax.tree.leaves(state)), self._num_slots, self._max_stop_tokens,
-               self._background_compile)
+               self._background_compile, self._program_store)
         programs = self._transitions.prefill.get(key)
         if programs is None:
             admit, num_slots, max_stop = self._transitions.admit, self._num_slots, self._max_stop_tokens
 
+            store = store_for((self._graphdef, self._param_treedef)) if self._program_store else None
+            layout = repr(key)
+
             def compile_shape(shape):
                 rows, width, window = shape
                 batch = _requests_batch([], rows, width, num_slots, max_stop)
-                return admit.lower(params, state, batch, window).compile()
+                if store is None:
+                    return admit.lower(params, state, batch, window).compile()
+                return _compile_stored(store, ("admit", layout, shape), admit, window, params, state, batch)
 
             submit = background_compiler().submit if self._background_compile else None
             programs = self._transitions.prefill.setdefault(key, PrefillPrograms(compile_shape, submit))
@@ -712,6 +734,24 @@ class JaxEngine(RolloutEngine):
             _notify(waiter.loop, waiter.future, error=RuntimeError(f"JaxEngine stopped: {error!r}"))
 
 
+def _compile_stored(store: ProgramStore, parts: Any, admit: Callable, window: int, params, state, batch):
+    """``admit`` at these argument specs and ``window``, compiled from the store's program under
+    ``parts`` (exported now and stored when missing). The program is exported over the flat
+    argument leaves, so no pytree type of the engine needs registering with ``jax.export``."""
+    leaves, in_tree = jax.tree.flatten((params, state, batch))
+    state_tree = jax.tree.structure(state)
+
+    def flat_admit(*flat):
+        return tuple(jax.tree.leaves(admit(*in_tree.unflatten(flat), window)))
+
+    exported = store.exported(parts, lambda: jax.export.export(jax.jit(flat_admit))(*leaves))
+
+    def stored_admit(params, state, batch):
+        return state_tree.unflatten(exported.call(*jax.tree.leaves((params, state, batch))))
+
+    return jax.jit(stored_admit, donate_argnums=1).lower(params, state, batch).compile()
+
+
 def _copy_tree(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
@@ -778,11 +818,15 @@ class JaxEngineConfig(EngineConfig):
     thread while its calls run padded to a larger compiled shape (``prefill_programs``; the
     same tokens up to float rounding); off by default: on 2 CPU cores it sped up a cold
     evaluation but slowed a cold RL run, whose learner lost the CPU the compiles and padded
-    calls took (docs/PERFORMANCE.md)."""
+    calls took (docs/PERFORMANCE.md). ``program_store``: with the job's compilation cache on
+    (`compilation_cache_dir`), keep the prefill programs exported (traced and lowered) in its
+    ``prefill_programs`` folder, so a later run skips that work (``program_store``); false:
+    every run traces and lowers each prefill shape again."""
 
     steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
     background_compile: bool = False
+    program_store: bool = True
 
     def __post_init__(self):
         check(self.steps_per_call > 0, "rollout.engine.steps_per_call", "> 0", self.steps_per_call)
@@ -794,10 +838,11 @@ class JaxEngineConfig(EngineConfig):
                          steps_per_call=min(self.steps_per_call, agent.sampling.max_new_tokens),
                          policy_event=policy_event, seed=seed,
                          prefix_reuse_across_publish=self.prefix_reuse_across_publish,
-                         background_compile=self.background_compile)
+                         background_compile=self.background_compile,
+                         program_store=self.program_store)
 
     def record_key(self) -> dict:
         """``prefix_reuse_across_publish`` acts only across publishes (a fixed policy's prior
         and evaluations have none; a resumed run may change it), ``background_compile`` only
-        on float rounding: not keyed."""
+        on float rounding, ``program_store`` not at all (the same executables): not keyed."""
         return {**super().record_key(), "engine_steps_per_call": self.steps_per_call}
