@@ -17,7 +17,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-CORE = {"jax", "flax", "optax", "orbax-checkpoint", "chex", "numpy", "safetensors"}
+CORE = {"jax", "flax", "optax", "orbax-checkpoint", "chex", "numpy", "safetensors", "flatbuffers"}
 CORE_MODULES = ["tracker", "advantages", "losses", "sampling", "priors"]
 # what the job, the envs and the tests need, and the core must not
 JOB_ONLY = ["transformers", "tokenizers", "textworld", "alfworld", "torch", "matplotlib", "draccus", "tqdm",
