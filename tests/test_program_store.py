@@ -67,6 +67,19 @@ def test_an_unreadable_file_is_exported_again_and_rewritten(tmp_path):
     assert exports.count == 1 and again.loaded == 1
 
 
+def test_a_store_that_cannot_write_still_returns_the_program(tmp_path):
+    """A folder that cannot be made (a file in its place): the program is exported, used and
+    not kept; nothing else in the way is touched."""
+    blocker = tmp_path / "prefill_programs"
+    blocker.write_text("not a folder")
+    x = jnp.arange(4.0)
+    exports = Exports(x)
+    store = ProgramStore(blocker, "context")
+    program = store.exported(("h", 4), exports)
+    assert float(program.call(x, 1.0)) == float(scaled_sum(x, 1.0))
+    assert (exports.count, store.saved) == (1, 0) and blocker.read_text() == "not a folder"
+
+
 def test_a_structure_shown_by_address_has_no_key():
     assert structure_key(("layer", object())) is None
     assert structure_key(("layer", 3, "silu")) == "('layer', 3, 'silu')"
@@ -80,6 +93,11 @@ def test_no_store_without_a_local_persistent_cache_folder(tmp_path):
         assert store_for(structure) is None
     with compilation_cache_dir(str(tmp_path)):
         assert store_for(structure).folder == tmp_path / "prefill_programs"
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            assert store_for(structure) is None
+        finally:
+            jax.config.update("jax_enable_compilation_cache", True)
 
 
 class compilation_cache_dir:

@@ -606,7 +606,7 @@ class JaxEngine(RolloutEngine):
             admit, num_slots, max_stop = self._transitions.admit, self._num_slots, self._max_stop_tokens
 
             store = store_for((self._graphdef, self._param_treedef)) if self._program_store else None
-            layout = repr(key)
+            layout = repr(key[:4])  # what the programs depend on (not how they are compiled or kept)
 
             def compile_shape(shape):
                 rows, width, window = shape
@@ -844,5 +844,6 @@ class JaxEngineConfig(EngineConfig):
     def record_key(self) -> dict:
         """``prefix_reuse_across_publish`` acts only across publishes (a fixed policy's prior
         and evaluations have none; a resumed run may change it), ``background_compile`` only
-        on float rounding, ``program_store`` not at all (the same executables): not keyed."""
+        on float rounding, ``program_store`` only on float rounding too (the same programs,
+        compiled from their stored modules): not keyed."""
         return {**super().record_key(), "engine_steps_per_call": self.steps_per_call}
