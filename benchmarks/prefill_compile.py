@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _hardware import cpu_model  # noqa: E402
 from _protocol import headline, interleaved_rounds  # noqa: E402
 
-COMPARISONS = {  # --compare: the rollout.engine setting, and its systems (ours first) by value
-    "background": ("background_compile", {"background": "true", "inline": "false"}),
+COMPARISONS = {  # --compare: the setting, and its systems (ours first) by value
+    "background": ("rollout.engine.background_compile", {"background": "true", "inline": "false"}),
     "program_store": ("program_store", {"stored": "true", "traced": "false"}),
 }
 
@@ -56,7 +56,7 @@ def evaluation_seconds(setting: str, value: str, cache_dir: str, rollouts: int, 
         command = [sys.executable, str(ROOT / "scripts" / "heldout_eval.py"), "--rollouts", str(rollouts),
                    "--policy", policy, "--policy", policy, "--out", str(out), "--progress", "false",
                    "--prior.cache_dir", str(Path(scratch) / "evaluations"),
-                   f"--rollout.engine.{setting}", value]
+                   f"--{setting}", value]
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"heldout_eval failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     setting, systems = COMPARISONS[args.compare]
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); load {os.getloadavg()[0]:.2f} at the start; "
           f"{'warm' if args.warm else 'cold'} compilation cache; {args.rollouts} x 512 held-out episodes per run; "
-          f"rollout.engine.{setting} compared",
+          f"{setting} compared",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="prefill_compile_cache_") as shared:
         def cache() -> str:

@@ -151,7 +151,8 @@ def build_engine(cfg, model, agent: AgentConfig, orchestrator: OrchestratorConfi
     ``policy_folder``: tokenizer files for vLLM weight folders; ``run_dir``: the run folder).
     Every stage (prior, evaluations, RL) builds its engine here."""
     return cfg.rollout.engine.build(model, agent, orchestrator, policy_event, seed, servers=servers,
-                                    policy_folder=policy_folder, run_dir=run_dir)
+                                    policy_folder=policy_folder, run_dir=run_dir,
+                                    **({"program_store": cfg.program_store} if cfg.rollout.engine.traces_programs else {}))
 
 
 def build_mesh(mesh_section):

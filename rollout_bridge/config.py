@@ -381,6 +381,12 @@ class TrainConfig:
     stored there, unless `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` sets a minimum, and read
     back by later runs of the same programs: a rerun, `--resume`, another seed of a matched
     run); None: none. A `JAX_COMPILATION_CACHE_DIR` in the environment takes precedence.
+    `program_store`: with that cache on, also keep the programs a run traces (the embedded
+    engine's prefill programs, the RL learner's step and log-prob programs) exported in its
+    `prefill_programs` and `learner_programs` folders, keyed by the source and versions they
+    are made from, so a later run compiles them without tracing (`rollout_bridge.program_store`);
+    false while editing code the model calls outside `spopp_jax`, `rollout_bridge` and its
+    own classes' files, which the key does not cover.
     """
 
     method: MethodConfig = field(default_factory=lambda: recipe(MethodConfig.default_choice_name()))
@@ -399,6 +405,7 @@ class TrainConfig:
     wandb_mode: Literal["offline", "online"] = "offline"
     wandb_project: str = "spopp-jax"
     compilation_cache_dir: Optional[str] = "artifacts/jax_compilation_cache"
+    program_store: bool = True
     model: ModelSection = field(default_factory=ModelSection)
     env: EnvConfig = field(default_factory=default_env)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)

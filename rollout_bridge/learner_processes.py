@@ -36,7 +36,7 @@ def build_learner(cfg: TrainConfig, learner_cfg, orchestrator_cfg, policy: Path)
     check_weights_can_move(state.params, cfg.model.param_dtype, learner_cfg.learning_rate)
     return PolicyLearner(model_def, state, learner_cfg, orchestrator_cfg.pad_to_multiple,
                          snapshot_weights=orchestrator_cfg.drain == "none",  # next step runs during the install
-                         mesh=mesh)
+                         mesh=mesh, program_store=cfg.program_store)
 
 
 def build_sft_learner(cfg: TrainConfig, base: Path, sft_cfg):

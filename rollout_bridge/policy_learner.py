@@ -41,6 +41,7 @@ dtype (``ModelDef.compute_dtype``), a fresh copy no step donates.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from typing import Any
 
@@ -51,6 +52,7 @@ import numpy as np
 from rollout_bridge import baselines
 from rollout_bridge.background_publish import snapshot_params
 from rollout_bridge.methods import LearnerInput, LearnerOutput
+from rollout_bridge.program_store import ProgramStore, StoredPrograms, store_for
 from rollout_bridge.trajectory import unpack_rows
 from spopp_jax.learner import (LearnerConfig, ModelDef, SkipGuard, TrainBatch, cast_floating,
                                make_compute_logprobs, make_optimizer, make_train_step)
@@ -73,7 +75,7 @@ class PolicyLearner:
     """``learner(LearnerInput) -> LearnerOutput`` holding the ``TrainState`` (``.state``)."""
 
     def __init__(self, model_def: ModelDef, state: Any, config: LearnerConfig, pad_to_multiple: int = 64,
-                 snapshot_weights: bool = False, mesh: Any = None):
+                 snapshot_weights: bool = False, mesh: Any = None, program_store: bool = False):
         self.model_def = model_def
         self.snapshot_weights = snapshot_weights
         self.mesh = mesh
@@ -82,9 +84,12 @@ class PolicyLearner:
         self.state = state
         self.config = config
         self.pad_to_multiple = pad_to_multiple
-        self.train_step = make_train_step(model_def, config)
-        self.compute_logprobs = make_compute_logprobs(model_def, config.logprob_chunk_size,
-                                                      config.action_logits_fraction, config.length_bucket)
+        store = learner_store(model_def) if program_store else None
+        self.train_step = StoredPrograms(make_train_step(model_def, config), store, "train_step", config,
+                                         donate_argnums=(0,), like=(0, None))
+        logprob_settings = (config.logprob_chunk_size, config.action_logits_fraction, config.length_bucket)
+        self.compute_logprobs = StoredPrograms(make_compute_logprobs(model_def, *logprob_settings), store,
+                                               "compute_logprobs", logprob_settings)
         # a non-finite step is skipped inside train_step; max_consecutive_skips in a row stop the run
         self.skip_guard = SkipGuard.from_config(config)
 
@@ -174,6 +179,21 @@ class PolicyLearner:
                             advantages=np.zeros_like(arrays["logp_then"]))
         logp_now = np.asarray(to_host(self.compute_logprobs(self.state.params, self._place(scored))))
         return baselines.divergences_from_logprobs(rows, arrays, logp_now)
+
+
+def learner_store(model_def: ModelDef) -> ProgramStore | None:
+    """The program store of the learner's programs (`rollout_bridge.program_store`, folder
+    ``learner_programs``) for models of ``model_def``'s structure: its GraphDef, parameter
+    treedef and paths, compute dtype and the bytes of its constant (non-parameter) state.
+    None with several processes (each holds shards of arrays no one process can export)."""
+    if jax.process_count() > 1:
+        return None
+    constants = hashlib.sha256()
+    for leaf in jax.tree.leaves(model_def.rest_state):
+        constants.update(np.asarray(leaf).tobytes())
+    structure = (model_def.graphdef, model_def.param_state_def, model_def.param_paths,
+                 str(model_def.compute_dtype), constants.hexdigest())
+    return store_for(structure, "learner_programs")
 
 
 def saved_state(state, extras: dict):

@@ -58,8 +58,6 @@ UNKEYED = [
     ("rollout.engine.prefix_reuse_across_publish", "true", "rollout.temperature", "0.5"),
     # float rounding only: a prefill padded to a larger compiled shape while its own compiles
     ("rollout.engine.background_compile", "true", "rollout.temperature", "0.5"),
-    # the same executables, loaded from disk instead of compiled
-    ("rollout.engine.program_store", "false", "rollout.temperature", "0.5"),
     # the learner's batch layout: the same loss and gradient, nothing the rollouts play
     ("rollout.pack_rows", "true", "rollout.max_new_tokens", "20"),
     # a finished run printed beside the agent's success, read for the report only
@@ -81,6 +79,21 @@ def test_unkeyed_fields_change_no_key(field, value, keyed, keyed_value):
     assert stage_key(changed, section) == stage_key(plain, section)
     assert checkpoint_key(changed) == checkpoint_key(plain)
     assert stage_key(load_config([f"--{keyed}", keyed_value]), section) != stage_key(plain, section)
+
+
+def test_the_program_store_changes_no_key():
+    """``program_store`` (top level): the same programs, compiled from their stored modules
+    instead of traced, so no record or checkpoint key holds it; the seed (the control) does
+    change them."""
+    from rollout_bridge.config import load_config
+    from rollout_bridge.run_folder import checkpoint_key, stage_key
+
+    plain, off, seeded = (load_config(args) for args in ([], ["--program_store", "false"], ["--seed", "1"]))
+    assert plain.program_store and not off.program_store
+    assert checkpoint_key(off) == checkpoint_key(plain) != checkpoint_key(seeded)
+    for section in ("model", "env", "warmstart", "prior", "rollout"):
+        assert stage_key(off, section) == stage_key(plain, section)
+        assert "program_store" not in repr(stage_key(off, section))
 
 
 def test_the_receipt_delay_is_keyed_by_runs_not_by_fixed_policy_records(tmp_path):

@@ -1,8 +1,9 @@
-"""Tests of the programs kept on disk (``rollout_bridge.engine.program_store``): a new store
+"""Tests of the programs kept on disk (``rollout_bridge.program_store``): a new store
 loads what an earlier one exported without tracing it, keys change with what the program
 is made from, an unreadable file is exported again, a structure shown by address has no
-store, and a new engine compiles its prefill programs without tracing the model and
-samples what the engine that stored them, and one without the store, sampled."""
+store, a new engine compiles its prefill programs without tracing the model and samples
+what the engine that stored them, and one without the store, sampled, and a new learner
+steps with the stored program, on one device and on a mesh, as the first one did."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rollout_bridge.engine import jax_engine, program_store, slot_decode
+from rollout_bridge import program_store
+from rollout_bridge.engine import jax_engine, slot_decode
 from rollout_bridge.engine.base import SamplingParams
-from rollout_bridge.engine.program_store import ProgramStore, store_for, structure_key
+from rollout_bridge.program_store import ProgramStore, store_for, structure_key
 from spopp_jax.models import ModelConfig, init_model
 
 
@@ -196,3 +198,108 @@ def test_the_structure_key_holds_the_source_of_its_classes(tmp_path, monkeypatch
     sys.modules.pop("user_model", None)
     assert texts[0] == texts[1]  # the structure's text alone is the same
     assert None not in keys and keys[0] != keys[1]
+
+
+# ------------------------------------------------------------------ the learner's programs
+def learner_updates(store: bool, mesh=None, updates: int = 2):
+    """A fresh PolicyLearner (its own jitted step, as in a new process) on the sharding
+    tests' case (a tiny model, 8 rows of unequal action counts): the losses of ``updates``
+    updates and the final parameters."""
+    from rollout_bridge.methods import LearnerInput
+    from rollout_bridge.policy_learner import PolicyLearner
+    from test_sharding import build_case
+
+    model_def, state, batch, config = build_case()
+    learner = PolicyLearner(model_def, state, config, pad_to_multiple=20, mesh=mesh, program_store=store)
+    losses = [learner(LearnerInput(batch, (), None)).metrics["loss"] for _ in range(updates)]
+    return losses, [np.asarray(x) for x in jax.tree.leaves(learner.state.params)]
+
+
+def test_a_new_learner_steps_with_the_stored_program_without_tracing_and_the_same(tmp_path, monkeypatch):
+    """A second learner (a new jitted step) finds the step program the first stored: it
+    traces no loss, and its losses and parameters equal the first learner's bit for bit and
+    a learner's without the store to float32 rounding."""
+    from spopp_jax import learner as learner_lib
+
+    traces = []
+    loss_and_grads = learner_lib.loss_and_grads
+    monkeypatch.setattr(learner_lib, "loss_and_grads", lambda *a, **k: traces.append(1) or loss_and_grads(*a, **k))
+    with compilation_cache_dir(str(tmp_path)):
+        first = learner_updates(store=True)
+        first_traces = len(traces)
+        second = learner_updates(store=True)
+        second_traces = len(traces) - first_traces
+        without_store = learner_updates(store=False)
+    assert first_traces >= 1 and second_traces == 0
+    assert len(list((tmp_path / "learner_programs").glob(f"*{program_store.SUFFIX}"))) == 1
+    assert first[0] == second[0]
+    np.testing.assert_allclose(first[0], without_store[0], rtol=1e-6)
+    for a, b, c in zip(first[1], second[1], without_store[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
+
+
+def test_a_learner_without_the_store_traces_its_step(tmp_path, monkeypatch):
+    """The control of the test above: with ``program_store`` off a second learner traces."""
+    from spopp_jax import learner as learner_lib
+
+    traces = []
+    loss_and_grads = learner_lib.loss_and_grads
+    monkeypatch.setattr(learner_lib, "loss_and_grads", lambda *a, **k: traces.append(1) or loss_and_grads(*a, **k))
+    with compilation_cache_dir(str(tmp_path)):
+        learner_updates(store=False, updates=1)
+        first = len(traces)
+        learner_updates(store=False, updates=1)
+    assert first >= 1 and len(traces) == 2 * first
+    assert not (tmp_path / "learner_programs").exists()
+
+
+def test_stored_programs_key_each_argument_layout_and_setting(tmp_path):
+    """One program per argument layout (shape, dtype) and per setting, each exported once."""
+    double = jax.jit(lambda x: 2 * x)
+    store = ProgramStore(tmp_path, "context")
+    calls = program_store.StoredPrograms(double, store, "double", {"k": 1})
+    for x in (jnp.ones(3), jnp.ones(3) + 1, jnp.ones(4), jnp.ones(3, jnp.int32)):
+        np.testing.assert_array_equal(calls(x), 2 * x)
+    assert store.saved == 3 and store.loaded == 0
+    other = program_store.StoredPrograms(double, store, "double", {"k": 2})
+    other(jnp.ones(3))
+    again = program_store.StoredPrograms(double, store, "double", {"k": 1})
+    again(jnp.ones(4))
+    assert store.saved == 4 and store.loaded == 1
+    assert program_store.StoredPrograms(double, store, "double", object()).__call__(jnp.ones(2)).shape == (2,)
+    assert store.saved == 4  # a setting shown by address only: no store, the function itself
+
+
+MESH_SCRIPT = """
+import sys, numpy as np, jax
+sys.path.insert(0, "tests")
+from test_program_store import compilation_cache_dir, learner_updates
+from spopp_jax import sharding
+assert jax.device_count() == 8
+mesh = sharding.make_mesh(data=2, fsdp=4, tensor=1)
+with compilation_cache_dir(sys.argv[1]):
+    first = learner_updates(True, mesh)
+    second = learner_updates(True, mesh)
+    plain = learner_updates(False, mesh)
+assert first[0] == second[0], (first[0], second[0])
+np.testing.assert_allclose(first[0], plain[0], rtol=1e-6)
+for a, b, c in zip(first[1], second[1], plain[1], strict=True):
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
+print("stored programs on the mesh: same losses", first[0])
+"""
+
+
+def test_the_learner_program_on_a_mesh_of_eight_devices_steps_the_same(tmp_path, run_on_8_devices):
+    """The step exported with its arguments sharded over data x fsdp = 2 x 4 CPU devices:
+    loaded by a second learner, it gives the losses and parameters of the first, and of a
+    learner without the store."""
+    script = tmp_path / "mesh_case.py"
+    script.write_text(MESH_SCRIPT)
+    done = run_on_8_devices([script, tmp_path / "cache"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same losses" in done.stdout
+    # the state after an update comes back with the same shardings spelled without the
+    # size-1 tensor axis: a second layout, so a second program (once per store)
+    assert 1 <= len(list((tmp_path / "cache" / "learner_programs").glob("*.stablehlo"))) <= 2

@@ -47,12 +47,10 @@ LAUNCH = "--rollout.engine.launch."
 
 
 @pytest.mark.parametrize("args, name, fields", [
-    ([], "jax", {"steps_per_call": 8, "prefix_reuse_across_publish": False, "background_compile": False,
-                 "program_store": True}),
+    ([], "jax", {"steps_per_call": 8, "prefix_reuse_across_publish": False, "background_compile": False}),
     (["--rollout.engine", "jax", "--rollout.engine.steps_per_call", "4",
-      "--rollout.engine.prefix_reuse_across_publish", "true", "--rollout.engine.background_compile", "true",
-      "--rollout.engine.program_store", "false"], "jax",
-     {"steps_per_call": 4, "prefix_reuse_across_publish": True, "background_compile": True, "program_store": False}),
+      "--rollout.engine.prefix_reuse_across_publish", "true", "--rollout.engine.background_compile", "true"], "jax",
+     {"steps_per_call": 4, "prefix_reuse_across_publish": True, "background_compile": True}),
     (["--rollout.engine=vllm"], "vllm", {"dtype": "auto", "gpu_memory_utilization": 0.5}),
     (["--rollout.engine", "vllm", "--rollout.engine.gpu_memory_utilization", "0.8", "--rollout.engine.dtype",
       "bfloat16"], "vllm", {"dtype": "bfloat16", "gpu_memory_utilization": 0.8}),

@@ -37,9 +37,11 @@ FIRST_RECORD_KEY = {"engine_steps_per_call": 8, "server_urls": None}
 class EngineConfig(draccus.PluginRegistry, discover_packages_path="rollout_bridge.engine"):
     """``rollout.engine``: see the module docstring. ``uses_servers``: the engine rolls out
     on the job's servers (``servers`` builds them; train.py starts them once for every
-    stage)."""
+    stage). ``traces_programs``: the engine traces JAX programs, and its ``build`` takes the
+    job's ``program_store`` (`rollout_bridge.program_store`) as a keyword."""
 
     uses_servers: ClassVar[bool] = False
+    traces_programs: ClassVar[bool] = False
 
     @classmethod
     def default_choice_name(cls) -> str:

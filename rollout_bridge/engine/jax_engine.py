@@ -70,7 +70,7 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ from rollout_bridge.engine import slot_decode
 from rollout_bridge.engine.base import GenerationResult, RolloutEngine, SamplingParams
 from rollout_bridge.engine.choice import EngineConfig, check
 from rollout_bridge.engine.prefill_programs import PrefillPrograms, background_compiler
-from rollout_bridge.engine.program_store import ProgramStore, store_for
+from rollout_bridge.program_store import compile_stored, store_for
 from spopp_jax.models.cache import AttentionCache
 
 
@@ -613,7 +613,8 @@ class JaxEngine(RolloutEngine):
                 batch = _requests_batch([], rows, width, num_slots, max_stop)
                 if store is None:
                     return admit.lower(params, state, batch, window).compile()
-                return _compile_stored(store, ("admit", layout, shape), admit, window, params, state, batch)
+                return compile_stored(store, ("admit", layout, shape), lambda p, s, b: admit(p, s, b, window),
+                                      (params, state, batch), donate_argnums=(1,), like=1)
 
             submit = background_compiler().submit if self._background_compile else None
             programs = self._transitions.prefill.setdefault(key, PrefillPrograms(compile_shape, submit))
@@ -734,24 +735,6 @@ class JaxEngine(RolloutEngine):
             _notify(waiter.loop, waiter.future, error=RuntimeError(f"JaxEngine stopped: {error!r}"))
 
 
-def _compile_stored(store: ProgramStore, parts: Any, admit: Callable, window: int, params, state, batch):
-    """``admit`` at these argument specs and ``window``, compiled from the store's program under
-    ``parts`` (exported now and stored when missing). The program is exported over the flat
-    argument leaves, so no pytree type of the engine needs registering with ``jax.export``."""
-    leaves, in_tree = jax.tree.flatten((params, state, batch))
-    state_tree = jax.tree.structure(state)
-
-    def flat_admit(*flat):
-        return tuple(jax.tree.leaves(admit(*in_tree.unflatten(flat), window)))
-
-    exported = store.exported(parts, lambda: jax.export.export(jax.jit(flat_admit))(*leaves))
-
-    def stored_admit(params, state, batch):
-        return state_tree.unflatten(exported.call(*jax.tree.leaves((params, state, batch))))
-
-    return jax.jit(stored_admit, donate_argnums=1).lower(params, state, batch).compile()
-
-
 def _copy_tree(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
@@ -818,32 +801,29 @@ class JaxEngineConfig(EngineConfig):
     thread while its calls run padded to a larger compiled shape (``prefill_programs``; the
     same tokens up to float rounding); off by default: on 2 CPU cores it sped up a cold
     evaluation but slowed a cold RL run, whose learner lost the CPU the compiles and padded
-    calls took (docs/PERFORMANCE.md). ``program_store``: with the job's compilation cache on
-    (`compilation_cache_dir`), keep the prefill programs exported (traced and lowered) in its
-    ``prefill_programs`` folder, so a later run skips that work (``program_store``); false:
-    every run traces and lowers each prefill shape again."""
+    calls took (docs/PERFORMANCE.md). The job's ``program_store`` (a top-level setting) keeps
+    the prefill programs exported in the compilation cache's ``prefill_programs`` folder."""
 
+    traces_programs: ClassVar[bool] = True
     steps_per_call: int = 8
     prefix_reuse_across_publish: bool = False
     background_compile: bool = False
-    program_store: bool = True
 
     def __post_init__(self):
         check(self.steps_per_call > 0, "rollout.engine.steps_per_call", "> 0", self.steps_per_call)
 
     def build(self, model, agent, orchestrator, policy_event: int, seed: int, servers=None,
-              policy_folder=None, run_dir=None) -> JaxEngine:
+              policy_folder=None, run_dir=None, program_store: bool = True) -> JaxEngine:
         """One slot per in-flight request, a cache row as long as the agent's conversations."""
         return JaxEngine(model, num_slots=orchestrator.max_in_flight, max_len=agent.max_total_tokens,
                          steps_per_call=min(self.steps_per_call, agent.sampling.max_new_tokens),
                          policy_event=policy_event, seed=seed,
                          prefix_reuse_across_publish=self.prefix_reuse_across_publish,
                          background_compile=self.background_compile,
-                         program_store=self.program_store)
+                         program_store=program_store)
 
     def record_key(self) -> dict:
         """``prefix_reuse_across_publish`` acts only across publishes (a fixed policy's prior
         and evaluations have none; a resumed run may change it), ``background_compile`` only
-        on float rounding, ``program_store`` only on float rounding too (the same programs,
-        compiled from their stored modules): not keyed."""
+        on float rounding: not keyed."""
         return {**super().record_key(), "engine_steps_per_call": self.steps_per_call}
