@@ -6,6 +6,7 @@ RL (``evaluate_after_rl``) and of the initial policy on the env kind's extra set
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -29,9 +30,10 @@ def evaluation_seed(seed: int, task_set: str) -> int:
 
 
 async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, what: str, progress: bool,
-                           crn_seed: int | None = None, task_ids=None):
+                           crn_seed: int | None = None, task_ids=None, semaphore=None):
     """(successes, trials) per task of ``n`` rollouts of every task in ``task_ids`` (None:
-    all) with ``engine``; ``crn_seed``: common random numbers (``rollout_successes``)."""
+    all) with ``engine``; ``crn_seed``: common random numbers, ``semaphore``: episodes in
+    flight shared with other evaluations (``rollout_successes``)."""
     from tqdm import tqdm
 
     total = (env.num_tasks if task_ids is None else len(task_ids)) * n
@@ -41,23 +43,24 @@ async def success_rollouts(engine, env, chat, agent, concurrency: int, n: int, w
     try:
         return await rollout_successes(engine, env.env_factory, chat, env.num_tasks, n, agent, concurrency,
                                        on_done=lambda _: (bar.update(1), lines.step()), crn_seed=crn_seed,
-                                       task_ids=task_ids)
+                                       task_ids=task_ids, semaphore=semaphore)
     finally:
         bar.close()
 
 
 async def extra_evaluations(engine, env, chat, agent, concurrency: int, n: int, when: str,
-                            progress: bool, seed: int) -> dict:
+                            progress: bool, seed: int, semaphore=None) -> dict:
     """The env kind's additional evaluations (``env.extra_evals``: ALFWorld's held-out
     games, Math-TIR with the tool disabled): name -> {success_rate, successes, trials}
     (per task) of ``n`` rollouts per task; ``when`` names it in the log ("before RL", ...).
-    Each set plays with common random numbers ``evaluation_seed(seed, name)``."""
+    Each set plays with common random numbers ``evaluation_seed(seed, name)``; ``semaphore``:
+    episodes in flight shared with other evaluations (``rollout_successes``)."""
     results = {}
     for name, (tasks, factory) in env.extra_evals.items():
         view = dataclasses.replace(env, train=tasks, env_factory=factory)
         log(f"evaluation {when} ({name}): {n} rollouts x {view.num_tasks} tasks")
         successes, trials = await success_rollouts(engine, view, chat, agent, concurrency, n, name, progress,
-                                                   evaluation_seed(seed, name))
+                                                   evaluation_seed(seed, name), semaphore=semaphore)
         results[name] = {"success_rate": float(successes.sum() / max(trials.sum(), 1)),
                          "successes": successes.tolist(), "trials": trials.tolist()}
         log(f"evaluation {when} ({name}): success {results[name]['success_rate']:.3f}")
@@ -108,15 +111,21 @@ async def evaluate_policy(job, policy: Path, chat, rollouts: int | None = None, 
 async def evaluate_after_rl(job, engine, chat):
     """(successes, trials, extra) of the final policy on ``engine``: ``evaluation.train_rollouts``
     per training task (``evaluation.train_games`` of them) and the env kind's extra
-    evaluations, ``evaluation.heldout_rollouts`` per task."""
+    evaluations, ``evaluation.heldout_rollouts`` per task. The sets share the engine's
+    ``max_in_flight`` episodes in flight, the training tasks' first: the held-out episodes
+    fill the slots the last training episodes leave, with no idle tail between the sets
+    (each episode plays its own common random numbers, whichever set it runs beside)."""
     cfg = job.cfg
     n = cfg.evaluation.rollouts(cfg.prior, "train")
     tasks = cfg.evaluation.train_task_ids(job.env.num_tasks)
     log(f"evaluation: {n} rollouts x {len(tasks)} tasks with the final policy"
-        + (f" (training tasks 0-{len(tasks) - 1} of {job.env.num_tasks})" if len(tasks) < job.env.num_tasks else ""))
-    successes, trials = await success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                               n, "eval", cfg.progress, evaluation_seed(cfg.seed, "train"), tasks)
-    extra = await extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
-                                    cfg.evaluation.rollouts(cfg.prior, "heldout"), "after RL", cfg.progress,
-                                    cfg.seed)
+        + (f" (training tasks 0-{len(tasks) - 1} of {job.env.num_tasks})" if len(tasks) < job.env.num_tasks else "")
+        + (", then the held-out sets in the slots they leave" if job.env.extra_evals else ""))
+    in_flight = asyncio.Semaphore(job.orchestrator.max_in_flight)
+    (successes, trials), extra = await asyncio.gather(
+        success_rollouts(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight, n, "eval", cfg.progress,
+                         evaluation_seed(cfg.seed, "train"), tasks, semaphore=in_flight),
+        extra_evaluations(engine, job.env, chat, job.agent, job.orchestrator.max_in_flight,
+                          cfg.evaluation.rollouts(cfg.prior, "heldout"), "after RL", cfg.progress,
+                          cfg.seed, semaphore=in_flight))
     return successes, trials, extra

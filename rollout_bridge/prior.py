@@ -32,7 +32,8 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
                             agent_config: AgentConfig, max_concurrency: int = 16,
                             on_done: Callable[[int], None] | None = None,
                             crn_seed: int | None = None,
-                            task_ids: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                            task_ids: Sequence[int] | None = None,
+                            semaphore: asyncio.Semaphore | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(successes, trials) per task, [num_tasks] int64 each, from `rollouts_per_task`
     episodes of every task in `task_ids` (None: all `num_tasks`; the others keep 0 trials)
     with the engine's current policy. Failed or aborted episodes are not counted as trials
@@ -41,7 +42,9 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
     `crn_seed`: episode r of task t plays with episode seed ``derived_seed(crn_seed, t, r)``
     (`run_episode`), so every policy evaluated with the same `crn_seed` meets the same
     random numbers (common random numbers: the per-task paired difference of two policies
-    loses the noise they share). None: the engine's and the env's own draws."""
+    loses the noise they share). None: the engine's and the env's own draws.
+    `semaphore`: the episodes in flight, shared with evaluations running beside this one on
+    the same engine (acquired first come, first served); None: `max_concurrency` of its own."""
     if num_tasks < 1 or rollouts_per_task < 1 or max_concurrency < 1:
         raise ValueError(f"num_tasks, rollouts_per_task and max_concurrency must be >= 1, got "
                          f"{num_tasks}, {rollouts_per_task}, {max_concurrency}")
@@ -50,7 +53,7 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
         raise ValueError(f"task_ids must be distinct task ids in [0, {num_tasks}), at least one")
     successes = np.zeros(num_tasks, np.int64)
     trials = np.zeros(num_tasks, np.int64)
-    semaphore = asyncio.Semaphore(max_concurrency)
+    semaphore = semaphore or asyncio.Semaphore(max_concurrency)
     event = int(engine.policy_event)
     finished = 0
 

@@ -119,7 +119,7 @@ def test_an_episode_seed_fixes_the_whole_episode(model, chat, tasks):
     assert unseeded[0] != unseeded[1]      # the control: without episode seeds the engine decides
 
 
-def test_rollout_successes_with_one_crn_seed_agree_across_concurrency(chat, tasks):
+def _seeded_walkthrough(chat, tasks):
     """A scripted policy that plays the walkthrough's next command unless its turn seed
     is a multiple of 3 (then it types junk): wins depend on the seeds only."""
     demos = [[reply for _, reply in tasks.demonstration(t)] for t in range(tasks.num_tasks)]
@@ -133,6 +133,12 @@ def test_rollout_successes_with_one_crn_seed_agree_across_concurrency(chat, task
         good = request.params.seed is not None and request.params.seed % 3 != 0
         reply = demos[task][min(turn, len(demos[task]) - 1)] if good else "xyzzy"
         return ScriptedReply(tuple(chat.encode(reply)) + (stop,))
+
+    return script
+
+
+def test_rollout_successes_with_one_crn_seed_agree_across_concurrency(chat, tasks):
+    script = _seeded_walkthrough(chat, tasks)
 
     def counts(concurrency, crn_seed):
         config = AgentConfig(max_turns=4, max_total_tokens=4096, sampling=SamplingParams(max_new_tokens=32))
@@ -156,3 +162,38 @@ def test_rollout_successes_with_one_crn_seed_agree_across_concurrency(chat, task
         with pytest.raises(ValueError, match="task_ids"):
             asyncio.run(rollout_successes(FakeEngine(script), lambda: TextWorldEnv(tasks), chat, tasks.num_tasks,
                                           1, config, 2, task_ids=bad))
+
+
+def test_evaluations_sharing_their_episodes_in_flight_count_as_each_alone(chat, tasks):
+    """Two evaluations on one engine under one semaphore (the evaluations after RL): each
+    set's counts are those it gets alone, and no more episodes than the semaphore's are
+    ever in flight together."""
+    script = _seeded_walkthrough(chat, tasks)
+    config = AgentConfig(max_turns=4, max_total_tokens=4096, sampling=SamplingParams(max_new_tokens=32))
+    open_envs, most = [0], [0]
+
+    class CountedEnv(TextWorldEnv):
+        def __init__(self, *args):
+            super().__init__(*args)
+            open_envs[0] += 1
+            most[0] = max(most[0], open_envs[0])
+
+        def close(self):  # reset closes too, before its episode
+            open_envs[0] -= self.last_episode is not None
+            super().close()
+
+    def evaluation(engine, crn_seed, semaphore=None, task_ids=None):
+        return rollout_successes(engine, lambda: CountedEnv(tasks), chat, tasks.num_tasks, 5, config, 3,
+                                 crn_seed=crn_seed, task_ids=task_ids, semaphore=semaphore)
+
+    alone = [asyncio.run(evaluation(FakeEngine(script), seed, task_ids=ids)) for seed, ids in ((3, [1]), (8, None))]
+    most[0] = 0
+
+    async def together():
+        engine = FakeEngine(script)
+        shared = asyncio.Semaphore(3)
+        return await asyncio.gather(evaluation(engine, 3, shared, [1]), evaluation(engine, 8, shared))
+
+    for (successes, trials), (alone_successes, alone_trials) in zip(asyncio.run(together()), alone):
+        assert successes.tolist() == alone_successes.tolist() and trials.tolist() == alone_trials.tolist()
+    assert most[0] == 3 and open_envs[0] == 0

@@ -79,7 +79,7 @@ def test_evaluation_rollouts_log_tenths_without_a_terminal(monkeypatch, capsys):
     from rollout_bridge import evaluation
 
     async def fake_rollouts(engine, env_factory, chat, num_tasks, n, agent, concurrency, on_done, crn_seed,
-                            task_ids):
+                            task_ids, semaphore=None):
         for _ in range(num_tasks * n):
             on_done(None)
         return np.zeros(num_tasks), np.full(num_tasks, n)
