@@ -42,7 +42,7 @@ LOSSES: dict[str, list] = {}  # system -> the first-update losses of each of its
 
 
 def batch_at(width: int, rows: int, vocab: int, seed: int):
-    """A TrainBatch of ``rows`` x ``width``: random tokens, every row used to a random length
+    """A TrainBatch of ``rows`` x ``width``: random tokens, every row filled to a random length
     of at least half the width, ~7% of its positions actions (replies between observations)."""
     import numpy as np
 
