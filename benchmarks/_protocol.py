@@ -127,6 +127,23 @@ def interleaved_rounds(
     return timings
 
 
+def process_rounds(runs: Mapping[str, Callable[[], float]], rounds: int, max_load_excess: float,
+                   warm: bool = True, **options) -> Timings:
+    """Interleaved rounds of whole-process runs (``runs``: system -> a call that runs one
+    process and returns its own seconds; ours first, theirs second), after one run of each
+    when ``warm`` (filling the caches they share); prints each system's median and spread,
+    then the headline. ``options``: `interleaved_rounds`'s (cores, loadavg)."""
+    if warm:
+        for name, run in runs.items():
+            print(f"warming the cache with {name}: {run():.1f} s", flush=True)
+    timings = interleaved_rounds(runs, rounds, max_load_excess=max_load_excess, self_timed=True, **options)
+    for name in runs:
+        median, low, high = timings.summary(name)
+        print(f"{name:12s} {median:7.1f} s  [{low:.1f}, {high:.1f}]")
+    print(headline(timings, *runs))
+    return timings
+
+
 def headline(timings: Timings, ours: str, theirs: str, allow_busy: bool = False) -> str:
     """The same-run speed ratio theirs_time / ours_time (> 1: ours is faster), with the
     number of kept rounds and whether busy rounds were included."""

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _hardware import cpu_model, measured_peak_flops  # noqa: E402
-from _protocol import headline, interleaved_rounds  # noqa: E402
+from _protocol import process_rounds  # noqa: E402
 
 SYSTEMS = {"stored": "true", "traced": "false"}
 LOSSES: dict[str, list] = {}  # system -> the first-update losses of each of its runs
@@ -120,16 +120,8 @@ def main(argv=None) -> None:
           f"matmul GFLOP/s {peak}; the main job's learner, 16 rows at widths {args.widths}; "
           f"program_store compared", flush=True)
     with tempfile.TemporaryDirectory(prefix="learner_programs_cache_") as cache:
-        for system in SYSTEMS:
-            print(f"warming the cache with {system}: start-up {run_seconds(system, cache, args.widths):.1f} s",
-                  flush=True)
-        timings = interleaved_rounds({system: (lambda s=system: run_seconds(s, cache, args.widths))
-                                      for system in SYSTEMS},
-                                     args.rounds, max_load_excess=args.max_load_excess, self_timed=True)
-    for system in SYSTEMS:
-        median, low, high = timings.summary(system)
-        print(f"{system:8s} start-up {median:6.1f} s  [{low:.1f}, {high:.1f}]")
-    print(headline(timings, *SYSTEMS))
+        process_rounds({system: (lambda s=system: run_seconds(s, cache, args.widths)) for system in SYSTEMS},
+                       args.rounds, args.max_load_excess)
     runs = [losses for per_system in LOSSES.values() for losses in per_system]
     print(f"first-update losses of all {len(runs)} runs identical: {'yes' if all(r == runs[0] for r in runs) else 'NO'}"
           f" ({' '.join(f'{x:.6f}' for x in runs[0])})")

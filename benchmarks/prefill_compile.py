@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _hardware import cpu_model  # noqa: E402
-from _protocol import headline, interleaved_rounds  # noqa: E402
+from _protocol import process_rounds  # noqa: E402
 
 COMPARISONS = {  # --compare: the setting, and its systems (ours first) by value
     "background": ("rollout.engine.background_compile", {"background": "true", "inline": "false"}),
@@ -83,18 +83,8 @@ def main(argv=None) -> None:
         def cache() -> str:
             return shared if args.warm else tempfile.mkdtemp(prefix="cold_", dir=shared)
 
-        if args.warm:
-            for name, flag in systems.items():
-                seconds = evaluation_seconds(setting, flag, shared, args.rollouts, args.policy)
-                print(f"warming the cache with {name}: {seconds:.1f} s", flush=True)
-        timings = interleaved_rounds(
-            {name: (lambda flag=flag: evaluation_seconds(setting, flag, cache(), args.rollouts, args.policy))
-             for name, flag in systems.items()},
-            args.rounds, max_load_excess=args.max_load_excess, self_timed=True)
-    for name in systems:
-        median, low, high = timings.summary(name)
-        print(f"{name:12s} {median:7.1f} s  [{low:.1f}, {high:.1f}]")
-    print(headline(timings, *systems))
+        process_rounds({name: (lambda flag=flag: evaluation_seconds(setting, flag, cache(), args.rollouts, args.policy))
+                        for name, flag in systems.items()}, args.rounds, args.max_load_excess, warm=args.warm)
     runs = [successes for per_system in OUTCOMES.values() for successes in per_system]
     same = all(successes == runs[0] for successes in runs)
     print(f"per-game successes of all {len(runs)} runs identical: {'yes' if same else 'NO'} "

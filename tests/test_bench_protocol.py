@@ -95,6 +95,19 @@ def test_self_timed_rounds_use_the_reported_seconds():
     assert _protocol.paired_ratio(timings, "ours", "theirs") == pytest.approx(3.0)
 
 
+def test_process_rounds_warm_each_system_once_then_time_the_rounds(capsys):
+    """Whole-process runs: one warm-up run each (not timed), then the rounds; the medians
+    and the headline printed."""
+    runs = {"ours": scripted([9.0, 1.0, 2.0]), "theirs": scripted([9.0, 3.0, 4.0])}
+    timings = _protocol.process_rounds(runs, 2, 1.5, cores=2, loadavg=lambda: (0.5, 0.0, 0.0))
+    assert timings.summary("ours") == (1.5, 1.0, 2.0) and timings.summary("theirs") == (3.5, 3.0, 4.0)
+    out = capsys.readouterr().out
+    assert "warming the cache with ours: 9.0 s" in out and "ours vs theirs: 2.33x" in out
+    cold = _protocol.process_rounds({"ours": scripted([1.0]), "theirs": scripted([2.0])}, 1, 1.5, warm=False,
+                                    cores=2, loadavg=lambda: (0.5, 0.0, 0.0))
+    assert cold.summary("ours") == (1.0, 1.0, 1.0)
+
+
 WORKER_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])
