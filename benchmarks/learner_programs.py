@@ -9,11 +9,11 @@ config) with `--program_store true` or `false`, over one persistent compilation 
 holds every executable (filled by a first run of each system before the rounds). Then
 three passes of one update at each batch width in `--widths` (16 rows, the widths a job's
 batches are padded to). An update at a width met for the first time traces and lowers the
-step (traced) or reads the stored program (stored), then reads the executable, then steps;
-after the first update the learner's state comes back with its shardings spelled another
-way (the one-device mesh's axes), a second layout, so the second pass meets each width
-again. The third pass is the step alone. A run's start-up is its first two passes minus
-twice its third: what a rerun's learner pays before it steps at its pace. The batches are seeded
+step (traced) or reads the stored program (stored), then reads the executable, then steps.
+The second pass counts what a changed state layout compiles again (the state comes back
+from a step with its shardings spelled another way: equivalent, so nothing should), the
+third is the step alone. A run's start-up is its first two passes minus twice its third:
+what a rerun's learner pays before it steps at its pace. The batches are seeded
 random tokens with ~7% action positions, as in the job; both systems must print the
 same losses. Prints the CPU, the load per round, the host's fp32 matmul peak, medians
 and the same-run ratio.

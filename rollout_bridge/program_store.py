@@ -230,10 +230,26 @@ class StoredPrograms:
         with self._lock:
             program = self._programs.get(layout)
             if program is None:
+                program = next((known for seen, known in self._programs.items() if _equivalent(seen, layout)), None)
+            if program is None:
                 if _ADDRESS.search(text):
                     program = self.fn
                 else:
                     program = compile_stored(self._store, (*self._parts, text), self.fn, args,
                                              self._donate, self._like)
-                self._programs[layout] = program
+            self._programs[layout] = program
         return program
+
+
+def _equivalent(a: tuple, b: tuple) -> bool:
+    """Two argument layouts that differ at most in how equivalent shardings are spelled
+    (a mesh axis of size 1 named or not: a jitted step's outputs come back so), which one
+    executable takes alike."""
+    if a[0] != b[0] or len(a[1]) != len(b[1]):
+        return False
+    for (shape, dtype, weak, sharding), (other_shape, other_dtype, other_weak, other) in zip(a[1], b[1]):
+        if (shape, dtype, weak) != (other_shape, other_dtype, other_weak) or (sharding is None) != (other is None):
+            return False
+        if sharding is not None and not sharding.is_equivalent_to(other, len(shape)):
+            return False
+    return True
