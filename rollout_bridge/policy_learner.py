@@ -197,7 +197,8 @@ def learner_store(model_def: ModelDef) -> ProgramStore | None:
         return None
     constants = hashlib.sha256()
     for leaf in jax.tree.leaves(model_def.rest_state):
-        constants.update(np.asarray(leaf).tobytes())
+        leaf = np.asarray(leaf)
+        constants.update(f"{leaf.dtype}{leaf.shape}".encode() + leaf.tobytes())
     structure = (model_def.graphdef, model_def.param_state_def, model_def.param_paths,
                  str(model_def.compute_dtype), constants.hexdigest())
     return store_for(structure, "learner_programs")

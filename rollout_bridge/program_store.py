@@ -215,6 +215,11 @@ class StoredPrograms:
         if _ADDRESS.search(self._parts[1]):
             self._store = None
 
+    def lower(self, *args, **kwargs):
+        """``fn``'s own lowering at these arguments (as ``jax.jit(...).lower``): the program the
+        store exports, e.g. to read its shardings."""
+        return self.fn.lower(*args, **kwargs)
+
     def __call__(self, *args):
         if self._store is None:
             return self.fn(*args)

@@ -269,6 +269,7 @@ def test_stored_programs_key_each_argument_layout_and_setting(tmp_path):
     assert store.saved == 4 and store.loaded == 1
     assert program_store.StoredPrograms(double, store, "double", object()).__call__(jnp.ones(2)).shape == (2,)
     assert store.saved == 4  # a setting shown by address only: no store, the function itself
+    assert calls.lower(jnp.ones(3)).compile()(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]  # jit's own lowering
 
 
 MESH_SCRIPT = """
