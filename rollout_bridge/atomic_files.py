@@ -1,7 +1,7 @@
 """Files written whole or not at all: a reader sees the old file or the new one, never a part.
 
 Every record the project keeps across processes (priors, evaluation caches, game sets,
-metrics, the engine's stored programs) is written here: into a temporary file of the writer's own in
+metrics, stored programs) is written here: into a temporary file of the writer's own in
 the same folder (two processes writing one file at once never share it), flushed to disk,
 then renamed over the target; a failed write removes its temporary file.
 """

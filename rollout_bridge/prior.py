@@ -53,7 +53,8 @@ async def rollout_successes(engine: RolloutEngine, env_factory: EnvFactory, chat
         raise ValueError(f"task_ids must be distinct task ids in [0, {num_tasks}), at least one")
     successes = np.zeros(num_tasks, np.int64)
     trials = np.zeros(num_tasks, np.int64)
-    semaphore = semaphore or asyncio.Semaphore(max_concurrency)
+    if semaphore is None:
+        semaphore = asyncio.Semaphore(max_concurrency)
     event = int(engine.policy_event)
     finished = 0
 

@@ -156,7 +156,8 @@ def store_for(structure: Any, folder: str = "prefill_programs") -> ProgramStore 
 def argument_spec(x: Any) -> jax.ShapeDtypeStruct:
     """The layout of one argument leaf (an array or a `jax.ShapeDtypeStruct`): shape,
     dtype, weak type and sharding (None for a host array)."""
-    return jax.ShapeDtypeStruct(*_layout(x)[:2], weak_type=_layout(x)[2], sharding=_layout(x)[3])
+    shape, dtype, weak_type, sharding = _layout(x)
+    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type, sharding=sharding)
 
 
 def _layout(x: Any) -> tuple:

@@ -144,6 +144,8 @@ RENAMED = {
     "rollout.engine_steps_per_call": "rollout.engine.steps_per_call (with --rollout.engine jax)",
     "rollout.prefix_reuse_across_publish": "rollout.engine.prefix_reuse_across_publish (with --rollout.engine jax)",
     "rollout.server_urls": "rollout.engine.server_urls (with --rollout.engine vllm_server)",
+    # the program store serves the learner too
+    "rollout.engine.program_store": "program_store (top level: the engine's and the learner's programs)",
     "rollout.servers": "rollout.engine (with --rollout.engine vllm_server: its capacity, health_interval_s, "
                        "outage_wait_s, weights_transport and launch)",
     "rollout.servers.python": "rollout.engine.launch.python (with --rollout.engine vllm_server)",

@@ -130,6 +130,8 @@ def test_config_from_another_version_names_file_fields_and_closest(tmp_path):
     ("rollout:\n  max_inflight: 8\n", "rollout.max_inflight", "rollout.max_in_flight"),
     ("rollout:\n  max_seq_len: 512\n", "rollout.max_seq_len", "rollout.max_total_tokens"),
     ("advantage:\n  eps: 1.0e-6\n", "advantage.eps", "advantage.whiten_eps"),
+    ("rollout:\n  engine:\n    type: jax\n    program_store: false\n", "rollout.engine.program_store",
+     "program_store"),
 ])
 def test_a_renamed_setting_names_its_new_name(tmp_path, yaml_text, old, new):
     """A config written before a rename is told the new name, not the closest spelling
@@ -140,7 +142,8 @@ def test_a_renamed_setting_names_its_new_name(tmp_path, yaml_text, old, new):
 
 @pytest.mark.parametrize("flag, new", [("--rollout.max_inflight", "--rollout.max_in_flight"),
                                        ("--rollout.max_seq_len=512", "--rollout.max_total_tokens"),
-                                       ("--advantage.eps", "--advantage.whiten_eps")])
+                                       ("--advantage.eps", "--advantage.whiten_eps"),
+                                       ("--rollout.engine.program_store", "--program_store")])
 def test_a_renamed_flag_names_its_new_name(flag, new):
     import train
 
