@@ -14,6 +14,7 @@ from rollout_bridge.envs.textworld_env import (
     MAX_COMMAND_CHARS,
     ObservationStyle,
     TextWorldEnv,
+    TextWorldEpisode,
     TextWorldTasks,
     clean_feedback,
     sanitize_command,
@@ -152,6 +153,36 @@ def test_blind_style_hides_every_observation_but_plays_the_same_game(train_files
     outcome = episode.step("look")
     assert outcome.observation == BLIND_OBSERVATION and not outcome.won
     episode.close()
+
+
+def test_observations_equal_textworlds_own_per_turn_description(data_dir, train_files):
+    """An episode reads the room description once, at reset (`read_description`), instead of
+    asking TextWorld for it every turn (which plays "look" after each command). Every
+    observation, and the game's course, equal those of a game started with TextWorld's own
+    `description` info: the reset shows its description, each step the game's answer."""
+    import textworld
+
+    from rollout_bridge.envs.textworld_env import clean_feedback, format_observation, start_game
+
+    files = list(train_files) + generate_game_set(TWO_STEP, data_dir)
+    infos = textworld.EnvInfos(admissible_commands=True, objective=True, description=True,
+                               won=True, lost=True, extras=["walkthrough"])
+    for path in files:
+        reference = start_game(str(path), infos)
+        state = reference.reset()
+        episode = TextWorldEpisode(str(path), max_turns=8)
+        assert episode.reset() == format_observation(
+            state["objective"], clean_feedback(state["description"]), state["admissible_commands"])
+        # junk, a move that changes nothing, then the walkthrough to a win
+        for command in ["xyzzy", "look", *state["extra.walkthrough"]]:
+            state, _, _ = reference.step(command)
+            outcome = episode.step(command)
+            assert outcome.observation == format_observation(
+                state["objective"], clean_feedback(state.feedback), state["admissible_commands"])
+            assert outcome.won == bool(state["won"])
+        assert outcome.won and outcome.reward == 1.0
+        reference.close()
+        episode.close()
 
 
 def test_turn_limit_ends_episode_without_reward(tasks):
