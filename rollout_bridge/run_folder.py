@@ -75,6 +75,11 @@ KEYED_AS = {"rollout": {"max_in_flight": "max_inflight", "max_total_tokens": "ma
 # the yardstick, all played by `success_rollouts`, not the orchestrator) do not depend on it,
 # so their records key these fields at their defaults and runs at any value share them.
 RECEIPT_FIELDS = {"rollout": {"result_delay_s": 0.0}}
+# How many decode steps the embedded engine runs per host round trip: a request's tokens
+# depend on its seed and their positions only (tests/test_jax_engine.py), so a fixed policy's
+# episodes do not depend on it either, and their records key it at the value they were first
+# written with. RL checkpoints key the value in use: it decides when an in-flight publish lands.
+DECODE_CHUNK_FIELDS = {"rollout": {"engine_steps_per_call": 8}}
 # How the learner lays out its batches: a fixed policy's episodes do not depend on it either,
 # so their records key it at the value it had when records were first written (the shipped
 # warm start's prior and evaluation among them) and every layout shares them.
@@ -108,11 +113,11 @@ def stage_key(cfg, *sections: str) -> dict:
 
 
 def fixed_policy_key(cfg, *sections: str) -> dict:
-    """``stage_key`` for records of a fixed policy's episodes: the ``RECEIPT_FIELDS`` and the
-    ``LEARNER_LAYOUT_FIELDS`` at the values records were first written with (so those records
-    stay valid)."""
+    """``stage_key`` for records of a fixed policy's episodes: the ``RECEIPT_FIELDS``, the
+    ``DECODE_CHUNK_FIELDS`` and the ``LEARNER_LAYOUT_FIELDS`` at the values records were first
+    written with (so those records stay valid)."""
     key = stage_key(cfg, *sections)
-    for name, fields in (*RECEIPT_FIELDS.items(), *LEARNER_LAYOUT_FIELDS.items()):
+    for name, fields in (*RECEIPT_FIELDS.items(), *DECODE_CHUNK_FIELDS.items(), *LEARNER_LAYOUT_FIELDS.items()):
         if name in key:
             key[name].update({field: value for field, value in fields.items() if field in key[name]})
     return key

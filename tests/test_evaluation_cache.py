@@ -141,6 +141,28 @@ def test_the_learner_batch_width_is_keyed_by_runs_not_by_fixed_policy_records(tm
         assert evaluation_key(cfg, policy, 4, {"heldout": "d"})["rollout"]["pad_to_multiple"] == 256
 
 
+
+def test_the_decode_chunk_length_is_keyed_by_runs_not_by_fixed_policy_records(tmp_path):
+    """`rollout.engine.steps_per_call` is how many decode steps the embedded engine runs per
+    host round trip; it changes no sampled token (tests/test_jax_engine.py), so the prior
+    and the evaluations key it at 8 (its value when the shipped records were written) whatever
+    the run sets, while a checkpoint is resumed only at its own value (it decides when an
+    in-flight publish lands)."""
+    from rollout_bridge.config import load_config
+    from rollout_bridge.evaluation import evaluation_key
+    from rollout_bridge.prior_stage import prior_key
+    from rollout_bridge.run_folder import checkpoint_key
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text("{}")
+    configs = [load_config(["--rollout.engine.steps_per_call", str(steps)]) for steps in (2, 8, 4)]
+    assert len({json.dumps(checkpoint_key(c), sort_keys=True) for c in configs}) == 3   # the control
+    for cfg in configs:
+        assert evaluation_key(cfg, policy, 4, {"heldout": "d"}) == evaluation_key(configs[1], policy, 4, {"heldout": "d"})
+        assert prior_key(cfg, policy, 0.9, "t") == prior_key(configs[1], policy, 0.9, "t")
+        assert evaluation_key(cfg, policy, 4, {"heldout": "d"})["rollout"]["engine_steps_per_call"] == 8
+
 def test_two_jobs_writing_one_cache_record_at_once_both_succeed(tmp_path, monkeypatch):
     """The two arms of a seed run at once write the same evaluation record (the method is not
     in its key): the second writer, starting while the first is between its write and its

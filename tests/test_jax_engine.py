@@ -245,6 +245,29 @@ def test_sampled_tokens_follow_the_key_schedule_across_chunks(model_a):
     assert judged >= 8
 
 
+def test_decode_steps_per_call_change_no_sampled_token(model_a):
+    """`steps_per_call` is how many decode steps one host round trip runs. A request's
+    samples depend only on its seed and token position (`chunk_uniforms`), so engines of
+    1, 3 and 8 steps per call give the same tokens and log-probs to the same seeded
+    requests: 8 requests on 4 slots (slots refilled), stop tokens ending some mid-chunk.
+    (Why the prior and evaluation records do not key it: `JaxEngineConfig.record_key`.)"""
+    prompts = [[5, 1, 7, 2], [3, 3], [9, 4, 4, 1, 8, 2, 6], [2], [7, 7, 7], [1, 2], [6], [8, 5]]
+
+    async def body(engine):
+        return await asyncio.gather(*(
+            engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3 + 2 * i,
+                                                   stop_token_ids=(3, 11)), seed=100 + i)
+            for i, prompt in enumerate(prompts)))
+
+    runs = {steps: run(with_engine(model_a, body, steps_per_call=steps)) for steps in (1, 3, 8)}
+    reference = runs[1]
+    assert {r.finish_reason for r in reference} == {"stop", "length"}
+    for steps, results in runs.items():
+        for result, expected in zip(results, reference):
+            assert result.token_ids == expected.token_ids, f"steps_per_call={steps}"
+            np.testing.assert_allclose(result.logprobs, expected.logprobs, rtol=0, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- engine
 def test_greedy_decode_equals_full_forward_argmax_and_logprobs(model_a):
     """6 requests of different prompt lengths over 4 slots (slots are reused)."""

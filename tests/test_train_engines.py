@@ -47,7 +47,7 @@ LAUNCH = "--rollout.engine.launch."
 
 
 @pytest.mark.parametrize("args, name, fields", [
-    ([], "jax", {"steps_per_call": 8, "prefix_reuse_across_publish": False, "background_compile": False}),
+    ([], "jax", {"steps_per_call": 2, "prefix_reuse_across_publish": False, "background_compile": False}),
     (["--rollout.engine", "jax", "--rollout.engine.steps_per_call", "4",
       "--rollout.engine.prefix_reuse_across_publish", "true", "--rollout.engine.background_compile", "true"], "jax",
      {"steps_per_call": 4, "prefix_reuse_across_publish": True, "background_compile": True}),
@@ -329,7 +329,7 @@ def test_the_engine_is_keyed_as_records_were_first_written():
         return {k: v for k, v in checkpoint_key(load_config(args))["rollout"].items()
                 if k in ("engine", "engine_steps_per_call", "server_urls", "servers", "prefix_reuse_across_publish")}
 
-    assert rollout_key([]) == {"engine": "jax", "engine_steps_per_call": 8, "server_urls": None}
+    assert rollout_key([]) == {"engine": "jax", "engine_steps_per_call": 2, "server_urls": None}
     assert rollout_key(["--rollout.engine.steps_per_call", "4", "--rollout.engine.prefix_reuse_across_publish",
                         "true"]) == {"engine": "jax", "engine_steps_per_call": 4, "server_urls": None}
     assert rollout_key(["--rollout.engine", "vllm"]) == {"engine": "vllm", "engine_steps_per_call": 8,
@@ -537,7 +537,7 @@ def test_no_module_branches_on_an_engine_name():
 # wrote it into run_config.json and checkpoints; the same settings given with today's flags:
 KEYS_BEFORE = ROOT / "tests" / "data" / "rollout_keys_before_engine_choice.json"
 TODAYS_FLAGS = {
-    "default": [],
+    "default": ["--rollout.engine.steps_per_call", "8"],   # configs/default.yaml has 2 since (8 then)
     "jax, 4 steps per call, prefix reuse": ["--rollout.engine.steps_per_call", "4",
                                             "--rollout.engine.prefix_reuse_across_publish", "true"],
     "vllm": ["--rollout.engine", "vllm"],

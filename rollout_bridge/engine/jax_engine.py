@@ -792,7 +792,11 @@ def _requests_batch(
 class JaxEngineConfig(EngineConfig):
     """``rollout.engine: jax``, the embedded engine above (the default). ``steps_per_call``:
     decode steps per engine call (a host round-trip; at most the rollout's max_new_tokens
-    are used). ``prefix_reuse_across_publish`` (drain none): a conversation's next turn
+    are used). It changes no sampled token, only how soon a finished request's slot is
+    refilled and a publish lands: a slot decodes to the end of the chunk its request ends
+    in, so chunks much longer than the replies waste steps (the main job's replies are a
+    few tokens: its held-out evaluation took 44.5 s at 8 and 33-35 s at 1-3, docs/PERFORMANCE.md).
+    ``prefix_reuse_across_publish`` (drain none): a conversation's next turn
     prefills only its new tokens on top of the cache rows its previous turn left even when
     an in-flight publish came in between (those rows were written by older weights, as the
     kept cache of a request decoding through the publish is, SPEC 3); false: every publish
@@ -805,7 +809,7 @@ class JaxEngineConfig(EngineConfig):
     the prefill programs exported in the compilation cache's ``prefill_programs`` folder."""
 
     traces_programs: ClassVar[bool] = True
-    steps_per_call: int = 8
+    steps_per_call: int = 2
     prefix_reuse_across_publish: bool = False
     background_compile: bool = False
 
