@@ -20,11 +20,15 @@ widest and attending all ``max_len`` cache positions),
 ``full_prefill`` (no reuse), ``power_of_two_buckets`` (prefill rows, width and cache
 window rounded up to powers of two, not to 2^k or 3 * 2^(k-1): fewer shapes, more
 padding), ``half_slots`` (the shipped engine with half the recipe's slots, and half as many
-episodes in flight) and ``half_in_flight`` (the recipe's slots, half as many episodes in
-flight). The headline compares the first two given.
+episodes in flight), ``half_in_flight`` (the recipe's slots, half as many episodes in
+flight) and ``eight_steps_per_call`` (the recipe's engine decoding 8 steps per call, the
+main job's value before it took 2). The headline compares the first two given.
 
     python benchmarks/multiturn_rollout.py --config configs/default.yaml \\
         --model assets/textworld_text_warmstart --systems prefix_reuse power_of_two_buckets --episodes 1
+
+    python benchmarks/multiturn_rollout.py --config configs/default.yaml \\
+        --model assets/textworld_text_warmstart --systems prefix_reuse eight_steps_per_call --episodes 1
 
     python benchmarks/multiturn_rollout.py --config configs/textworld_agentic_text.yaml \\
         --model runs/textworld_agentic_text/warmstart_model --rounds 3
@@ -64,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 SYSTEMS = ("prefix_reuse", "one_prefill_call", "full_prefill", "power_of_two_buckets", "half_slots",
-           "half_in_flight")
+           "half_in_flight", "eight_steps_per_call")
 
 
 def make_engine(system: str, model, engine_kwargs: dict):
@@ -73,6 +77,8 @@ def make_engine(system: str, model, engine_kwargs: dict):
 
     if system == "full_prefill":
         return JaxEngine(model, prefix_reuse=False, **engine_kwargs)
+    if system == "eight_steps_per_call":
+        return JaxEngine(model, **{**engine_kwargs, "steps_per_call": 8})
     if system == "half_slots":
         return JaxEngine(model, **{**engine_kwargs, "num_slots": max(1, engine_kwargs["num_slots"] // 2)})
     engine = JaxEngine(model, **engine_kwargs)
