@@ -45,24 +45,8 @@ class PerTurnDescriptionEpisode(TextWorldEpisode):
     def _start(self):
         return start_game(self.path, textworld_description_infos())
 
-    def reset(self) -> str:
-        self.close()
-        self._env = self._start()
-        state = self._env.reset()
-        self._rng = np.random.default_rng(self._shuffle_seed)
-        self.commands, self.turns, self.done, self.won = [], 0, False, False
-        self._draw_names()
-        self.objective = state["objective"] or ""
-        self.walkthrough = list(state.get("extra.walkthrough") or [])
-        self.admissible = self._show(state["admissible_commands"])
-        return self._observation(state["description"] or state.feedback)
-
-    def _replay(self) -> None:
-        self.close()
-        self._env = self._start()
-        self._env.reset()
-        for command in self.commands:
-            self._env.step(command)
+    def _description(self, state) -> str:
+        return state["description"]
 
 
 def play(episode_class, path: str, index: int, walkthrough: bool) -> list:

@@ -328,9 +328,17 @@ class TextWorldEpisode:
             commands = [commands[i] for i in self._rng.permutation(len(commands))]
         return commands
 
+    def _start(self):
+        """The started game (`start_game` with the infos this episode asks for)."""
+        return start_game(self.path)
+
+    def _description(self, state) -> str:
+        """The room description the reset shows (read once: `read_description`)."""
+        return read_description(self._env)
+
     def reset(self) -> str:
         self.close()
-        self._env = start_game(self.path)
+        self._env = self._start()
         state = self._env.reset()
         self._rng = np.random.default_rng(self._shuffle_seed)   # a reset replays the same orders
         self.commands, self.turns, self.done, self.won = [], 0, False, False
@@ -338,7 +346,7 @@ class TextWorldEpisode:
         self.objective = state["objective"] or ""
         self.walkthrough = list(state.get("extra.walkthrough") or [])
         self.admissible = self._show(state["admissible_commands"])
-        return self._observation(read_description(self._env) or state.feedback)
+        return self._observation(self._description(state) or state.feedback)
 
     def reply_for(self, command: str) -> str:
         """What the policy should type to issue `command` now (its number if numbered)."""
@@ -347,7 +355,7 @@ class TextWorldEpisode:
 
     def _replay(self) -> None:
         self.close()
-        self._env = start_game(self.path)
+        self._env = self._start()
         self._env.reset()
         for command in self.commands:
             self._env.step(command)
