@@ -4,11 +4,14 @@ process per variant, timed in interleaved rounds (benchmarks/_protocol.py).
     python benchmarks/learner_ab.py --variant base=HEAD~1 --variant new=.       # code A/B
     python benchmarks/learner_ab.py --variant default=. \\
         --variant fastmath=.:--xla_cpu_enable_fast_math=true                   # flag A/B
+    python benchmarks/learner_ab.py --variant small=. --variant huge=. \\
+        --variant-env huge:GLIBC_TUNABLES=glibc.malloc.hugetlb=1              # environment A/B
 
 A variant is NAME=TREE[:XLA_FLAGS]. TREE is ``.`` (this checkout) or a git revision, which
 is exported (`git archive`) to a temporary folder that the worker puts first on its
-sys.path, so `spopp_jax` is imported from that revision. XLA flags must be set before the
-XLA client starts, hence one process per variant. Every worker builds the same random
+sys.path, so `spopp_jax` is imported from that revision. XLA flags (and `--variant-env`
+variables such as GLIBC_TUNABLES, read when a process starts) must be set before the XLA
+client starts, hence one process per variant. Every worker builds the same random
 Qwen3 (model M by default), the same batch as `benchmarks/learner_step.py`, compiles
 `learner.make_train_step` and then blocks on its stdin; the driver asks one worker at a
 time for one timed step (at most one computes at a time, so load from other users of the
@@ -39,6 +42,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=TREE[:XLA_FLAGS]; TREE is '.' or a git revision")
+    parser.add_argument("--variant-env", action="append", default=[],
+                        help="NAME:VAR=VALUE: an environment variable of variant NAME's worker "
+                             "(repeatable; VALUE may be empty)")
     add_shape_arguments(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
@@ -70,6 +76,19 @@ def parse_variant(text: str) -> tuple[str, str, str]:
     if not name or not tree:
         raise ValueError(f"--variant {text!r}: NAME and TREE must be non-empty")
     return name, tree, flags
+
+
+def variant_environs(texts, names) -> dict[str, dict[str, str]]:
+    """['name:VAR=value', ...] -> {name: {VAR: value}}, for variants in ``names``."""
+    environs: dict[str, dict[str, str]] = {}
+    for text in texts:
+        name, _, assignment = text.partition(":")
+        var, equals, value = assignment.partition("=")
+        if name not in names or not var or not equals:
+            raise ValueError(f"--variant-env {text!r}: expected NAME:VAR=VALUE with NAME one of "
+                             f"{names}")
+        environs.setdefault(name, {})[var] = value
+    return environs
 
 
 def export_tree(tree: str, folder: str) -> str:
@@ -125,12 +144,12 @@ def worker(args) -> None:
 class Worker:
     """One variant's process: ask it for a step, read its reply."""
 
-    def __init__(self, name: str, tree: str, flags: str, args):
+    def __init__(self, name: str, tree: str, flags: str, args, environ: dict | None = None):
         self.name = name
-        env = dict(os.environ)
+        env = dict(os.environ, **(environ or {}))
         env["XLA_FLAGS"] = flags.replace(",", " ")
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                     if k not in ("variant", "worker", "allow_busy", "rounds",
+                     if k not in ("variant", "variant_env", "worker", "allow_busy", "rounds",
                                   "max_load_excess", "model", "clock")]
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", tree, *forwarded],
@@ -160,6 +179,7 @@ def main(args) -> None:
     from _hardware import cpu_model
 
     variants = [parse_variant(v) for v in args.variant]
+    environs = variant_environs(args.variant_env, [name for name, _, _ in variants])
     load = os.getloadavg()
     print(f"clock: {args.clock}; hardware: {cpu_model()}, {os.cpu_count()} cpus, load avg {load[0]:.1f}/"
           f"{load[1]:.1f}/{load[2]:.1f} (shared machine); {args.threads} threads; model "
@@ -170,10 +190,11 @@ def main(args) -> None:
         try:
             for index, (name, tree, flags) in enumerate(variants):
                 folder = export_tree(tree, os.path.join(scratch, f"tree{index}"))
-                workers.append(Worker(name, folder, flags, args))
+                workers.append(Worker(name, folder, flags, args, environs.get(name)))
             for w, (name, tree, flags) in zip(workers, variants):  # compile one at a time
                 first = w.read()
-                print(f"{name}: tree {tree}, XLA_FLAGS {flags!r}: compile + first step "
+                print(f"{name}: tree {tree}, XLA_FLAGS {flags!r}, environment "
+                      f"{environs.get(name, {})}: compile + first step "
                       f"{first['compile_s']:.1f} s, loss {first['loss']:.6g}, grad_norm "
                       f"{first['grad_norm']:.6g}", flush=True)
             for w in workers:  # one warm step each

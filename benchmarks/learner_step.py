@@ -206,6 +206,11 @@ def probe_main(flag_sets) -> None:
               + ("" if reason is None else f": {reason}"), flush=True)
 
 
+# Both systems run under the job's allocator setting (rollout_bridge/huge_pages.py: glibc's
+# malloc on transparent huge pages); SPOPP_HUGE_PAGES=0 runs them without it.
+from rollout_bridge.huge_pages import reexec_with_huge_pages  # noqa: E402
+
+reexec_with_huge_pages()
 ARGS = parse_args()
 if ARGS.probe_xla_flags is not None:
     probe_main(ARGS.probe_xla_flags)
@@ -338,7 +343,8 @@ def main(args, workers: dict):
     print(
         f"versions: jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+        f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}"
     )
     print(
         f"model {args.model}: Qwen3 vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
