@@ -48,11 +48,9 @@ from __future__ import annotations
 import os
 import sys
 
-from rollout_bridge.huge_pages import reexec_with_huge_pages
 from rollout_bridge.run_guard import install_signal_handlers
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # first: glibc reads GLIBC_TUNABLES only when a process starts
     install_signal_handlers()  # before the heavy imports: Ctrl-C / SIGTERM end in one line at any stage
     # GPUs of the learner and launched servers, JAX's memory settings: before JAX loads
     from rollout_bridge.node_layout import apply_before_jax

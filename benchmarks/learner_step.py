@@ -206,11 +206,6 @@ def probe_main(flag_sets) -> None:
               + ("" if reason is None else f": {reason}"), flush=True)
 
 
-# Both systems run under the job's allocator setting (rollout_bridge/huge_pages.py: glibc's
-# malloc on transparent huge pages); SPOPP_HUGE_PAGES=0 runs them without it.
-from rollout_bridge.huge_pages import reexec_with_huge_pages  # noqa: E402
-
-reexec_with_huge_pages()
 ARGS = parse_args()
 if ARGS.probe_xla_flags is not None:
     probe_main(ARGS.probe_xla_flags)

@@ -124,8 +124,7 @@ def main(args):
     ops = hlo_ops(hlo)
     load = os.getloadavg()[0]
     total = sum(totals.values())
-    print(f"spopp_jax from {os.path.dirname(spopp_jax.__file__)}; "
-          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
+    print(f"spopp_jax from {os.path.dirname(spopp_jax.__file__)}")
     print(f"model {args.model}, batch {args.batch} x {args.seq}, M={args.micro_batches}, K={args.mini_batches}; "
           f"load avg {load:.1f} (shared machine: read shares, not ms); op time "
           f"{total / args.steps / 1e6:.1f} ms/step over {XLA_THREAD_PREFIX} threads")
@@ -160,7 +159,4 @@ def source_of(op_name: str) -> str:
 
 
 if __name__ == "__main__":
-    from rollout_bridge.huge_pages import reexec_with_huge_pages
-
-    reexec_with_huge_pages()  # the job's allocator setting (SPOPP_HUGE_PAGES=0: without)
     main(parse_args())

@@ -134,3 +134,16 @@ def test_worker_process_answers_and_reports_its_death(tmp_path):
     finally:
         worker.close()
     assert worker.process.poll() == 3
+
+
+def test_a_variants_environment_is_its_own_and_checked():
+    """learner_ab.py --variant-env NAME:VAR=VALUE: one variant's worker environment."""
+    import learner_ab
+
+    names = ["small", "huge"]
+    assert learner_ab.variant_environs(
+        ["huge:GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "huge:X=", "small:Y=2"], names) == {
+        "huge": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "X": ""}, "small": {"Y": "2"}}
+    for bad in ("other:X=1", "huge:X", "huge:=1", "X=1"):
+        with pytest.raises(ValueError, match="--variant-env"):
+            learner_ab.variant_environs([bad], names)
