@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
@@ -164,8 +165,13 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
+            # TensorBoard hides the earlier files' events from this step on, as the rows
+            # set aside above: after the checkpoint when resuming, all when starting over.
+            # The suffix keeps a writer started in the same second as the last one (whose
+            # file name would be the same: seconds and host) from overwriting its file.
             self._tb = SummaryWriter(str(self.run_dir / "tb"),
-                                     purge_step=None if resume_step is None else resume_step + 1)
+                                     purge_step=0 if resume_step is None else resume_step + 1,
+                                     filename_suffix=f".{time.time_ns()}")
 
     def _rows_to_keep(self, resume_step: int, checkpoints_dir) -> list[dict]:
         """Rows up to ``resume_step``, one per step; rows of the checkpoint's interval
