@@ -6,7 +6,9 @@ checkpoint of step k, rows with step > k (work after that checkpoint, about to b
 are moved out first (`MetricsWriter(..., resume_step=k)`; a run that starts over, with no
 checkpoint yet, k = 0), so the file never holds two rows for one step; they are kept, as
 written, in `metrics_set_aside/after_step_<k>.jsonl` (as the checkpoints newer than k go to
-`checkpoints_set_aside/`), and one log line says so. Each checkpoint also holds the rows
+`checkpoints_set_aside/`), and one log line says so. TensorBoard hides the same steps:
+each writer's event file starts with its purge marker at step k + 1 (0 when starting over),
+and the earlier files stay on disk. Each checkpoint also holds the rows
 written since the previous one (`MetricsWriter.checkpoint_extras`, the checkpoint's extra
 ``metrics``): a resume rebuilds from it any row of that interval that is torn (a line that
 is not a whole JSON object, e.g. a crash or a full disk mid-write) or missing, and says so
