@@ -63,7 +63,7 @@ def learner_calls(learner, batch, num_updates: int = NUM_UPDATES):
 
 def worker(out_dir: str, process_id: int, port: int, phase: str = "train") -> None:
     from rollout_bridge import distributed_learner as dl
-    from rollout_bridge.policy_learner import PolicyLearner
+    from rollout_bridge.policy_learner import PolicyLearner, learner_store
     from spopp_jax import sharding
     from spopp_jax.checkpoint import Checkpointer
     from test_sharding import build_case
@@ -71,6 +71,8 @@ def worker(out_dir: str, process_id: int, port: int, phase: str = "train") -> No
     dl.initialize(dl.DistributedSettings(f"127.0.0.1:{port}", NUM_PROCESSES, process_id))
     assert jax.device_count() == 4 and jax.process_count() == NUM_PROCESSES
     model_def, state, batch, config = build_case()
+    # No program store with several processes: each holds shards no one process can export.
+    assert learner_store(model_def) is None
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=1)
     learner = PolicyLearner(model_def, state, config, pad_to_multiple=20, mesh=mesh)
     checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
