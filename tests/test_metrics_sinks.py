@@ -41,47 +41,6 @@ def _tensorboard_scalars(tb_dir: Path) -> dict[tuple[int, str], float]:
     return scalars
 
 
-def _tensorboard_view(tb_dir: Path) -> dict[int, float]:
-    """{step: success_rate} as TensorBoard shows it: the event files read in the order they
-    were written, a SessionLog START at step s hiding every earlier event at steps >= s
-    (TensorBoard's purge of orphaned data)."""
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
-
-    shown: dict[int, float] = {}
-    for path in sorted(tb_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
-        data, offset = path.read_bytes(), 0
-        while offset < len(data):
-            length, _ = TFRECORD_HEADER.unpack_from(data, offset)
-            offset += TFRECORD_HEADER.size
-            event = Event.FromString(data[offset:offset + length])
-            offset += length + TFRECORD_FOOTER_BYTES
-            if event.session_log.status == SessionLog.START:
-                shown = {step: v for step, v in shown.items() if step < event.step}
-            for value in event.summary.value:
-                if value.tag == "success_rate":
-                    shown[event.step] = value.simple_value
-    return shown
-
-
-def test_tensorboard_hides_the_steps_a_restart_redoes(tmp_path):
-    """Resumed from checkpoint 2, steps 3-4 of the first attempt are hidden and redone;
-    started over, every earlier step is hidden, as metrics.jsonl sets their rows aside."""
-    def attempt(values, resume_step=None, first_step=1):
-        with MetricsWriter(tmp_path, tensorboard=True, resume_step=resume_step) as writer:
-            for step, value in enumerate(values, start=first_step):
-                writer.write(step, {"success_rate": value})
-        time.sleep(0.01)  # distinct file times, the order TensorBoard reads them in
-
-    attempt([0.1, 0.2, 0.3, 0.4])
-    assert _tensorboard_view(tmp_path / "tb") == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4})
-    attempt([0.33, 0.44, 0.55], resume_step=2, first_step=3)
-    assert _tensorboard_view(tmp_path / "tb") == pytest.approx({1: 0.1, 2: 0.2, 3: 0.33, 4: 0.44,
-                                                                5: 0.55})
-    attempt([0.9])
-    assert _tensorboard_view(tmp_path / "tb") == pytest.approx({1: 0.9})
-    assert [r["success_rate"] for r in read_metrics(tmp_path / METRICS_FILE)] == pytest.approx([0.9])
-
-
 def _wandb_history(run_dir: Path, keys: list[str]) -> dict[str, list[str]]:
     """{key: logged values as JSON text} read from the offline run's record file (waiting
     until all but the last key appear). wandb (>= 0.19) has no Python reader for it, so each history item

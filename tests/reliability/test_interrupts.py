@@ -134,3 +134,58 @@ def test_rows_after_the_resumed_checkpoint_are_set_aside(tmp_path, capsys):
     MetricsWriter(tmp_path, tensorboard=False).close()       # no checkpoint: RL starts over
     assert read_metrics(aside.with_name("after_step_0.jsonl")) == written[:1]
     assert read_metrics(tmp_path / "metrics.jsonl") == []
+
+
+def _tensorboard_view(tb_dir: Path) -> dict[int, float]:
+    """{step: success_rate} as TensorBoard shows it: the event files read in the order they
+    were written, a SessionLog START at step s hiding every earlier event at steps >= s
+    (TensorBoard's purge of orphaned data)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    header = struct.Struct("<QI")  # TFRecord framing: length, masked crc of the length
+    footer_bytes = 4  # masked crc of the data
+    shown: dict[int, float] = {}
+    for path in sorted(tb_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            length, _ = header.unpack_from(data, offset)
+            offset += header.size
+            event = Event.FromString(data[offset:offset + length])
+            offset += length + footer_bytes
+            if event.session_log.status == SessionLog.START:
+                shown = {step: v for step, v in shown.items() if step < event.step}
+            for value in event.summary.value:
+                if value.tag == "success_rate":
+                    shown[event.step] = value.simple_value
+    return shown
+
+
+@covers(Row("interrupt", "a run resumed from checkpoint 2 after steps 3-4 were written, then started over "
+            "(no checkpoint)",
+            "TensorBoard shows steps 1-2 of the first attempt and 3-5 of the second, then only the third "
+            "attempt's steps: each writer's event file starts with TensorBoard's purge marker (SessionLog "
+            "START) at the resumed step + 1, or at 0 when RL starts over, as metrics.jsonl sets those rows aside",
+            "no step shown twice; earlier event files stay on disk; writers started in the same second "
+            "keep separate files",
+            kind="fault"))
+def test_tensorboard_hides_the_steps_a_restart_redoes(tmp_path):
+    """Resumed from checkpoint 2, steps 3-4 of the first attempt are hidden and redone;
+    started over, every earlier step is hidden, as metrics.jsonl sets their rows aside."""
+    from rollout_bridge.metrics import METRICS_FILE, MetricsWriter, read_metrics
+
+    def attempt(values, resume_step=None, first_step=1):
+        with MetricsWriter(tmp_path, tensorboard=True, resume_step=resume_step) as writer:
+            for step, value in enumerate(values, start=first_step):
+                writer.write(step, {"success_rate": value})
+        time.sleep(0.01)  # distinct file times, the order TensorBoard reads them in
+
+    attempt([0.1, 0.2, 0.3, 0.4])
+    assert _tensorboard_view(tmp_path / "tb") == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4})
+    attempt([0.33, 0.44, 0.55], resume_step=2, first_step=3)
+    assert _tensorboard_view(tmp_path / "tb") == pytest.approx({1: 0.1, 2: 0.2, 3: 0.33, 4: 0.44,
+                                                                5: 0.55})
+    attempt([0.9])
+    assert _tensorboard_view(tmp_path / "tb") == pytest.approx({1: 0.9})
+    assert [r["success_rate"] for r in read_metrics(tmp_path / METRICS_FILE)] == pytest.approx([0.9])
