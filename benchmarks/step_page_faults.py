@@ -104,9 +104,13 @@ def run_setting(name: str, args) -> list[dict]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("GLIBC_TUNABLES", "STEP_PAGE_FAULTS_ONE_HEAP")}
     env.update(SETTINGS[name])
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", *forwarded],
-                         env=env, capture_output=True, text=True, check=True).stdout
-    return [json.loads(line[len(REPLY):]) for line in out.splitlines() if line.startswith(REPLY)]
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", *forwarded],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"setting {name}: the worker exited {done.returncode}:\n"
+                         + "\n".join(done.stderr.splitlines()[-20:]))
+    return [json.loads(line[len(REPLY):]) for line in done.stdout.splitlines()
+            if line.startswith(REPLY)]
 
 
 def main(args) -> None:

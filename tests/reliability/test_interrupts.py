@@ -137,9 +137,10 @@ def test_rows_after_the_resumed_checkpoint_are_set_aside(tmp_path, capsys):
 
 
 def _tensorboard_view(tb_dir: Path) -> dict[int, float]:
-    """{step: success_rate} as TensorBoard shows it: the event files read in the order they
-    were written, a SessionLog START at step s hiding every earlier event at steps >= s
-    (TensorBoard's purge of orphaned data)."""
+    """{step: success_rate} as TensorBoard shows it: the event files read in name order
+    (seconds, host, then the writer's nanosecond suffix: the order they were made), a
+    SessionLog START at step s hiding every earlier event at steps >= s (TensorBoard's
+    purge of orphaned data)."""
     import struct
 
     from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -147,7 +148,7 @@ def _tensorboard_view(tb_dir: Path) -> dict[int, float]:
     header = struct.Struct("<QI")  # TFRecord framing: length, masked crc of the length
     footer_bytes = 4  # masked crc of the data
     shown: dict[int, float] = {}
-    for path in sorted(tb_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
         data, offset = path.read_bytes(), 0
         while offset < len(data):
             length, _ = header.unpack_from(data, offset)
@@ -179,7 +180,6 @@ def test_tensorboard_hides_the_steps_a_restart_redoes(tmp_path):
         with MetricsWriter(tmp_path, tensorboard=True, resume_step=resume_step) as writer:
             for step, value in enumerate(values, start=first_step):
                 writer.write(step, {"success_rate": value})
-        time.sleep(0.01)  # distinct file times, the order TensorBoard reads them in
 
     attempt([0.1, 0.2, 0.3, 0.4])
     assert _tensorboard_view(tmp_path / "tb") == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4})
